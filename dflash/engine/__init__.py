@@ -1,0 +1,18 @@
+"""The generation engine: `SpecEngine` (prefill + draft/verify cycles), the shared verifier, drafting methods."""
+
+from dflash.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
+from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
+from dflash.engine.verify import SamplingParams, target_probs, verify
+
+__all__ = [
+    "DFlashProposer",
+    "GenerationResult",
+    "NoProposer",
+    "ProposalInput",
+    "RequestStats",
+    "SamplingParams",
+    "SpecEngine",
+    "StreamEvent",
+    "target_probs",
+    "verify",
+]

@@ -1,0 +1,141 @@
+"""The one verifier every drafting method shares: accepted, rejected, bonus.
+
+Given the target's logits over a block and a method's draft tokens (with their draft distribution, or none for
+one-hot drafts such as DFlash's argmax), decide per row how many drafts are accepted and which token comes next:
+- greedy rows (temperature 0): accept while the draft equals the target's argmax; the next token is the target's
+  argmax after the last accepted draft. Output equals the target's own greedy decoding.
+- sampled rows: standard speculative rejection sampling (Leviathan et al. / Chen et al.). Draft token x at a
+  position is accepted with probability min(1, p(x) / q(x)); on the first rejection the next token is drawn from
+  the residual max(0, p - q) renormalised; if every draft is accepted, the bonus is drawn from p after the block.
+  With a one-hot q this accepts x with probability p(x), and the residual is p with x removed. Either way the
+  committed tokens are distributed exactly as the target's own samples (temperature, top-k, top-p applied to p).
+
+What this module does not know about: KV caches, positions, stop conditions (the engine commits what we return).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. temperature 0 means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):
+            raise ValueError("stop_strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution the target samples from: softmax(logits / T) restricted by top-k then top-p (float32)."""
+    scores = logits.float() / max(temperature, 1e-6)
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept)
+        keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Verdict:
+    """Per row: how many drafts were accepted, and the next token (the bonus, or the correction after a rejection)."""
+
+    num_accepted: torch.Tensor  # [b] long
+    next_tokens: torch.Tensor  # [b] long
+
+
+def verify(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+    draft_probs: torch.Tensor | None = None,
+) -> Verdict:
+    """Verify drafts against the target.
+
+    target_logits [b, k+1, V]: the target's logits at the k+1 block positions (position i predicts draft i+1).
+    draft_tokens [b, k]. draft_probs [b, k, V] or None for one-hot drafts. params: one per row.
+    """
+    b, k = draft_tokens.shape
+    device = target_logits.device
+    if all(p.greedy for p in params):
+        greedy_next = target_logits.argmax(dim=-1)  # [b, k+1]
+        matches = (draft_tokens == greedy_next[:, :k]).long()
+        num_accepted = matches.cumprod(dim=1).sum(dim=1)
+        next_tokens = greedy_next.gather(1, num_accepted[:, None])[:, 0]
+        return Verdict(num_accepted, next_tokens)
+
+    num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(b, dtype=torch.long, device=device)
+    for row, p in enumerate(params):
+        logits = target_logits[row]
+        if p.greedy:
+            argmax = logits.argmax(dim=-1)
+            acc = int((draft_tokens[row] == argmax[:k]).long().cumprod(0).sum())
+            num_accepted[row], next_tokens[row] = acc, argmax[acc]
+            continue
+        gen = generators[row] if generators else None
+        probs = target_probs(logits, p.temperature, p.top_p, p.top_k)  # [k+1, V]
+        drafts = draft_tokens[row]
+        p_draft = probs[:k].gather(-1, drafts[:, None])[:, 0]
+        q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs[row].float().gather(-1, drafts[:, None])[:, 0]
+        u = torch.rand(k, generator=gen, device=device)
+        accept = (u * q_draft < p_draft).long()
+        acc = int(accept.cumprod(0).sum())
+        if acc == k:
+            dist = probs[k]
+        else:
+            residual = probs[acc].clone()
+            if draft_probs is None:
+                residual[drafts[acc]] = 0.0
+            else:
+                residual = (residual - draft_probs[row, acc].float()).clamp_min(0.0)
+            total = residual.sum()
+            # p == q exactly leaves no residual mass; then any sample from p is correct (it was just rejected by
+            # a probability-zero event), so fall back to p.
+            dist = residual / total if total > 0 else probs[acc]
+        num_accepted[row] = acc
+        next_tokens[row] = torch.multinomial(dist, 1, generator=gen)[0]
+    return Verdict(num_accepted, next_tokens)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+) -> torch.Tensor:
+    """One token per row from logits [b, V] (used for the first token after prefill)."""
+    empty = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
+    return verify(logits[:, None, :], empty, params, generators).next_tokens

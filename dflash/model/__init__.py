@@ -1,0 +1,21 @@
+"""Models: the DFlash drafter (`drafter.py`) and the view of a transformers target it drafts for (`target.py`)."""
+
+from dflash.model.drafter import (
+    CheckpointError,
+    DFlashDraftModel,
+    DraftCache,
+    default_target_layer_ids,
+    make_draft_config,
+)
+from dflash.model.target import PairMismatchError, TargetModel, validate_pair
+
+__all__ = [
+    "CheckpointError",
+    "DFlashDraftModel",
+    "DraftCache",
+    "PairMismatchError",
+    "TargetModel",
+    "default_target_layer_ids",
+    "make_draft_config",
+    "validate_pair",
+]
