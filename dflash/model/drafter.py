@@ -177,6 +177,18 @@ class DFlashAttention(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         self.is_causal = bool(getattr(config, "is_causal", False) or False)
 
+    _compiled_flex = None  # torch.compile'd flex_attention, shared by all layers (CUDA only)
+
+    def _flex(self, q, k, v, block_mask):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = flex_attention
+        if q.is_cuda:
+            if DFlashAttention._compiled_flex is None:
+                DFlashAttention._compiled_flex = torch.compile(flex_attention, dynamic=False)
+            fn = DFlashAttention._compiled_flex
+        return fn(q, k, v, block_mask=block_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
+
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -194,9 +206,12 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self._kv(x, cos, sin)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        if mask is None or isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+        else:  # a FlexAttention BlockMask (training: many blocks of a sequence in one pass, sparse mask)
+            out = self._flex(q, k.to(q.dtype), v.to(q.dtype), mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
