@@ -1,0 +1,160 @@
+"""End-to-end training pipeline on a tiny target: regenerate -> train -> tau with the real engine -> export."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, SamplingParams, SpecEngine
+from dflash.train.data import build_example, encode_prompt, load_examples, record_to_example
+from dflash.train.evaluate import evaluate_tau
+from dflash.train.regenerate import regenerate, shard_path
+from dflash.train.synthetic import BOS, MASK, progression, tiny_target_config, train_tiny_target
+from dflash.train.trainer import REQUIRED_CONFIG_FIELDS, TrainConfig, Trainer, check_export_config
+
+torch.set_num_threads(1)
+MOD = 60
+
+
+def _prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        a = int(torch.randint(MOD, (1,), generator=g))
+        d = (1, 2, 3)[int(torch.randint(3, (1,), generator=g))]
+        length = int(torch.randint(3, 8, (1,), generator=g))
+        out.append([BOS] + progression(a, d, length, MOD))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny Qwen3 that continues arithmetic progressions (a few seconds of training on one core)."""
+    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
+    return train_tiny_target(cfg, steps=150, batch_size=16, length=32, lr=5e-3)
+
+
+@pytest.fixture(scope="module")
+def regenerated(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("regen")
+    regenerate(target, _prompts(256, 1), out, shard_size=64, batch_size=64, max_new_tokens=40, stop_ids=[0],
+               progress=False)
+    return out
+
+
+def test_training_raises_engine_tau_on_held_out_prompts(target, regenerated, tmp_path):
+    examples = load_examples(regenerated)
+    assert len(examples) == 256
+    held_out = _prompts(16, 2)
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=8, num_draft_layers=2, mask_token_id=MASK,
+                      max_steps=400, batch_size=8, num_anchors=16, lr=2e-3, save_every=200, eval_every=200,
+                      eval_max_new_tokens=32, progress=False, seed=0)
+    result = Trainer(cfg, target_model=target, examples=examples, eval_prompts=held_out).train()
+    before, after = result.eval_start["tau"], result.eval_end["tau"]
+    print(f"tau before {before:.3f} after {after:.3f}; tokens/s {result.tokens_per_second:.0f}")
+    assert after > before + 1.5 and after > 3.0, f"tau before training {before:.3f}, after {after:.3f}"
+    assert result.losses[-1] < 0.5 * result.losses[0], (result.losses[0], result.losses[-1])
+    # per-position acceptance comes out of the engine and decreases with depth overall
+    ppa = result.eval_end["per_position_acceptance"]
+    assert len(ppa) == 7 and ppa[0] >= ppa[-1] > 0
+    log = [json.loads(line) for line in open(tmp_path / "run" / "train_log.jsonl")]
+    steps = [r for r in log if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 401))
+    assert all({"loss", "lr", "tokens_per_s", "grad_norm", "acc_per_position"} <= set(r) for r in steps)
+    evals = [r for r in log if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [0, 200, 400] and evals[-1]["tau"] == after
+    # the exported drafter is complete, loads with from_pretrained and measures the same tau in a fresh engine
+    final = tmp_path / "run" / "final"
+    assert check_export_config(final) == []
+    loaded = DFlashDraftModel.from_pretrained(final)
+    again = evaluate_tau(target, loaded, held_out, 32)
+    assert abs(again["tau"] - after) < 1e-6
+    # and decoding with it stays lossless (greedy output == the target's own)
+    base = SpecEngine(target).generate(held_out[:4], SamplingParams(max_new_tokens=24))
+    spec = SpecEngine(target, loaded).generate(held_out[:4], SamplingParams(max_new_tokens=24))
+    assert [r.token_ids for r in base] == [r.token_ids for r in spec]
+
+
+def test_exported_config_has_every_loader_field(target, tmp_path):
+    examples = [build_example([BOS] + progression(i, 1, 4, MOD), progression(i + 4, 1, 20, MOD)) for i in range(8)]
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=16, num_draft_layers=1, mask_token_id=MASK,
+                      max_steps=1, batch_size=4, num_anchors=4, progress=False, target_layer_ids=[0, 2])
+    Trainer(cfg, target_model=target, examples=examples).train()
+    conf = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    for key in REQUIRED_CONFIG_FIELDS:
+        assert key in conf, key
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
+    assert conf["block_size"] == 16 and conf["num_target_layers"] == 4
+    assert conf["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [0, 2], "block_size": 16}
+    assert conf["hidden_size"] == 32 and conf["vocab_size"] == 64 and conf["layer_types"] == ["full_attention"]
+    assert "rope_parameters" in conf or "rope_theta" in conf
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "run" / "final" / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= keys
+    assert not any(k.startswith(("model.", "embed", "lm_head")) for k in keys)
+
+
+def test_regenerate_is_sharded_and_resumable(target, tmp_path):
+    prompts = _prompts(10, 5)
+    out = tmp_path / "regen"
+    paths = regenerate(target, prompts, out, shard_size=4, batch_size=3, max_new_tokens=8, progress=False)
+    assert [p.name for p in paths] == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    first = [json.loads(line) for line in open(paths[0])]
+    assert [r["index"] for r in first] == [0, 1, 2, 3] and first[1]["prompt_ids"] == prompts[1]
+    assert len(first[0]["response_ids"]) == 8
+    base = SpecEngine(target).generate([prompts[1]], SamplingParams(max_new_tokens=8))[0].token_ids
+    assert first[1]["response_ids"] == base  # greedy regeneration is the target's own output
+    # a kill mid-shard leaves only a .tmp: the rerun redoes that shard and skips the complete ones
+    content = paths[1].read_text()
+    paths[1].unlink()
+    shard_path(out, 1).with_suffix(".jsonl.tmp").write_text('{"partial"')
+    mtime0 = os.stat(paths[0]).st_mtime_ns
+    regenerate(target, prompts, out, shard_size=4, batch_size=3, max_new_tokens=8, progress=False)
+    assert paths[1].read_text() == content and os.stat(paths[0]).st_mtime_ns == mtime0
+    # sampled regeneration is reproducible per prompt (seeded by index)
+    s1 = regenerate(target, prompts[:4], tmp_path / "s1", shard_size=4, max_new_tokens=6, temperature=1.0, seed=3,
+                    progress=False)
+    s2 = regenerate(target, prompts[:4], tmp_path / "s2", shard_size=4, max_new_tokens=6, temperature=1.0, seed=3,
+                    progress=False)
+    assert s1[0].read_text() == s2[0].read_text()
+    assert len(load_examples(out)) == 10
+
+
+def test_feature_cache_matches_online_features(target, tmp_path):
+    examples = [build_example([BOS] + progression(i, 2, 5, MOD), progression(i + 10, 2, 20, MOD)) for i in range(8)]
+    losses = []
+    for cache in (None, str(tmp_path / "cache")):
+        cfg = TrainConfig(output_dir=str(tmp_path / f"run{cache is None}"), block_size=4, num_draft_layers=1,
+                          mask_token_id=MASK, max_steps=3, batch_size=4, num_anchors=8, progress=False,
+                          feature_cache=cache)
+        losses.append(Trainer(cfg, target_model=target, examples=examples).train().losses)
+    assert (tmp_path / "cache" / "features-00000.safetensors").exists()
+    assert torch.allclose(torch.tensor(losses[0]), torch.tensor(losses[1]), atol=1e-5), losses
+
+
+def test_data_records_and_chat_template():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "dflash", "assets",
+                                                     "default_pair", "target"))
+    # plain prompt/response
+    ex = record_to_example({"prompt": "hello", "response": " world"}, tok, eos_token_id=tok.eos_token_id)
+    p = encode_prompt({"prompt": "hello"}, tok)
+    assert ex.input_ids[: len(p)].tolist() == p and not ex.loss_mask[: len(p)].any() and ex.loss_mask[len(p):].all()
+    assert ex.input_ids[-1] == tok.eos_token_id
+    # chat template: loss only on the assistant turn
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    ex = record_to_example(rec, tok)
+    prompt = encode_prompt(rec, tok)
+    assert tok.decode(prompt) == "<|user|>2+2?\n<|assistant|>"
+    assert ex.input_ids[: len(prompt)].tolist() == prompt and int(ex.loss_mask.sum()) == len(ex) - len(prompt)
+    assert tok.decode(ex.input_ids[ex.loss_mask]).strip() == "4"
+    # pre-tokenized and regenerated records, truncation
+    ex = record_to_example({"input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}, max_length=3)
+    assert ex.input_ids.tolist() == [1, 2, 3] and ex.loss_mask.tolist() == [False, False, True]
+    ex = record_to_example({"prompt_ids": [5, 6], "response_ids": [7]})
+    assert ex.loss_mask.tolist() == [False, False, True]
