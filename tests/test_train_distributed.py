@@ -1,0 +1,136 @@
+"""DDP (torchrun, gloo on CPU) equivalence, gradient-accumulation equivalence, and kill -> resume -> finish."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
+
+from dflash.train.synthetic import BOS, MASK, progression, tiny_target_config
+from dflash.train.trainer import TrainConfig, Trainer
+
+torch.set_num_threads(1)
+COMMON = ["--block-size", "4", "--num-draft-layers", "1", "--mask-token-id", str(MASK), "--num-anchors", "6",
+          "--lr", "3e-3", "--no-progress", "--no-eval-at-start", "--max-length", "40", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    torch.manual_seed(0)
+    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
+    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "data.jsonl", "w") as f:
+        for i in range(24):
+            n_prompt = int(torch.randint(2, 6, (1,), generator=g))
+            n = int(torch.randint(14, 30, (1,), generator=g))
+            ids = [BOS] + progression(i * 7, 1 + i % 3, n - 1, 60)
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * n_prompt + [1] * (n - n_prompt)}) + "\n")
+    return root
+
+
+def _cli(args, nproc=1, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "dflash.train.cli", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "dflash.train.cli", "train", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _in_process(setup, out, **kw):
+    base = dict(target=str(setup / "target"), data=str(setup / "data.jsonl"), output_dir=str(out), block_size=4,
+                num_draft_layers=1, mask_token_id=MASK, num_anchors=6, lr=3e-3, progress=False, eval_at_start=False,
+                max_length=40, seed=3)
+    base.update(kw)
+    return Trainer(TrainConfig(**base)).train()
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def _log(path):
+    return [json.loads(line) for line in open(path / "train_log.jsonl")]
+
+
+def test_torchrun_two_processes_equal_one_process(setup, tmp_path):
+    """Same global batch (4): 2 ranks x 2, 1 rank x 4, and 1 rank x 2 x 2 accumulation give the same training.
+
+    The loss of a step is normalised by the label-weight sum of the whole global batch (all-reduced), so the
+    gradients agree exactly in real arithmetic; what differs is float summation order (DDP's all-reduce of
+    gradients, per-micro-batch padding), hence a small tolerance.
+    """
+    steps = ["--max-steps", "5", "--save-every", "5"]
+    _cli([*COMMON, *steps, "--target", str(setup / "target"), "--data", str(setup / "data.jsonl"),
+          "--output-dir", str(tmp_path / "ddp"), "--batch-size", "2"], nproc=2)
+    single = _in_process(setup, tmp_path / "one", max_steps=5, save_every=5, batch_size=4)
+    accum = _in_process(setup, tmp_path / "acc", max_steps=5, save_every=5, batch_size=2, grad_accum=2)
+    ddp_log = [r for r in _log(tmp_path / "ddp") if "loss" in r]
+    start = next(r for r in _log(tmp_path / "ddp") if r.get("event") == "start")
+    assert start["world_size"] == 2 and start["global_batch"] == 4
+    one_log = [r for r in _log(tmp_path / "one") if "loss" in r]
+    assert [r["step"] for r in ddp_log] == [1, 2, 3, 4, 5]
+    for a, b in zip(ddp_log, one_log):
+        assert sorted(a["samples"]) == sorted(b["samples"])  # the same examples in every step
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a["loss"], b["loss"])
+    for other in (single, accum):
+        assert torch.allclose(torch.tensor(other.losses), torch.tensor([r["loss"] for r in ddp_log]), atol=1e-4)
+    w_ddp = _weights(tmp_path / "ddp" / "checkpoints" / "step-00000005" / "drafter")
+    for run in ("one", "acc"):
+        w = _weights(tmp_path / run / "checkpoints" / "step-00000005" / "drafter")
+        assert w.keys() == w_ddp.keys()
+        for k in w:
+            assert torch.allclose(w[k], w_ddp[k], atol=2e-5, rtol=1e-4), (run, k, (w[k] - w_ddp[k]).abs().max())
+    init = _in_process(setup, tmp_path / "zero", max_steps=1, save_every=1, batch_size=4, lr=0.0)
+    w0 = _weights(tmp_path / "zero" / "final")
+    assert any((w0[k] - w_ddp[k]).abs().max() > 1e-3 for k in w0), "training must have moved the weights"
+    assert init.steps == 1
+
+
+def test_kill_then_resume_continues_without_repeating_data(setup, tmp_path):
+    out = tmp_path / "run"
+    args = [*COMMON, "--target", str(setup / "target"), "--data", str(setup / "data.jsonl"), "--output-dir", str(out),
+            "--batch-size", "4", "--max-steps", "10", "--save-every", "3", "--keep-checkpoints", "2"]
+    killed = _cli([*args, "--crash-after-step", "8"], check=False)
+    assert killed.returncode == 75, killed.stderr[-3000:]
+    before = [r for r in _log(out) if "loss" in r]
+    assert [r["step"] for r in before] == list(range(1, 9))
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step-00000003", "step-00000006"], ckpts  # periodic, pruned to the newest two
+    assert not (out / "final").exists()
+    (out / "checkpoints" / "step-00000009.tmp").mkdir()  # a checkpoint write cut by a kill is ignored
+    _cli([*args, "--resume"])
+    log = _log(out)
+    steps = [r for r in log if "loss" in r]
+    resume = [r for r in log if r.get("event") == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 6
+    # the curve continues: every step once, the first 6 from before the kill, 7.. recomputed identically
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    for old, new in zip(before, steps[:8]):
+        assert abs(old["loss"] - new["loss"]) < 1e-6 and old["samples"] == new["samples"]
+    # no data position repeated: 6 steps per epoch (24 examples / 4); within an epoch every example once
+    positions = [(r["epoch"], r["epoch_step"]) for r in steps]
+    assert len(set(positions)) == len(positions) == 10
+    for epoch in (0, 1):
+        seen = [s for r in steps if r["epoch"] == epoch for s in r["samples"]]
+        assert len(seen) == len(set(seen))
+    # and the result equals an uninterrupted run
+    ref = _in_process(setup, tmp_path / "ref", batch_size=4, max_steps=10, save_every=3)
+    assert torch.allclose(torch.tensor(ref.losses), torch.tensor([r["loss"] for r in steps]), atol=1e-5)
+    w_ref, w = _weights(tmp_path / "ref" / "final"), _weights(out / "final")
+    for k in w:
+        assert torch.allclose(w[k], w_ref[k], atol=1e-5), k
+    state = torch.load(out / "checkpoints" / "step-00000010" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 10 and state["epoch"] == 1 and state["epoch_step"] == 4
