@@ -185,7 +185,7 @@ class DFlashAttention(nn.Module):
         fn = flex_attention
         if q.is_cuda:
             if DFlashAttention._compiled_flex is None:
-                DFlashAttention._compiled_flex = torch.compile(flex_attention, dynamic=False)
+                DFlashAttention._compiled_flex = torch.compile(flex_attention)
             fn = DFlashAttention._compiled_flex
         return fn(q, k, v, block_mask=block_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
 
