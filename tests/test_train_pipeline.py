@@ -158,3 +158,16 @@ def test_data_records_and_chat_template():
     assert ex.input_ids.tolist() == [1, 2, 3] and ex.loss_mask.tolist() == [False, False, True]
     ex = record_to_example({"prompt_ids": [5, 6], "response_ids": [7]})
     assert ex.loss_mask.tolist() == [False, False, True]
+
+
+def test_distillation_and_long_prompts(target, tmp_path):
+    examples = [build_example([BOS] + progression(i, 1, 5, MOD), progression(i + 5, 1, 20, MOD)) for i in range(8)]
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=1, mask_token_id=MASK,
+                      max_steps=2, batch_size=4, num_anchors=8, progress=False, distill_weight=0.5)
+    res = Trainer(cfg, target_model=target, examples=examples).train()
+    assert len(res.losses) == 2 and all(l == l and l > 0 for l in res.losses)
+    # regeneration stops at the target's context (256 positions) instead of failing
+    long = [[BOS] + progression(0, 1, 250, MOD), [BOS] + progression(0, 1, 300, MOD)]
+    (path,) = regenerate(target, long, tmp_path / "regen", max_new_tokens=20, progress=False, stop_ids=[])
+    recs = [json.loads(line) for line in open(path)]
+    assert len(recs[0]["response_ids"]) == 5 and recs[1]["finish_reason"] == "prompt_too_long"

@@ -161,6 +161,7 @@ def _loss_with(kind, d, emb, head, ids, loss_mask, lengths, block):
 
 
 @pytest.mark.skipif(not flex_supported("cpu", need_backward=False), reason="FlexAttention unavailable")
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_flex_and_sdpa_give_the_same_loss():
     block = 4
     d, emb, head = _tiny_drafter(block)

@@ -187,7 +187,9 @@ class DFlashAttention(nn.Module):
             if DFlashAttention._compiled_flex is None:
                 DFlashAttention._compiled_flex = torch.compile(flex_attention)
             fn = DFlashAttention._compiled_flex
-        return fn(q, k, v, block_mask=block_mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads)
+        dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
+        return fn(q.to(dtype), k.to(dtype), v.to(dtype), block_mask=block_mask, scale=self.scaling,
+                  enable_gqa=self.num_heads != self.num_kv_heads)
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, n, _ = x.shape
@@ -211,7 +213,7 @@ class DFlashAttention(nn.Module):
                 q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
             )
         else:  # a FlexAttention BlockMask (training: many blocks of a sequence in one pass, sparse mask)
-            out = self._flex(q, k.to(q.dtype), v.to(q.dtype), mask)
+            out = self._flex(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 

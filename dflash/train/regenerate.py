@@ -9,7 +9,8 @@ Design:
   regenerates the same shard identically.
 - Under torchrun (or with `rank`/`world_size`), worker r does shards r, r + W, ...; no coordination needed.
 - Each record: `{"index", "prompt_ids", "response_ids", "response_text" (with a tokenizer), "finish_reason"}`;
-  `data.record_to_example` turns it into a training example.
+  `data.record_to_example` turns it into a training example. Generation stops at the target's context length;
+  a prompt that fills it gets an empty response (`finish_reason: "prompt_too_long"`, dropped by training).
 
 What this module does not know about: training; prompt filtering/dedup (give it the prompts you want).
 """
@@ -64,6 +65,11 @@ def regenerate(
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     stops = tuple(stop_token_ids(model, tokenizer) if stop_ids is None else stop_ids)
     engine = SpecEngine(model, tokenizer=tokenizer)
+    max_positions = getattr(engine.target.config, "max_position_embeddings", None) or 10**9
+
+    def room(i: int) -> int:
+        return min(max_new_tokens, max_positions - len(prompts[i]))
+
     num_shards = (len(prompts) + shard_size - 1) // shard_size
     mine = [i for i in range(num_shards) if i % world_size == rank]
     todo = [i for i in mine if not shard_path(out_dir, i).exists()]
@@ -80,9 +86,16 @@ def regenerate(
             order = sorted(idx, key=lambda i: len(prompts[i]))  # similar lengths together: less padding
             results = {}
             for b in range(0, len(order), batch_size):
-                batch = order[b:b + batch_size]
-                params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                         top_k=top_k, stop_token_ids=stops,
+                batch = [i for i in order[b:b + batch_size] if room(i) >= 1]
+                for i in order[b:b + batch_size]:
+                    if room(i) < 1:  # the prompt fills the target's context: nothing to generate
+                        results[i] = None
+                if bar is not None:
+                    bar.update(len(order[b:b + batch_size]) - len(batch))
+                if not batch:
+                    continue
+                params = [SamplingParams(max_new_tokens=min(max_new_tokens, room(i)), temperature=temperature,
+                                         top_p=top_p, top_k=top_k, stop_token_ids=stops,
                                          seed=None if temperature == 0 else seed + i) for i in batch]
                 for i, res in zip(batch, engine.generate([prompts[i] for i in batch], params)):
                     results[i] = res
@@ -93,6 +106,10 @@ def regenerate(
             with open(tmp, "w") as f:
                 for i in idx:
                     res = results[i]
+                    if res is None:
+                        f.write(json.dumps({"index": i, "prompt_ids": list(prompts[i]), "response_ids": [],
+                                            "finish_reason": "prompt_too_long"}) + "\n")
+                        continue
                     rec = {"index": i, "prompt_ids": list(prompts[i]), "response_ids": res.token_ids,
                            "finish_reason": res.finish_reason}
                     if tokenizer is not None:
