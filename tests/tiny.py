@@ -1,0 +1,102 @@
+"""Tiny randomly initialised targets and drafters, built from configs (no downloads), for CPU tests.
+
+Models run in float64 so that a block verify and a one-token step round identically enough for argmax: the
+losslessness tests then measure the engine, not floating-point ties.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dflash import DFlashDraftModel, make_draft_config
+
+VOCAB = 96
+MASK_ID = VOCAB - 1
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+               pad_token_id=None, tie_word_embeddings=False)
+
+ARCHITECTURES = {
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(head_dim=8, **_COMMON)),
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON)),
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=None, **_COMMON)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON)),
+    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**{k: v for k, v in _COMMON.items()})),
+    "gemma": (GemmaForCausalLM, lambda: GemmaConfig(head_dim=8, **_COMMON)),
+}
+
+
+def make_target(arch: str = "qwen3", seed: int = 0, dtype=torch.float64):
+    cls, config_fn = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    model = cls(config_fn())
+    # sharpen the random logits a little so greedy continuations are not dominated by near-ties
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    return model.to(dtype).eval()
+
+
+def make_drafter(target, block_size: int = 4, num_layers: int = 2, seed: int = 1, dtype=torch.float64, **kwargs):
+    torch.manual_seed(seed)
+    config = make_draft_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=MASK_ID,
+                               **kwargs)
+    return DFlashDraftModel(config).to(dtype).eval()
+
+
+def greedy_reference(target, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """The target's own greedy continuation (transformers generate), stopping after `eos` if given."""
+    out = target.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+        pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt):].tolist()
+
+
+class OracleProposer:
+    """A test drafting method that knows the target's greedy continuation and corrupts it at random.
+
+    It drives the engine through every acceptance length (full blocks, partial blocks, immediate rejection)
+    across the rows of a batch, which a random drafter never does.
+    """
+
+    needs_features = False
+
+    def __init__(self, references: list[list[int]], vocab: int = VOCAB, corrupt: float = 0.4, seed: int = 0):
+        self.references = references  # per request: prompt + greedy continuation
+        self.vocab = vocab
+        self.corrupt = corrupt
+        self.rng = torch.Generator().manual_seed(seed)
+        self.active = list(range(len(references)))
+
+    def reset(self) -> None:
+        self.active = list(range(len(self.references)))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.active = [self.active[i] for i in rows.tolist()]
+
+    def propose(self, inp, block_size):
+        k = block_size - 1
+        drafts = torch.randint(0, self.vocab, (len(self.active), k), generator=self.rng)
+        for row, (req, history) in enumerate(zip(self.active, inp.histories)):
+            ref = self.references[req]
+            if ref[: len(history)] == history:
+                truth = ref[len(history): len(history) + k]
+                drafts[row, : len(truth)] = torch.tensor(truth, dtype=torch.long)
+                if torch.rand(1, generator=self.rng).item() < self.corrupt:
+                    j = int(torch.randint(0, k, (1,), generator=self.rng))
+                    drafts[row, j] = (drafts[row, j] + 1 + int(torch.randint(0, self.vocab - 1, (1,), generator=self.rng))) % self.vocab
+        return drafts.to(inp.bonus.device), None
