@@ -2,7 +2,7 @@
 
 from dflash.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
-from dflash.engine.verify import SamplingParams, target_probs, verify
+from dflash.engine.verify import SamplingParams, Verdict, target_probs, verify
 
 __all__ = [
     "DFlashProposer",
@@ -14,5 +14,6 @@ __all__ = [
     "SpecEngine",
     "StreamEvent",
     "target_probs",
+    "Verdict",
     "verify",
 ]
