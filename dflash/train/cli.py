@@ -47,7 +47,8 @@ def run_regenerate(args) -> int:
     import torch
 
     from dflash.train.data import load_prompts
-    from dflash.train.regenerate import load_target, regenerate
+    from dflash.loading import load_target
+    from dflash.train.regenerate import regenerate
 
     device = args.device
     if device is None and torch.cuda.is_available():

@@ -122,18 +122,3 @@ def regenerate(
         if bar is not None:
             bar.close()
     return [shard_path(out_dir, i) for i in mine]
-
-
-def load_target(path: str, device: str | None = None, dtype: torch.dtype | None = None):
-    """A transformers causal LM and its tokenizer (None if the directory has none), in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype is None:
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception:
-        tokenizer = None
-    return model, tokenizer

@@ -191,7 +191,7 @@ class Trainer:
         if target_model is None:
             if config.target is None:
                 raise ValueError("TrainConfig.target (path to the target model) is required")
-            from dflash.train.regenerate import load_target
+            from dflash.loading import load_target
 
             target_model, loaded_tok = load_target(config.target, device=str(self.device))
             tokenizer = tokenizer or loaded_tok

@@ -1,0 +1,93 @@
+"""Engine behaviour beyond losslessness: streaming, stop strings, per-request statistics, row bookkeeping."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from dflash import SamplingParams, SpecEngine
+from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+
+
+@pytest.fixture(scope="module")
+def text_model():
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    return Qwen3ForCausalLM(cfg).double().eval(), tok
+
+
+def test_stream_concatenates_to_final_result(text_model):
+    model, tok = text_model
+    prompts = [tok("def main():")["input_ids"], tok("class Foo(object):\n    ")["input_ids"]]
+    refs = [p + greedy_reference(model, p, 30) for p in prompts]
+    engine = SpecEngine(model, tokenizer=tok, block_size=6, proposer=OracleProposer(refs, vocab=len(tok)))
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=11)]
+    tokens, texts, results = {0: [], 1: []}, {0: "", 1: ""}, {}
+    order = []
+    for ev in engine.stream(prompts, params):
+        tokens[ev.index] += ev.token_ids
+        texts[ev.index] += ev.text
+        if ev.finished:
+            results[ev.index] = ev.result
+            order.append(ev.index)
+    assert order == [1, 0]  # the shorter request finishes (and leaves the batch) first
+    for i in (0, 1):
+        assert tokens[i] == results[i].token_ids == refs[i][len(prompts[i]):][: params[i].max_new_tokens]
+        assert texts[i] == results[i].text == tok.decode(results[i].token_ids, skip_special_tokens=True)
+        assert results[i].finish_reason == "length"
+
+
+def test_stop_string_truncates_text_and_tokens(text_model):
+    model, tok = text_model
+    prompt = tok("x = 1")["input_ids"]
+    full = greedy_reference(model, prompt, 40)
+    text = tok.decode(full, skip_special_tokens=True)
+    stop = text[10:13]
+    assert stop and stop in text
+    engine = SpecEngine(model, tokenizer=tok, block_size=4, proposer=OracleProposer([prompt + full], vocab=len(tok)))
+    res = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_strings=(stop,)))[0]
+    assert res.finish_reason == "stop"
+    assert res.text == text[: text.index(stop)]
+    assert stop in tok.decode(res.token_ids) and stop not in tok.decode(res.token_ids[:-1])
+    with_stop = engine.generate([prompt], SamplingParams(max_new_tokens=40, stop_strings=(stop,),
+                                                         include_stop_str_in_output=True))[0]
+    assert with_stop.text == text[: text.index(stop) + len(stop)]
+
+
+def test_statistics_are_consistent():
+    target = make_target("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    refs = [p + greedy_reference(target, p, 50) for p in prompts]
+    engine = SpecEngine(target, block_size=8, proposer=OracleProposer(refs, corrupt=0.5, seed=2))
+    for res in engine.generate(prompts, SamplingParams(max_new_tokens=50)):
+        s = res.stats
+        assert s.output_tokens == 50 == len(res.token_ids)
+        assert sum(s.histogram) == s.num_drafts == len(s.acceptance_lengths)
+        assert abs(s.tau - sum(s.acceptance_lengths) / s.num_drafts) < 1e-12
+        # every cycle commits its acceptance length; the last may be cut by max_new_tokens; +1 for the prefill token
+        assert sum(s.acceptance_lengths) + 1 >= 50 > sum(s.acceptance_lengths[:-1]) + 1
+        assert s.per_position_acceptance[0] >= s.per_position_acceptance[-1]
+        assert s.time_to_first_token > 0 and s.decode_time > 0 and s.tokens_per_second > 0
+        d = s.to_dict()
+        assert d["tau"] == round(s.tau, 4) and len(d["per_position_acceptance"]) == 7
+
+
+def test_block_size_one_is_plain_decoding():
+    target = make_target("qwen2")
+    engine = SpecEngine(target, make_drafter(target), block_size=1)
+    res = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=12))[0]
+    assert engine.block_size == 1 and res.token_ids == greedy_reference(target, [3, 4, 5], 12)
+    assert res.stats.acceptance_lengths == [1] * 11
+
+
+def test_prompt_tensor_and_reference_signature():
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=16)
+    out = drafter.spec_generate(target=target, input_ids=torch.tensor([[7, 8, 9]]), max_new_tokens=10,
+                                stop_token_ids=[], temperature=0.0)
+    assert out[0, :3].tolist() == [7, 8, 9] and out[0, 3:].tolist() == greedy_reference(target, [7, 8, 9], 10)
