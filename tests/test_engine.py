@@ -91,3 +91,43 @@ def test_prompt_tensor_and_reference_signature():
     out = drafter.spec_generate(target=target, input_ids=torch.tensor([[7, 8, 9]]), max_new_tokens=10,
                                 stop_token_ids=[], temperature=0.0)
     assert out[0, :3].tolist() == [7, 8, 9] and out[0, 3:].tolist() == greedy_reference(target, [7, 8, 9], 10)
+
+
+@pytest.mark.parametrize("use_drafter", [True, False], ids=["dflash", "oracle"])
+def test_continuous_batching_join_leave_cancel(use_drafter):
+    """Requests join a running batch between cycles and leave when done; outputs equal each request served alone."""
+    target = make_target("mistral")
+    prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + 5 * i)] for i in range(6)}
+    budgets = {rid: 10 + 4 * i for i, rid in enumerate(prompts)}
+    budgets["r1"] = 120  # still running when it is cancelled
+    expected = {rid: greedy_reference(target, p, budgets[rid]) for rid, p in prompts.items()}
+    if use_drafter:
+        engine = SpecEngine(target, make_drafter(target, block_size=4))
+    else:
+        engine = SpecEngine(target, block_size=5,
+                            proposer=OracleProposer({rid: prompts[rid] + expected[rid] for rid in prompts}, seed=1))
+    batch = engine.open_batch()
+    results, arrivals = {}, list(prompts)
+
+    def collect(events):
+        for ev in events:
+            if ev.finished:
+                results[ev.index] = ev.result
+
+    collect(engine.add(batch, [prompts["r0"], prompts["r1"]], [SamplingParams(max_new_tokens=budgets["r0"]),
+                                                               SamplingParams(max_new_tokens=budgets["r1"])],
+                       request_ids=["r0", "r1"]))
+    arrivals = arrivals[2:]
+    cycle = 0
+    while batch.rows or arrivals:
+        if arrivals and cycle % 2 == 1:
+            rid = arrivals.pop(0)
+            collect(engine.add(batch, [prompts[rid]], SamplingParams(max_new_tokens=budgets[rid]), request_ids=[rid]))
+        if cycle == 3:
+            assert engine.cancel(batch, "r1") and all(r.index != "r1" for r in batch.rows)
+        collect(engine.step(batch))
+        cycle += 1
+    assert "r1" not in results
+    for rid in prompts:
+        if rid != "r1":
+            assert results[rid].token_ids == expected[rid], rid

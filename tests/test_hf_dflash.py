@@ -56,8 +56,8 @@ def test_drafted_blocks_equal_transformers_dflash(monkeypatch):
 
     original_propose = DFlashProposer.propose
 
-    def record_ours(self, inp, block_size):
-        drafts, probs = original_propose(self, inp, block_size)
+    def record_ours(self, state, inp, block_size):
+        drafts, probs = original_propose(self, state, inp, block_size)
         ours.append(drafts[0].tolist())
         return drafts, probs
 

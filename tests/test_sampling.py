@@ -17,7 +17,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import dflash.engine.generate as engine_module
 from dflash import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
-from dflash.engine import Verdict, target_probs, verify
+from dflash.engine import NoRowState, Verdict, target_probs, verify
 
 VOCAB, MASK, N_TOKENS, N_SAMPLES = 8, 7, 3, 12000
 PROMPT = [1, 2, 3, 4]
@@ -105,13 +105,10 @@ class SoftProposer:
         self.gen = torch.Generator().manual_seed(11)
         self.q = torch.softmax(torch.randn(VOCAB, generator=self.gen, dtype=torch.float64) * 2, dim=-1)
 
-    def reset(self):
-        pass
+    def new_batch_state(self):
+        return NoRowState()
 
-    def select_rows(self, rows):
-        pass
-
-    def propose(self, inp, block_size):
+    def propose(self, state, inp, block_size):
         b, k = inp.bonus.shape[0], block_size - 1
         drafts = torch.multinomial(self.q, b * k, replacement=True, generator=self.gen).view(b, k)
         return drafts, self.q.expand(b, k, VOCAB).clone()

@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from dflash import DFlashDraftModel, make_draft_config
+from dflash.engine import NoRowState
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -70,33 +71,30 @@ class OracleProposer:
     """A test drafting method that knows the target's greedy continuation and corrupts it at random.
 
     It drives the engine through every acceptance length (full blocks, partial blocks, immediate rejection)
-    across the rows of a batch, which a random drafter never does.
+    across the rows of a batch, which a random drafter never does. references[request_id] = prompt + continuation.
     """
 
     needs_features = False
 
-    def __init__(self, references: list[list[int]], vocab: int = VOCAB, corrupt: float = 0.4, seed: int = 0):
-        self.references = references  # per request: prompt + greedy continuation
+    def __init__(self, references, vocab: int = VOCAB, corrupt: float = 0.4, seed: int = 0):
+        self.references = references
         self.vocab = vocab
         self.corrupt = corrupt
         self.rng = torch.Generator().manual_seed(seed)
-        self.active = list(range(len(references)))
 
-    def reset(self) -> None:
-        self.active = list(range(len(self.references)))
+    def new_batch_state(self):
+        return NoRowState()
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.active = [self.active[i] for i in rows.tolist()]
-
-    def propose(self, inp, block_size):
+    def propose(self, state, inp, block_size):
         k = block_size - 1
-        drafts = torch.randint(0, self.vocab, (len(self.active), k), generator=self.rng)
-        for row, (req, history) in enumerate(zip(self.active, inp.histories)):
+        drafts = torch.randint(0, self.vocab, (len(inp.histories), k), generator=self.rng)
+        for row, (req, history) in enumerate(zip(inp.request_ids, inp.histories)):
             ref = self.references[req]
             if ref[: len(history)] == history:
                 truth = ref[len(history): len(history) + k]
                 drafts[row, : len(truth)] = torch.tensor(truth, dtype=torch.long)
                 if torch.rand(1, generator=self.rng).item() < self.corrupt:
                     j = int(torch.randint(0, k, (1,), generator=self.rng))
-                    drafts[row, j] = (drafts[row, j] + 1 + int(torch.randint(0, self.vocab - 1, (1,), generator=self.rng))) % self.vocab
+                    shift = 1 + int(torch.randint(0, self.vocab - 1, (1,), generator=self.rng))
+                    drafts[row, j] = (drafts[row, j] + shift) % self.vocab
         return drafts.to(inp.bonus.device), None

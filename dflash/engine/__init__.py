@@ -1,13 +1,14 @@
 """The generation engine: `SpecEngine` (prefill + draft/verify cycles), the shared verifier, drafting methods."""
 
 from dflash.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
-from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
+from dflash.engine.proposers import DFlashProposer, NoProposer, NoRowState, ProposalInput
 from dflash.engine.verify import SamplingParams, Verdict, target_probs, verify
 
 __all__ = [
     "DFlashProposer",
     "GenerationResult",
     "NoProposer",
+    "NoRowState",
     "ProposalInput",
     "RequestStats",
     "SamplingParams",

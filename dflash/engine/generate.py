@@ -189,17 +189,52 @@ class SpecEngine:
         self, prompts: Sequence[Sequence[int]] | torch.Tensor, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[StreamEvent]:
         """Run the batch to completion, yielding each request's new tokens (and text) after every cycle."""
-        rows = self._make_rows(prompts, params)
-        with torch.inference_mode():
-            state = self._prefill(rows)
-            yield from self._events(rows)
-            while state.rows:
-                self._cycle(state)
-                yield from self._events(rows)
+        batch = self.open_batch()
+        yield from self.add(batch, prompts, params)
+        while batch.rows:
+            yield from self.step(batch)
+
+    # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
+
+    def open_batch(self) -> "Batch":
+        """An empty live batch. Drive it with `add` (between cycles) and `step` (one cycle)."""
+        return Batch(proposer_state=self.proposer.new_batch_state())
+
+    @torch.inference_mode()
+    def add(
+        self, batch: "Batch", prompts: Sequence[Sequence[int]] | torch.Tensor,
+        params: SamplingParams | Sequence[SamplingParams] | None = None, request_ids: Sequence | None = None,
+    ) -> list[StreamEvent]:
+        """Prefill new requests and merge them into `batch`; returns their first-token events.
+
+        Events carry `index` = the request id given (default: the position in `prompts`).
+        """
+        rows = self._make_rows(prompts, params, request_ids)
+        incoming = self._prefill(rows)
+        batch.merge(incoming)
+        return list(self._events(rows))
+
+    @torch.inference_mode()
+    def step(self, batch: "Batch") -> list[StreamEvent]:
+        """One draft/verify cycle for every row of the batch; finished rows leave it."""
+        rows = list(batch.rows)
+        if rows:
+            self._cycle(batch)
+        return list(self._events(rows))
+
+    def cancel(self, batch: "Batch", request_id) -> bool:
+        """Drop a request from the batch now (e.g. its client went away), freeing its cache rows."""
+        for r in batch.rows:
+            if r.index == request_id:
+                r.finish_reason = "abort"
+                r.reported = True
+                self._drop_finished(batch)
+                return True
+        return False
 
     # ---- setup ----------------------------------------------------------------------------------------------
 
-    def _make_rows(self, prompts, params) -> list[_Row]:
+    def _make_rows(self, prompts, params, request_ids=None) -> list[_Row]:
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
         prompts = [list(map(int, p)) for p in prompts]
@@ -211,6 +246,8 @@ class SpecEngine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if request_ids is None:
+            request_ids = list(range(len(prompts)))
         vocab = self.target.vocab_size
         rows = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -229,10 +266,10 @@ class SpecEngine:
             gen = None
             if p.seed is not None:
                 gen = torch.Generator(device=self.target.device).manual_seed(int(p.seed))
-            rows.append(_Row(i, prompt, p, gen, RequestStats(self.block_size, len(prompt))))
+            rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt))))
         return rows
 
-    def _prefill(self, rows: list[_Row]) -> "_BatchState":
+    def _prefill(self, rows: list[_Row]) -> "Batch":
         dev = self.target.device
         start = time.perf_counter()
         width = max(len(r.prompt) for r in rows)
@@ -248,9 +285,10 @@ class SpecEngine:
         )
         first = sample_tokens(logits[:, -1], [r.params for r in rows], [r.generator for r in rows])
         now = time.perf_counter()
-        state = _BatchState(rows=list(rows), cache=cache, slot_mask=mask, features=features,
-                            feature_positions=positions, feature_valid=mask)
-        self.proposer.reset()
+        if features is not None:  # padded prompt slots may hold garbage: zero them so no NaN reaches the drafter
+            features = features.masked_fill(~mask[..., None], 0.0)
+        state = Batch(rows=list(rows), cache=cache, slot_mask=mask, features=features, feature_positions=positions,
+                      feature_valid=mask, proposer_state=self.proposer.new_batch_state())
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -262,14 +300,15 @@ class SpecEngine:
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
-    def _cycle(self, state: "_BatchState") -> None:
+    def _cycle(self, state: "Batch") -> None:
         rows, dev, k = state.rows, self.target.device, self.block_size - 1
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
         drafts, draft_probs = self.proposer.propose(
+            state.proposer_state,
             ProposalInput(bonus, positions, state.features, state.feature_positions, state.feature_valid,
-                          [r.history for r in rows]),
+                          [r.history for r in rows], [r.index for r in rows]),
             self.block_size,
         )
         block = torch.cat([bonus[:, None], drafts], dim=1)
@@ -336,21 +375,14 @@ class SpecEngine:
                 r.finish_reason = "stop"
         r.text = text
 
-    def _drop_finished(self, state: "_BatchState") -> None:
+    def _drop_finished(self, state: "Batch") -> None:
         keep = [i for i, r in enumerate(state.rows) if r.finish_reason is None]
         if len(keep) == len(state.rows):
             return
-        state.rows = [state.rows[i] for i in keep]
         if not keep:
+            state.rows = []  # the next merge adopts the incoming rows' caches wholesale
             return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.target.device)
-        state.cache.batch_select_indices(idx)
-        state.slot_mask = state.slot_mask.index_select(0, idx)
-        if state.features is not None:
-            state.features = state.features.index_select(0, idx)
-            state.feature_positions = state.feature_positions.index_select(0, idx)
-            state.feature_valid = state.feature_valid.index_select(0, idx)
-        self.proposer.select_rows(idx)
+        state.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
 
     def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:
         for r in rows:
@@ -388,10 +420,63 @@ def _truncate_cache(cache: DynamicCache, length: int) -> None:
 
 
 @dataclass
-class _BatchState:
-    rows: list[_Row]
-    cache: DynamicCache
-    slot_mask: torch.Tensor  # [b, S] which target cache slots hold real tokens of the row
-    features: torch.Tensor | None  # target features of slots committed since the last draft
-    feature_positions: torch.Tensor
-    feature_valid: torch.Tensor
+class Batch:
+    """The live state of a batch: its rows, the target KV cache and what the drafter has not seen yet."""
+
+    rows: list[_Row] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    slot_mask: torch.Tensor | None = None  # [b, S] which target cache slots hold real tokens of the row
+    features: torch.Tensor | None = None  # target features of slots committed since the last draft
+    feature_positions: torch.Tensor | None = None
+    feature_valid: torch.Tensor | None = None
+    proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in idx.tolist()]
+        self.cache.batch_select_indices(idx)
+        self.slot_mask = self.slot_mask.index_select(0, idx)
+        if self.features is not None:
+            self.features = self.features.index_select(0, idx)
+            self.feature_positions = self.feature_positions.index_select(0, idx)
+            self.feature_valid = self.feature_valid.index_select(0, idx)
+        self.proposer_state.select_rows(idx)
+
+    def merge(self, other: "Batch") -> None:
+        """Append `other`'s rows (freshly prefilled, same proposer) below ours.
+
+        Target caches are aligned on the slot axis by left-padding the shorter one with masked slots; positions
+        are explicit, so padding changes nothing a row attends to.
+        """
+        if not other.rows:
+            return
+        if not self.rows:
+            self.rows, self.cache, self.slot_mask = other.rows, other.cache, other.slot_mask
+            self.features, self.feature_positions, self.feature_valid = (
+                other.features, other.feature_positions, other.feature_valid)
+            self.proposer_state = other.proposer_state
+            return
+        n_old = len(self.rows)
+        self.rows = self.rows + other.rows
+        width = max(self.slot_mask.shape[1], other.slot_mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)], dim=0)
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)], dim=0)
+        self.slot_mask = torch.cat([_left_pad(self.slot_mask, width, 1), _left_pad(other.slot_mask, width, 1)])
+        if self.features is not None:
+            width = max(self.features.shape[1], other.features.shape[1])
+            self.features = torch.cat([_left_pad(self.features, width, 1), _left_pad(other.features, width, 1)])
+            self.feature_positions = torch.cat([_left_pad(self.feature_positions, width, 1),
+                                                _left_pad(other.feature_positions, width, 1)])
+            self.feature_valid = torch.cat([_left_pad(self.feature_valid, width, 1),
+                                            _left_pad(other.feature_valid, width, 1)])
+        self.proposer_state.add_rows(len(other.rows))
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero/False-pad `x` at the start of `dim` to `width`."""
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)

@@ -1,9 +1,12 @@
 """Drafting methods. Each one proposes the k = block_size - 1 tokens that follow each row's bonus token; the
-shared verifier (`verify.py`) decides what is kept. A method sees the batch through `ProposalInput` and must keep
-its own per-row state in step with the engine's rows (`select_rows`).
+shared verifier (`verify.py`) decides what is kept.
+
+A method is stateless; what it remembers per row lives in a state object it creates for each live batch
+(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left) and `add_rows(n)`
+(rows joined at the bottom).
 
 - `DFlashProposer`: one drafter forward over `[bonus, MASK x k]`, conditioned on the target features of the
-  newly committed positions, which are appended to the drafter's persistent context cache.
+  newly committed positions, which are appended to the drafter's persistent context cache (the batch state).
 - `NoProposer`: plain autoregressive decoding (block size 1) through the same engine, the baseline.
 
 What this module does not know about: the target's KV cache and sampling of committed tokens.
@@ -27,19 +30,27 @@ class ProposalInput:
     new_positions: torch.Tensor | None  # [b, c]
     new_valid: torch.Tensor | None  # [b, c] bool: which of the c slots are real for each row
     histories: list[list[int]]  # committed tokens (prompt + output) per row, bonus included
+    request_ids: list  # the request id of each row
+
+
+class NoRowState:
+    """Batch state of a method that remembers nothing per row."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        pass
+
+    def add_rows(self, n: int) -> None:
+        pass
 
 
 class NoProposer:
     needs_features = False
 
-    def propose(self, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def new_batch_state(self) -> NoRowState:
+        return NoRowState()
+
+    def propose(self, state, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         return inp.bonus.new_zeros(inp.bonus.shape[0], 0), None
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
 
 class DFlashProposer:
@@ -50,30 +61,23 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel):
         self.drafter = drafter
         self.target = target
-        self.cache = DraftCache()
 
-    def reset(self) -> None:
-        self.cache = DraftCache()
+    def new_batch_state(self) -> DraftCache:
+        return DraftCache()
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.cache.select_rows(rows.to(self.drafter.device))
-
-    def propose(self, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, cache: DraftCache, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.device
         b = inp.bonus.shape[0]
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = inp.bonus.to(dev)
         embeds = self.drafter.embed(block, self.target.embedding_weight.to(dev))
-        features = inp.new_features.to(dev)
-        # padding slots may hold garbage from masked target positions: zero them so no NaN can reach the K/V
-        features = features.masked_fill(~inp.new_valid.to(dev)[..., None], 0.0)
         hidden = self.drafter(
             embeds,
             inp.positions.to(dev),
-            features,
+            inp.new_features.to(dev),
             inp.new_positions.to(dev),
             inp.new_valid.to(dev),
-            cache=self.cache,
+            cache=cache,
         )
         logits = self.drafter.compute_logits(hidden[:, 1:], self.target.lm_head)
         return logits.argmax(dim=-1).to(inp.bonus.device), None

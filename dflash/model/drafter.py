@@ -148,6 +148,16 @@ class DraftCache:
             self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def add_rows(self, n: int) -> None:
+        """Append n rows with no context yet (requests joining a running batch); their slots are all invalid."""
+        if self.valid is None or n == 0:
+            return
+        pad = lambda t: torch.cat([t, t.new_zeros((n, *t.shape[1:]))])  # noqa: E731
+        self.keys = [pad(k) for k in self.keys]
+        self.values = [pad(v) for v in self.values]
+        self.valid = pad(self.valid)
+        self.positions = pad(self.positions)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (a LongTensor of batch indices), e.g. after some requests finished."""
         self.keys = [k.index_select(0, rows) for k in self.keys]
