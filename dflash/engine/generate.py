@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+from dflash.engine.profile import CycleProfiler
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from dflash.engine.verify import SamplingParams, sample_tokens, verify
 from dflash.model.drafter import DFlashDraftModel
@@ -152,6 +153,7 @@ class SpecEngine:
         tokenizer=None,
         block_size: int | None = None,
         proposer=None,
+        profile: bool = False,
     ):
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
@@ -171,6 +173,7 @@ class SpecEngine:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self.pad_token_id = 0
+        self.profiler = CycleProfiler(profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
     # ---- public API -----------------------------------------------------------------------------------------
@@ -301,7 +304,8 @@ class SpecEngine:
     # ---- one cycle ------------------------------------------------------------------------------------------
 
     def _cycle(self, state: "Batch") -> None:
-        rows, dev, k = state.rows, self.target.device, self.block_size - 1
+        rows, dev, prof = state.rows, self.target.device, self.profiler
+        prof.start()
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
@@ -312,11 +316,14 @@ class SpecEngine:
             self.block_size,
         )
         block = torch.cat([bonus[:, None], drafts], dim=1)
+        prof.mark("draft")
         attention = torch.cat([state.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
         logits, features = self.target.forward(
             block, positions, attention, state.cache, capture=self.proposer.needs_features
         )
+        prof.mark("verify")
         verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
+        prof.mark("accept")
 
         kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
         width = int(kept.max())
@@ -335,6 +342,7 @@ class SpecEngine:
             r.bonus = nxt
             self._commit(r, blk[1:1 + a] + [nxt])
         self._drop_finished(state)
+        prof.mark("overhead")
 
     def _commit(self, r: _Row, tokens: list[int]) -> None:
         """Append tokens to a row's output, applying max_new_tokens, stop ids and stop strings."""
