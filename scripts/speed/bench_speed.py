@@ -1,0 +1,119 @@
+"""Side-by-side speed of one checkpoint: our engine, plain decoding, transformers' built-in DFlash and the
+reference-style loop, interleaved prompt by prompt (batch 1, greedy), plus a per-phase profile of our cycle.
+
+    python scripts/speed/bench_speed.py                      # the shipped default pair, held-out prompts
+    python scripts/speed/bench_speed.py --target T --draft D --prompts prompts.jsonl --max-new-tokens 256
+
+Prints a markdown table (tokens/s, ratio to plain decoding and to transformers' DFlash, tau, whether outputs
+equal plain decoding) and writes --json. Every method must produce identical greedy outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference_style import reference_style_generate  # noqa: E402
+
+from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
+from dflash.loading import load_pair  # noqa: E402
+from dflash.model.hf_export import to_transformers_assistant, transformers_dflash_available  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--prompts", help="JSONL with a 'prompt' field (default: the default pair's held-out prompts)")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    target, tok, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
+    if args.prompts:
+        texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
+    else:
+        from dflash.demo import load_heldout_prompts
+
+        texts = load_heldout_prompts()
+    texts = texts[: args.num_prompts]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    eos = tok.eos_token_id
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
+    block = args.block_size or drafter.block_size
+    ours = SpecEngine(target, drafter, block_size=block, profile=True)
+    plain = SpecEngine(target, None)
+    assistant = to_transformers_assistant(drafter) if transformers_dflash_available() and block == drafter.block_size else None
+
+    def run_ours(ids):
+        return ours.generate([ids], params)[0].token_ids
+
+    def run_plain(ids):
+        return plain.generate([ids], params)[0].token_ids
+
+    def run_reference(ids):
+        out = reference_style_generate(drafter, target, torch.tensor([ids], device=target.device),
+                                       args.max_new_tokens, [eos] if eos is not None else None, block)
+        return out[0, len(ids):].tolist()
+
+    def run_hf(ids):
+        out = target.generate(torch.tensor([ids], device=target.device), assistant_model=assistant,
+                              speculation_type="dflash", max_new_tokens=args.max_new_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+        return out[0, len(ids):].tolist()
+
+    methods = {"dflash (ours)": run_ours, "plain decoding": run_plain, "reference-style loop": run_reference}
+    if assistant is not None:
+        methods["transformers DFlash"] = run_hf
+    for fn in methods.values():  # warm-up
+        fn(prompts[0][:8])
+    ours.profiler.reset()
+    totals = {m: [0, 0.0] for m in methods}
+    outputs = {m: [] for m in methods}
+    for ids in prompts:
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            toks = fn(ids)
+            totals[name][1] += time.perf_counter() - t0
+            totals[name][0] += len(toks)
+            outputs[name].append(toks)
+    tps = {m: n / s for m, (n, s) in totals.items()}
+    identical = {m: sum(a == b for a, b in zip(outputs[m], outputs["plain decoding"])) for m in methods}
+    profile = ours.profiler.report()
+    cycles = profile["cycles"]
+    tau = (sum(len(o) for o in outputs["dflash (ours)"]) - len(prompts)) / max(cycles, 1)
+    hf = tps.get("transformers DFlash")
+    print(f"\n{len(prompts)} prompts, max {args.max_new_tokens} new tokens, block {block}, batch 1, greedy, "
+          f"device {target.device}, {torch.get_num_threads()} threads; tau {tau:.2f}\n")
+    print("| method | tokens/s | vs plain | vs transformers DFlash | outputs equal plain |")
+    print("|---|---|---|---|---|")
+    for m in methods:
+        vs_hf = f"{tps[m] / hf:.2f}x" if hf else "n/a"
+        print(f"| {m} | {tps[m]:.1f} | {tps[m] / tps['plain decoding']:.2f}x | {vs_hf} | "
+              f"{identical[m]}/{len(prompts)} |")
+    ms = profile["ms_per_cycle"]
+    print(f"\nour cycle: {profile['cycle_ms']:.2f} ms = draft {ms['draft']:.2f} + verify {ms['verify']:.2f} + "
+          f"accept {ms['accept']:.2f} + overhead {ms['overhead']:.2f} "
+          f"(overhead share {100 * (profile['share']['accept'] + profile['share']['overhead']):.1f}% incl. acceptance)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tokens_per_second": tps, "identical": identical, "tau": tau,
+                                               "profile": profile, "block_size": block,
+                                               "num_prompts": len(prompts)}, indent=2))
+    return 0 if all(v == len(prompts) for v in identical.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
