@@ -1,0 +1,303 @@
+"""`dflash bench` end to end on tiny models (CPU, float64): every in-process method, server mode against live
+local servers, the losslessness check (passes on greedy; a deliberately wrong method is reported), datasets,
+Prometheus parsing and the hf-assisted draft-model trainer."""
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from dflash import DFlashDraftModel, SpecEngine, make_draft_config
+from dflash.bench.cli import build_parser, main, run_bench
+from dflash.bench.datasets import DatasetUnavailable, Prompt, load_prompts
+from dflash.bench.methods import EngineMethod, Method, RunOutput
+from dflash.bench.metrics import from_counters
+from dflash.bench.server import counter_delta, parse_servers, parse_spec_metrics
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_server import MiniServer  # noqa: E402
+
+torch.set_num_threads(1)
+TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny Qwen3 target with the project's tokenizer, a DFlash drafter and a tiny random AR assistant."""
+    root = tmp_path_factory.mktemp("bench_pair")
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    target = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits: fewer near-ties, outputs that repeat (prompt lookup gets matches)
+        target.lm_head.weight.mul_(4.0)
+    target.save_pretrained(root / "target")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, root / "target" / f.name)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=1, block_size=4, mask_token_id=tok.mask_token_id))
+    drafter.save_pretrained(root / "drafter")
+    torch.manual_seed(2)
+    acfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    Qwen3ForCausalLM(acfg).save_pretrained(root / "assistant")
+    lines = [json.dumps({"prompt": p}) for p in PROMPTS[:3]]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": "Write a function that reverses a list."}]}))
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _args(pair, out, *extra):
+    return ["--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--assistant", str(pair / "assistant"),
+            "--dataset", str(pair / "prompts.jsonl"), "--device", "cpu", "--dtype", "float64",
+            "--max-new-tokens", "20", "--num-assistant-tokens", "3", "--prompt-lookup-num-tokens", "4",
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def test_every_method_in_process(pair, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(_args(pair, out, "--strict"))
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    res = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in res["methods"]] == ["ar", "dflash", "hf-dflash", "hf-assisted", "prompt-lookup"]
+    ds = res["datasets"]["prompts"]
+    assert ds["num_prompts"] == 4
+    for name, s in ds["methods"].items():
+        for key in ("tau", "acceptance_histogram", "per_position_acceptance", "tokens_per_second", "speedup",
+                    "ttft_ms", "tpot_ms", "mismatches", "acceptance_rate", "output_tokens"):
+            assert key in s, (name, key)
+        assert s["tokens_per_second"] > 0 and s["ttft_ms"] > 0
+        assert s["mismatches"] == 0, name
+        assert len(s["prompts"]) == 4
+    m = ds["methods"]
+    assert m["ar"]["speedup"] == 1.0 and m["ar"]["tau"] is None
+    assert len(m["dflash"]["acceptance_histogram"]) == 4 and len(m["dflash"]["per_position_acceptance"]) == 3
+    assert len(m["hf-dflash"]["acceptance_histogram"]) == 4
+    assert len(m["hf-assisted"]["acceptance_histogram"]) == 4  # 3 drafts + bonus
+    assert len(m["prompt-lookup"]["acceptance_histogram"]) == 5
+    for name in ("dflash", "hf-dflash", "hf-assisted"):  # every cycle drafts, so cycles = drafts; tau in [1, k+1]
+        assert m[name]["num_drafts"] > 0 and 1.0 <= m[name]["tau"] <= len(m[name]["acceptance_histogram"])
+        assert sum(m[name]["acceptance_histogram"]) == m[name]["num_drafts"]
+    # the same drafter: our engine and transformers' DFlash accept exactly the same drafts
+    ours = [r["acceptance_lengths"] for r in m["dflash"]["prompts"]]
+    theirs = [r["acceptance_lengths"] for r in m["hf-dflash"]["prompts"]]
+    assert [x[:len(y)] for x, y in zip(ours, theirs)] == [y[:len(x)] for x, y in zip(ours, theirs)]
+    assert res["losslessness"] == {**res["losslessness"], "checked": True, "passed": True}
+    for png in ("acceptance_histogram.png", "per_position_acceptance.png", "speedup.png"):
+        assert (out / png).stat().st_size > 1000
+    assert (out / "results.md").read_text().startswith("| dataset | method |")
+    assert "losslessness: PASS" in printed and "prompt-lookup" in printed
+
+
+class WrongMethod(Method):
+    """Plain decoding that flips one token of every other prompt: a lossless method with a bug."""
+
+    name = "broken"
+
+    def __init__(self, target, tokenizer):
+        self.inner = EngineMethod("broken", target, None, tokenizer, __import__("dflash").SamplingParams())
+        self.calls = 0
+
+    def run(self, prompt_ids, max_new_tokens):
+        out = self.inner.run(prompt_ids, max_new_tokens)
+        self.calls += 1
+        if self.calls % 2 == 0:
+            out.token_ids[len(out.token_ids) // 2] += 1
+        return RunOutput(out.token_ids, out.wall_time, out.ttft)
+
+
+def test_mismatch_is_reported_loudly(pair, tmp_path):
+    from dflash.loading import load_target
+
+    target, tok = load_target(pair / "target", "cpu", "float64")
+    args = build_parser().parse_args(_args(pair, tmp_path, "--methods", "ar,dflash", "--strict"))
+    buf = io.StringIO()
+    from rich.console import Console
+
+    console = Console(file=buf, force_terminal=True, width=160)
+    # run() is called once for warm-up, then once per prompt: calls 2 and 4 = prompts 0 and 2 come out wrong
+    code = run_bench(args, extra_methods=[WrongMethod(target, tok)], console=console)
+    text = buf.getvalue()
+    assert code == 1
+    assert "LOSSLESSNESS FAILURE: broken" in text and "\x1b[1;31m" in text  # bold red
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["losslessness"]["passed"] is False
+    assert res["losslessness"]["mismatches"] == {"dflash": 0, "broken": 2}
+    assert res["datasets"]["prompts"]["methods"]["broken"]["mismatched_prompts"] == [0, 2]
+    assert res["exit"]["lossless_failures"] == {"broken": 2}
+    bad = [r for r in res["datasets"]["prompts"]["methods"]["broken"]["prompts"] if not r["identical_to_ar"]]
+    assert all("first_difference_at" in r for r in bad)
+    # without --strict the mismatch is still reported, but the exit code is 0
+    args.strict = False
+    assert run_bench(args, extra_methods=[WrongMethod(target, tok)], console=Console(file=io.StringIO())) == 0
+
+
+def _engine(pair, with_drafter):
+    from dflash.loading import load_pair
+
+    target, tok, drafter = load_pair(pair / "target", pair / "drafter" if with_drafter else None, "cpu", "float64")
+    return SpecEngine(target, drafter, tok), tok
+
+
+def test_server_mode_sweep_against_live_servers(pair, tmp_path, capsys):
+    ar_engine, tok = _engine(pair, False)
+    spec_engine, _ = _engine(pair, True)
+    out = tmp_path / "srv"
+    with MiniServer(ar_engine, tok, "tiny") as ar, MiniServer(spec_engine, tok, "tiny") as spec:
+        code = main(["--server", f"ar={ar.url}", "--server", f"dflash={spec.url}/v1", "--concurrency", "1,3",
+                     "--dataset", str(pair / "prompts.jsonl"), "--max-new-tokens", "16", "--output-dir", str(out),
+                     "--no-progress", "--strict"])
+        served = spec.counters["drafts"]
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["mode"] == "server" and set(res["servers"]) == {"ar", "dflash"}
+    for name, srv in res["servers"].items():
+        assert srv["model"] == "tiny"
+        assert [lv["concurrency"] for lv in srv["levels"]] == [1, 3]
+        for lv in srv["levels"]:
+            assert lv["num_requests"] == 4 and lv["errors"] == 0
+            assert lv["output_tokens"] > 0 and lv["throughput_tok_s"] > 0 and lv["ttft_ms"] > 0
+            assert lv["mismatches"] == 0 and lv["speedup"] is not None
+            assert all(r["token_count"] == "usage" for r in lv["requests"])
+    d1 = res["servers"]["dflash"]["levels"][0]
+    assert d1["acceptance_source"] == "metrics" and d1["num_drafts"] > 0
+    assert abs(d1["tau"] - (1 + d1["num_accepted_tokens"] / d1["num_drafts"])) < 1e-3
+    assert len(d1["per_position_acceptance"]) == 3 and sum(d1["acceptance_histogram"]) == d1["num_drafts"]
+    total = sum(lv["num_drafts"] for lv in res["servers"]["dflash"]["levels"])
+    assert 0 < total < served  # the warm-up request is not counted in any level
+    ar1 = res["servers"]["ar"]["levels"][0]  # no spec counters: the per-response `dflash.tau` (plain decoding: 1)
+    assert ar1["acceptance_source"] == "response" and ar1["tau"] == 1.0
+    assert (out / "throughput_concurrency.png").stat().st_size > 1000
+    assert (out / "acceptance_histogram.png").is_file()
+    assert "dflash" in printed and "concurrency" in printed
+
+
+def test_server_mode_against_dflash_serve(pair, tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    try:
+        from dflash.serve import create_app
+        from dflash.serve.app import ServeConfig
+    except ImportError:
+        pytest.skip("dflash.serve is not available")
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    engine, _ = _engine(pair, True)
+    app = create_app(engine, ServeConfig(model_name="tiny", max_batch_size=4))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        out = tmp_path / "serve"
+        code = main(["--server", f"http://127.0.0.1:{port}", "--concurrency", "1,2", "--dataset",
+                     str(pair / "prompts.jsonl"), "--num-prompts", "3", "--max-new-tokens", "12", "--output-dir",
+                     str(out), "--no-progress", "--no-plots"])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    levels = res["servers"]["server"]["levels"]
+    assert [lv["errors"] for lv in levels] == [0, 0]
+    assert levels[0]["acceptance_source"] == "metrics" and levels[0]["tau"] >= 1.0
+    assert levels[0]["output_tokens"] > 0
+
+
+def test_prometheus_counters_and_histogram_from_positions():
+    text = """# HELP vllm:spec_decode_num_drafts_total drafts
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 2.0
+vllm:spec_decode_num_draft_tokens_total{model_name="m"} 36.0
+vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0
+vllm:num_requests_running{model_name="m"} 0.0
+"""
+    after = parse_spec_metrics(text)
+    assert after == {"drafts": 12.0, "draft_tokens": 36.0, "accepted": 15.0, "per_pos": {0: 8.0, 1: 5.0, 2: 2.0}}
+    assert parse_spec_metrics("process_cpu_seconds_total 3.0\n") is None
+    s = from_counters(counter_delta(None, after))
+    assert s["tau"] == pytest.approx(1 + 15 / 12, abs=1e-4) and s["acceptance_rate"] == pytest.approx(15 / 36, 1e-3)
+    assert s["acceptance_histogram"] == [4, 3, 3, 2]  # 12 drafts: 4 with 0 accepted, 3 with 1, 3 with 2, 2 with 3
+    assert sum((j) * c for j, c in enumerate(s["acceptance_histogram"])) == 15
+    # plain `name value` lines (our server: prometheus_client without prefix) parse too
+    assert parse_spec_metrics("spec_decode_num_drafts_total 3\nspec_decode_num_accepted_tokens 4\n") == \
+        {"drafts": 3.0, "accepted": 4.0}
+    assert parse_servers(["ar=http://h:1/v1/", "http://x:2"]) == [("ar", "http://h:1"), ("server2", "http://x:2")]
+
+
+def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):
+    ps = load_prompts(str(pair / "prompts.jsonl"))
+    assert ps[0] == Prompt(text=PROMPTS[0]) and ps[3].messages[0]["role"] == "user"
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    assert ps[3].encode(tok, chat=False)[:2] == tok("user: Write", add_special_tokens=False)["input_ids"][:2]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DatasetUnavailable) as err:
+        load_prompts("gsm8k", cache_dir=tmp_path)
+    msg = str(err.value)
+    assert "gsm8k" in msg and str(tmp_path / "gsm8k.jsonl") in msg and "--dataset path.jsonl" in msg
+    (tmp_path / "gsm8k.jsonl").write_text(json.dumps({"prompt": "1+1?"}) + "\n" + json.dumps({"prompt": "2+2?"}))
+    assert [p.text for p in load_prompts("gsm8k", 1, cache_dir=tmp_path)] == ["1+1?"]
+    assert main(["--dataset", "mbpp", "--cache-dir", str(tmp_path), "--target", str(pair / "target"),
+                 "--output-dir", str(tmp_path / "o"), "--no-progress"]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="'prompt' string or a 'messages' list"):
+        load_prompts(str(bad))
+
+
+def test_train_assistant_on_regenerated_shards(pair, tmp_path):
+    from dflash.bench.assistant import main as assistant_main
+
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    g = torch.Generator().manual_seed(0)
+    with open(regen / "shard-00000.jsonl", "w") as f:
+        for i in range(40):
+            prompt = torch.randint(2, 50, (5,), generator=g).tolist()
+            f.write(json.dumps({"index": i, "prompt_ids": prompt, "response_ids": (prompt * 4)[:17] + [0]}) + "\n")
+        f.write(json.dumps({"index": 40, "prompt_ids": [5], "response_ids": [], "finish_reason": "prompt_too_long"})
+                + "\n")
+    out = tmp_path / "assistant"
+    code = assistant_main(["--data", str(regen), "--target", str(pair / "target"), "--output-dir", str(out),
+                           "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+                           "--head-dim", "16", "--intermediate-size", "64", "--max-steps", "30", "--batch-size", "8",
+                           "--lr", "1e-2"])
+    assert code == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 8192
+    assert model.config.tie_word_embeddings
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 30 and summary["train_sequences"] == 39 and summary["heldout_sequences"] == 1
+    assert summary["final_loss"] < 9.0  # ln(8192) = 9.01 at random init: it learned something
+    assert "hf-assisted" in (out / "README.md").read_text()
+    # it plugs into the benchmark as the hf-assisted draft model
+    args = _args(pair, tmp_path / "b", "--methods", "hf-assisted", "--num-prompts", "1")
+    args[args.index("--assistant") + 1] = str(out)
+    assert main(args + ["--no-plots"]) == 0
