@@ -1,0 +1,509 @@
+"""`dflash serve` end to end: the real server (uvicorn in a thread, loopback port) with a tiny random target +
+DFlash drafter saved to disk with the project's tokenizer (float32), driven by the `openai` client and raw HTTP.
+
+Covered: completions / chat / streaming / include_usage / acceptance statistics through the openai client; 64
+concurrent streams that each equal the same request served alone; 50 malformed or hostile requests answered 4xx
+in the OpenAI error shape with the server still correct afterwards; client disconnects (streaming and not) freeing
+their batch slot; 429 on a full queue; Bearer auth; no chat template -> 400; /metrics; graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from dflash import DFlashDraftModel, make_draft_config  # noqa: E402
+from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
+from dflash.loading import load_pair  # noqa: E402
+from dflash.serve.app import ServeConfig, create_app  # noqa: E402
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MODEL = "tiny"
+MAX_LEN = 384
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_pair")
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id)
+    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, root / "target" / f.name)
+    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=1, block_size=8, mask_token_id=tok.mask_token_id))
+    drafter.save_pretrained(root / "drafter")
+    return root
+
+
+def make_engine(pair, drafter=True, chat=True) -> SpecEngine:
+    """A fresh engine (own model copies: engines are single-threaded and hook their target's layers)."""
+    target, tokenizer, draft = load_pair(pair / "target", pair / "drafter" if drafter else None, "cpu", "float32")
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return SpecEngine(target, draft, tokenizer)
+
+
+class Live:
+    """uvicorn serving `app` in a background thread on a free loopback port."""
+
+    def __init__(self, app):
+        self.app = app
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=20))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    @property
+    def scheduler(self):
+        return self.app.state.server.scheduler
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if h["running"] == 0 and h["waiting"] == 0:
+                return h
+            assert time.monotonic() < deadline, f"server did not go idle: {h}"
+            time.sleep(0.02)
+
+    def metric(self, name: str, **labels) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextmanager
+def live(app):
+    server = Live(app)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The same model served alone: engine.generate on one prompt at a time."""
+    engine = make_engine(pair)
+    eos = engine.tokenizer.eos_token_id
+
+    def run(prompt_ids, max_tokens, **kw):
+        params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos,), **kw)
+        return engine.generate([prompt_ids], params)[0]
+
+    run.tokenizer = engine.tokenizer
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    app = create_app(make_engine(pair), ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, max_batch_size=16,
+                                                    max_queue=64))
+    with live(app) as s:
+        yield s
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+
+# ---- the openai client -------------------------------------------------------------------------------------------
+
+
+def test_openai_completion_and_stats(server, reference):
+    prompt = "def add(a, b):"
+    resp = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    expected = reference(reference.tokenizer(prompt)["input_ids"], 12)
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    assert resp.usage.completion_tokens == len(expected.token_ids)
+    assert resp.usage.prompt_tokens == len(reference.tokenizer(prompt)["input_ids"])
+    stats = resp.model_extra["dflash"]
+    assert stats["drafts"] == expected.stats.num_drafts and stats["block_size"] == 8
+    assert stats["draft_tokens"] == 7 * stats["drafts"]
+    assert stats["accepted_tokens"] == expected.stats.num_accepted_tokens
+    assert stats["acceptance_histogram"] == expected.stats.histogram and stats["tau"] >= 1.0
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_openai_chat(server, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort a list"}]
+    resp = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    expected = reference(list(ids), 10)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(expected.token_ids)
+    assert resp.model_extra["dflash"]["drafts"] == expected.stats.num_drafts
+    # max_completion_tokens is the newer name of max_tokens; list-of-text-parts content is joined
+    parts = [{"role": "user", "content": [{"type": "text", "text": "sort "}, {"type": "text", "text": "a list"}]}]
+    resp2 = client(server).chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=10,
+                                                   temperature=0)
+    assert resp2.usage.completion_tokens == resp.usage.completion_tokens
+
+
+def test_openai_streaming_with_usage(server, reference):
+    prompt = "import os\n"
+    stream = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    expected = reference(reference.tokenizer(prompt)["input_ids"], 16)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["dflash"]["drafts"] == expected.stats.num_drafts
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = list(client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=9, temperature=0,
+                                                       stream=True, stream_options={"include_usage": True}))
+    ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    expected = reference(list(ids), 9)
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == expected.text
+    assert chat[-1].usage.prompt_tokens == len(ids) and chat[-1].model_extra["dflash"]["drafts"] >= 1
+    # without include_usage: no usage chunk, still [DONE]-terminated
+    plain = list(client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                                   stream=True))
+    assert plain[-1].choices[0].finish_reason in ("stop", "length") and plain[-1].usage is None
+
+
+def test_sampled_request_is_seeded_and_stop_strings(server, reference):
+    c = client(server)
+    a = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    b = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    assert a.choices[0].text == b.choices[0].text
+    full = c.completions.create(model=MODEL, prompt="y = ", max_tokens=20, temperature=0).choices[0].text
+    stop = full[5:8]
+    if stop.strip():
+        cut = c.completions.create(model=MODEL, prompt="y = ", max_tokens=20, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.find(stop)]
+
+
+# ---- load: 64 concurrent streams --------------------------------------------------------------------------------
+
+
+async def _stream(http: httpx.AsyncClient, url: str, body: dict) -> dict:
+    out = {"text": "", "ids": set(), "final": None, "usage": None, "done": False}
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                out["done"] = True
+                continue
+            chunk = json.loads(data)
+            out["ids"].add(chunk["id"])
+            if chunk["choices"]:
+                out["text"] += chunk["choices"][0]["text"]
+                if chunk["choices"][0]["finish_reason"]:
+                    out["final"] = chunk
+            if chunk.get("usage"):
+                out["usage"] = chunk["usage"]
+    return out
+
+
+def test_64_concurrent_streams_equal_served_alone(server, reference):
+    tok = reference.tokenizer
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    prompts = [f"def {words[i % 8]}_{i}(x):\n    return x * {i} + " for i in range(64)]
+    budgets = [6 + (7 * i) % 23 for i in range(64)]
+    drafts_before = server.metric("spec_decode_num_drafts_total")
+
+    async def main():
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            bodies = [{"model": MODEL, "prompt": p, "max_tokens": n, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}} for p, n in zip(prompts, budgets)]
+            return await asyncio.gather(*(_stream(http, server.url, b) for b in bodies))
+
+    start = time.perf_counter()
+    results = asyncio.run(main())
+    elapsed = time.perf_counter() - start
+    ids = set()
+    total_drafts = 0
+    for prompt, budget, got in zip(prompts, budgets, results):
+        expected = reference(tok(prompt)["input_ids"], budget)
+        assert got["done"] and len(got["ids"]) == 1, prompt
+        ids |= got["ids"]
+        assert got["text"] == expected.text, prompt
+        assert got["usage"]["completion_tokens"] == len(expected.token_ids)
+        assert got["final"]["choices"][0]["finish_reason"] == expected.finish_reason
+        assert got["final"]["dflash"]["drafts"] == expected.stats.num_drafts
+        total_drafts += got["final"]["dflash"]["drafts"]
+    assert len(ids) == 64  # nothing lost, nothing merged
+    assert server.wait_idle()["running"] == 0
+    assert server.metric("spec_decode_num_drafts_total") - drafts_before == total_drafts
+    print(f"64 streams in {elapsed:.2f}s")
+
+
+# ---- hostile requests ---------------------------------------------------------------------------------------------
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _with(base, **kw):
+    body = dict(base)
+    for k, v in kw.items():
+        if v is _DROP:
+            body.pop(k)
+        else:
+            body[k] = v
+    return body
+
+
+_DROP = object()
+
+HOSTILE = [
+    # (name, path, body (dict -> JSON, bytes -> raw), status, words the message must contain)
+    ("bad json", C, b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    ("invalid utf-8", C, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "UTF-8"),
+    ("json array body", C, b"[1, 2, 3]", 400, "JSON object"),
+    ("empty body", C, b"", 400, "empty"),
+    ("deep nesting", C, b"[" * 100000 + b"]" * 100000, 400, ""),
+    ("NaN temperature", C, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("missing model", C, _with(OK, model=_DROP), 400, "model"),
+    ("missing prompt", C, _with(OK, prompt=_DROP), 400, "prompt"),
+    ("max_tokens as string", C, _with(OK, max_tokens="10"), 400, "max_tokens"),
+    ("max_tokens float", C, _with(OK, max_tokens=1.5), 400, "max_tokens"),
+    ("negative max_tokens", C, _with(OK, max_tokens=-5), 400, "max_tokens"),
+    ("zero max_tokens", C, _with(OK, max_tokens=0), 400, "max_tokens"),
+    ("huge max_tokens", C, _with(OK, max_tokens=10**9), 400, "maximum context length"),
+    ("astronomic max_tokens", C, _with(OK, max_tokens=10**40), 400, "max"),
+    ("temperature too high", C, _with(OK, temperature=3.0), 400, "temperature"),
+    ("negative temperature", C, _with(OK, temperature=-0.1), 400, "temperature"),
+    ("temperature as word", C, _with(OK, temperature="hot"), 400, "temperature"),
+    ("top_p zero", C, _with(OK, top_p=0), 400, "top_p"),
+    ("top_p above one", C, _with(OK, top_p=1.5), 400, "top_p"),
+    ("top_k below -1", C, _with(OK, top_k=-2), 400, "top_k"),
+    ("boolean as int", C, _with(OK, max_tokens=True), 400, "max_tokens"),
+    ("n=2", C, _with(OK, n=2), 400, "'n' is not supported"),
+    ("best_of", C, _with(OK, best_of=3), 400, "best_of"),
+    ("logprobs", C, _with(OK, logprobs=1), 400, "logprobs"),
+    ("echo", C, _with(OK, echo=True), 400, "echo"),
+    ("presence_penalty", C, _with(OK, presence_penalty=1.0), 400, "presence_penalty"),
+    ("logit_bias", C, _with(OK, logit_bias={"5": 10}), 400, "logit_bias"),
+    ("unknown field", C, _with(OK, foo=1), 400, "Unrecognized request argument supplied: foo"),
+    ("wrong model", C, _with(OK, model="gpt-4"), 404, "does not exist"),
+    ("empty model", C, _with(OK, model=""), 400, "model"),
+    ("empty prompt", C, _with(OK, prompt=""), 400, "must not be empty"),
+    ("empty token list", C, _with(OK, prompt=[]), 400, "must not be empty"),
+    ("prompt wrong type", C, _with(OK, prompt={"text": "hi"}), 400, "prompt"),
+    ("batched prompts", C, _with(OK, prompt=["a", "b"]), 400, "batched prompts"),
+    ("out-of-vocab token ids", C, _with(OK, prompt=[1, 2, 99999999]), 400, "outside the vocabulary"),
+    ("negative token id", C, _with(OK, prompt=[5, -1]), 400, "outside the vocabulary"),
+    ("mixed token list", C, _with(OK, prompt=[1, "a"]), 400, "prompt"),
+    ("oversized prompt", C, _with(OK, prompt="hello world " * 400), 400, "maximum context length"),
+    ("stop list too long", C, _with(OK, stop=[f"s{i}" for i in range(17)]), 400, "stop"),
+    ("non-string stop", C, _with(OK, stop=[1, 2]), 400, "stop"),
+    ("empty stop string", C, _with(OK, stop=[""]), 400, "stop"),
+    ("stop_token_ids out of vocab", C, _with(OK, stop_token_ids=[10**7]), 400, "stop_token_ids"),
+    ("negative seed", C, _with(OK, seed=-1), 400, "seed"),
+    ("stream not boolean", C, _with(OK, stream="yes"), 400, "stream"),
+    ("stream_options without stream", C, _with(OK, stream_options={"include_usage": True}), 400, "stream_options"),
+    ("stream_options wrong type", C, _with(OK, stream=True, stream_options={"include_usage": "x"}), 400,
+     "include_usage"),
+    ("empty messages", CH, _with(OK_CHAT, messages=[]), 400, "messages"),
+    ("messages not a list", CH, _with(OK_CHAT, messages="hi"), 400, "messages"),
+    ("unknown role", CH, _with(OK_CHAT, messages=[{"role": "wizard", "content": "hi"}]), 400, "role"),
+    ("missing content", CH, _with(OK_CHAT, messages=[{"role": "user"}]), 400, "content"),
+    ("image content", CH, _with(OK_CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "images"),
+    ("chat logprobs", CH, _with(OK_CHAT, logprobs=True), 400, "logprobs"),
+    ("tools", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("json mode", CH, _with(OK_CHAT, response_format={"type": "json_object"}), 400, "response_format"),
+    ("chat n=3", CH, _with(OK_CHAT, n=3), 400, "'n'"),
+    ("chat oversized max_completion_tokens", CH, _with(OK_CHAT, max_completion_tokens=5000), 400,
+     "maximum context length"),
+]
+
+
+def test_hostile_requests_get_clear_4xx(server, reference):
+    assert len(HOSTILE) >= 20
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for name, path, body, status, words in HOSTILE:
+            if isinstance(body, bytes):
+                resp = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                resp = http.post(path, json=body)
+            assert resp.status_code == status, (name, resp.text)
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, name
+            assert words in err["message"], (name, err["message"])
+            assert err["type"] == "invalid_request_error", name
+        # routing errors come in the same shape
+        assert http.get(C).status_code == 405 and "not allowed" in http.get(C).json()["error"]["message"]
+        assert http.post("/v1/nothing", json={}).json()["error"]["message"] == "no route POST /v1/nothing"
+    # the server still answers correctly, and nothing is left in flight
+    resp = client(server).completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, temperature=0)
+    assert resp.choices[0].text == reference(reference.tokenizer("def add(a, b):")["input_ids"], 12).text
+    assert server.wait_idle()["running"] == 0
+
+
+# ---- disconnects, 429, auth, shutdown -----------------------------------------------------------------------------
+
+
+def slow(engine: SpecEngine, delay: float) -> SpecEngine:
+    """Make every cycle take at least `delay` s, so a long request is reliably still running when tested."""
+    step = engine.step
+
+    def slow_step(batch):
+        time.sleep(delay)
+        return step(batch)
+
+    engine.step = slow_step
+    return engine
+
+
+KEY = {"Authorization": "Bearer sekret"}
+LONG = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def small_server(pair):
+    """Plain decoding slowed to >= 20 ms per token, one batch slot, one queue place, an API key, and a tokenizer
+    without a chat template."""
+    app = create_app(slow(make_engine(pair, drafter=False, chat=False), 0.02),
+                     ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, max_batch_size=1, max_queue=1,
+                                 api_key="sekret"))
+    with live(app) as s:
+        yield s
+
+
+def _wait_metric(server, minimum, name, **labels):
+    deadline = time.monotonic() + 5
+    while server.metric(name, **labels) < minimum:
+        assert time.monotonic() < deadline, f"{name}{labels} stayed below {minimum}"
+        time.sleep(0.02)
+
+
+def test_client_dropped_mid_stream_frees_its_slot(small_server):
+    s = small_server
+    s.wait_idle()
+    aborts = s.metric("request_success_total", finished_reason="abort")
+    with httpx.Client(timeout=30, headers=KEY) as http:
+        with http.stream("POST", f"{s.url}/v1/completions", json=dict(LONG, stream=True)) as resp:
+            lines = resp.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(6))
+            assert s.health()["running"] == 1
+    # the connection is closed: the request is cancelled and its row leaves the batch (300 tokens take >= 6 s)
+    start = time.perf_counter()
+    assert s.wait_idle(timeout=3)["running"] == 0
+    _wait_metric(s, aborts + 1, "request_success_total", finished_reason="abort")
+    assert time.perf_counter() - start < 3
+    assert s.metric("num_requests_running") == 0
+
+
+def test_client_dropped_non_streaming_frees_its_slot(small_server):
+    s = small_server
+    s.wait_idle()
+    aborts = s.metric("request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{s.url}/v1/completions", json=LONG, headers=KEY, timeout=httpx.Timeout(30, read=0.5))
+    assert s.wait_idle(timeout=3)["running"] == 0
+    _wait_metric(s, aborts + 1, "request_success_total", finished_reason="abort")
+
+
+def test_full_queue_answers_429_at_once(small_server):
+    s = small_server
+    s.wait_idle()
+    with httpx.Client(timeout=30, headers=KEY) as http:
+        with http.stream("POST", f"{s.url}/v1/completions", json=dict(LONG, stream=True)) as running:
+            lines = running.iter_lines()  # (a dropped iterator would close the connection)
+            next(lines)
+            with http.stream("POST", f"{s.url}/v1/completions", json=dict(LONG, stream=True)) as waiting:
+                assert s.health()["waiting"] == 1 and s.health()["running"] == 1
+                start = time.perf_counter()
+                resp = httpx.post(f"{s.url}/v1/completions", headers=KEY, timeout=30,
+                                  json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+                assert time.perf_counter() - start < 2.0
+                assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+                err = resp.json()["error"]
+                assert err["type"] == "rate_limit_error" and "capacity" in err["message"]
+                assert s.metric("requests_rejected_total", reason="queue_full") >= 1
+                assert waiting.status_code == 200
+    s.wait_idle(timeout=3)  # both dropped clients left; the slot is free again
+    ok = client(s, api_key="sekret").completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens >= 1 and ok.model_extra["dflash"]["draft_tokens"] == 0
+
+
+def test_api_key_and_missing_chat_template(small_server):
+    s = small_server
+    assert httpx.get(f"{s.url}/v1/models").status_code == 401
+    bad = httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert httpx.get(f"{s.url}/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        client(s, api_key="wrong").models.list()
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(s, api_key="sekret").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(s, api_key="sekret").completions.create(model="other", prompt="x")
+
+
+def test_graceful_shutdown_finishes_in_flight_streams(pair):
+    app = create_app(slow(make_engine(pair, drafter=False), 0.02), ServeConfig(model_name=MODEL, max_model_len=MAX_LEN))
+    s = Live(app)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{s.url}/v1/completions", json=body) as resp:
+            it = resp.iter_lines()
+            lines = [next(it)]
+            s.server.should_exit = True  # what SIGTERM does: stop accepting, let in-flight requests finish
+            lines.extend(it)
+    s.thread.join(timeout=30)
+    assert not s.thread.is_alive() and not s.scheduler.alive
+    data = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "data: [DONE]" in lines[-2:]
+    assert data[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(d["choices"][0]["text"]) > 0 for d in data) >= 30  # the whole completion came through
