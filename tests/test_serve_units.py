@@ -1,0 +1,157 @@
+"""Serve pieces without HTTP: the scheduler (continuous batching over a real SpecEngine, float64 tiny models, an
+oracle drafter that exercises every acceptance length), spec-decode metrics accounting, shutdown, request
+validation and the CLI parser."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+from tiny import OracleProposer, greedy_reference, make_drafter, make_target  # noqa: E402
+
+from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
+from dflash.serve import protocol  # noqa: E402
+from dflash.serve.cli import add_serve_parser, run_serve  # noqa: E402
+from dflash.serve.metrics import Metrics  # noqa: E402
+from dflash.serve.scheduler import Failure, Scheduler, SchedulerClosed  # noqa: E402
+
+
+def _metric(metrics: Metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, {"model_name": metrics.model_name, **labels}) or 0.0
+
+
+async def _collect(req) -> tuple[list[int], object]:
+    tokens = []
+    while True:
+        item = await req.queue.get()
+        if isinstance(item, Failure):
+            return tokens, item
+        tokens += item.token_ids
+        if item.finished:
+            assert tokens == item.result.token_ids
+            return tokens, item.result
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_scheduler_joins_and_leaves_and_counts(oracle):
+    target = make_target("qwen3")
+    prompts = {f"r{i}": [(5 * i + j) % 90 for j in range(2 + 3 * i)] for i in range(10)}
+    budgets = {rid: 6 + 3 * i for i, rid in enumerate(prompts)}
+    expected = {rid: greedy_reference(target, p, budgets[rid]) for rid, p in prompts.items()}
+    if oracle:
+        engine = SpecEngine(target, block_size=5, proposer=OracleProposer(
+            {rid: prompts[rid] + expected[rid] for rid in prompts}, seed=3))
+    else:
+        engine = SpecEngine(target, make_drafter(target, block_size=4))
+    metrics = Metrics("m")
+    sched = Scheduler(engine, max_batch_size=3, max_queue=16, metrics=metrics)
+    sched.start()
+
+    async def main():
+        reqs = []
+        for i, rid in enumerate(prompts):  # staggered arrivals: requests join a running batch
+            reqs.append(sched.submit(prompts[rid], SamplingParams(max_new_tokens=budgets[rid]), rid))
+            if i % 3 == 2:
+                await asyncio.sleep(0.01)
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        sched.stop()
+    stats = []
+    for rid, (tokens, result) in zip(prompts, outcomes):
+        assert tokens == expected[rid], rid
+        stats.append(result.stats)
+    k = engine.block_size - 1
+    drafts = sum(s.num_drafts for s in stats)
+    assert _metric(metrics, "spec_decode_num_drafts_total") == drafts
+    assert _metric(metrics, "spec_decode_num_draft_tokens_total") == k * drafts
+    assert _metric(metrics, "spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
+    for pos in range(k):
+        want = sum(sum(a > pos + 1 for a in s.acceptance_lengths) for s in stats)
+        assert _metric(metrics, "spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == want
+    if oracle:  # the oracle accepts long prefixes: the per-position accounting saw real acceptance
+        assert _metric(metrics, "spec_decode_num_accepted_tokens_per_pos_total", position="2") > 0
+    assert _metric(metrics, "generation_tokens_total") == sum(len(t) for t, _ in outcomes)
+    assert _metric(metrics, "prompt_tokens_total") == sum(map(len, prompts.values()))
+    assert _metric(metrics, "request_success_total", finished_reason="length") == len(prompts)
+    assert _metric(metrics, "num_requests_running") == 0
+
+
+def test_stop_cancels_in_flight_and_refuses_new():
+    target = make_target("llama")
+    engine = SpecEngine(target)
+    step = engine.step
+
+    def slow_step(batch):
+        import time
+
+        time.sleep(0.01)
+        return step(batch)
+
+    engine.step = slow_step
+    sched = Scheduler(engine, max_batch_size=1, max_queue=4)
+    sched.start()
+
+    async def main():
+        reqs = [sched.submit([1, 2, 3], SamplingParams(max_new_tokens=400), f"r{i}") for i in range(3)]
+        await asyncio.sleep(0.1)
+        sched.cancel("r2")  # a waiting request leaves the queue at once
+        assert sched.num_waiting == 1
+        await asyncio.to_thread(sched.stop, 0.0)
+        with pytest.raises(SchedulerClosed):
+            sched.submit([1], SamplingParams(max_new_tokens=2), "late")
+        return await asyncio.gather(*(_collect(r) for r in reqs[:2]))
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(res, Failure) and res.status == 503 for _, res in outcomes)
+    assert not sched.alive
+
+
+def test_metrics_count_drafts_by_position():
+    m = Metrics("x")
+    m.count_drafts([1, 3, 5, 2], block_size=5)
+    assert _metric(m, "spec_decode_num_drafts_total") == 4
+    assert _metric(m, "spec_decode_num_draft_tokens_total") == 16
+    assert _metric(m, "spec_decode_num_accepted_tokens_total") == 0 + 2 + 4 + 1
+    got = [_metric(m, "spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(4)]
+    assert got == [3, 2, 1, 1]
+    assert b"spec_decode_num_accepted_tokens_per_pos_total" in m.render()
+
+
+def test_protocol_messages():
+    with pytest.raises(protocol.APIError, match="'temperature' must be a number"):
+        protocol.parse_body(b'{"model": "m", "prompt": "x", "temperature": "1"}', protocol.CompletionRequest)
+    with pytest.raises(protocol.APIError, match="missing required parameter 'messages'"):
+        protocol.parse_body(b'{"model": "m"}', protocol.ChatCompletionRequest)
+    with pytest.raises(protocol.APIError, match="'tool_choice' is not supported"):
+        protocol.parse_body(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}',
+                            protocol.ChatCompletionRequest)
+    req = protocol.parse_body(b'{"model": "m", "prompt": ["abc"], "stop": "\\n", "top_k": -1, "user": "u"}',
+                              protocol.CompletionRequest)
+    assert req.prompt == "abc" and req.stop == ["\n"] and req.top_k == -1
+    req = protocol.parse_body(b'{"model": "m", "prompt": [[1, 2]]}', protocol.CompletionRequest)
+    assert req.prompt == [1, 2]
+
+
+def test_cli_parser_and_argument_errors():
+    parser = argparse.ArgumentParser(prog="dflash")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--port", "9000", "--max-batch-size", "4", "--no-draft",
+                              "--served-model-name", "m", "--api-key", "k"])
+    assert args.func is run_serve and args.port == 9000 and args.max_batch_size == 4 and args.no_draft
+    assert args.api_key == "k" and args.served_model_name == "m" and args.max_queue == 64
+    bad = parser.parse_args(["serve", "--max-batch-size", "0"])
+    with pytest.raises(ValueError, match="--max-batch-size must be >= 1"):
+        run_serve(bad)
+    both = parser.parse_args(["serve", "--no-draft", "--draft", "x", "--target", "y"])
+    with pytest.raises(ValueError, match="contradict"):
+        from dflash.serve.cli import build_engine
+
+        build_engine(both)
