@@ -93,8 +93,9 @@ def test_prompt_tensor_and_reference_signature():
     assert out[0, :3].tolist() == [7, 8, 9] and out[0, 3:].tolist() == greedy_reference(target, [7, 8, 9], 10)
 
 
+@pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
 @pytest.mark.parametrize("use_drafter", [True, False], ids=["dflash", "oracle"])
-def test_continuous_batching_join_leave_cancel(use_drafter):
+def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
     """Requests join a running batch between cycles and leave when done; outputs equal each request served alone."""
     target = make_target("mistral")
     prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + 5 * i)] for i in range(6)}
@@ -102,9 +103,9 @@ def test_continuous_batching_join_leave_cancel(use_drafter):
     budgets["r1"] = 120  # still running when it is cancelled
     expected = {rid: greedy_reference(target, p, budgets[rid]) for rid, p in prompts.items()}
     if use_drafter:
-        engine = SpecEngine(target, make_drafter(target, block_size=4))
+        engine = SpecEngine(target, make_drafter(target, block_size=4), fast_path=fast_path)
     else:
-        engine = SpecEngine(target, block_size=5,
+        engine = SpecEngine(target, block_size=5, fast_path=fast_path,
                             proposer=OracleProposer({rid: prompts[rid] + expected[rid] for rid in prompts}, seed=1))
     batch = engine.open_batch()
     results, arrivals = {}, list(prompts)

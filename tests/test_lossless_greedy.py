@@ -2,8 +2,9 @@
 
 200 randomized cases over 6 architectures, block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64,
 with and without an EOS stop id, each with either the DFlash drafter or an oracle drafter that makes the engine
-accept full, partial and empty blocks. Each row is compared with `target.generate(do_sample=False)` on that row
-alone.
+accept full, partial and empty blocks, each through both target paths (the lean static-cache fast path where the
+architecture has one, and the generic transformers path). Each row is compared with
+`target.generate(do_sample=False)` on that row alone.
 """
 
 import random
@@ -50,20 +51,21 @@ def test_greedy_equals_target(i):
         run = free_runs[rng.randrange(len(prompts))]
         eos = run[rng.randrange(len(run))]
     expected = [greedy_reference(target, p, max_new, eos) if eos is not None else r for p, r in zip(prompts, free_runs)]
-    if use_oracle:
-        proposer = OracleProposer([p + e for p, e in zip(prompts, expected)], seed=i)
-        engine = SpecEngine(target, block_size=block_size, proposer=proposer)
-    else:
-        engine = SpecEngine(target, _drafter(arch, block_size))
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=() if eos is None else (eos,))
-    results = engine.generate(prompts, params)
-    for row, (res, exp) in enumerate(zip(results, expected)):
-        assert res.token_ids == exp, (
-            f"case {i} ({arch}, block {block_size}, batch {len(prompts)}, row {row}, eos {eos}, "
-            f"oracle {use_oracle}): engine {res.token_ids} != target {exp}"
-        )
-        assert res.finish_reason == ("stop" if eos is not None and exp and exp[-1] == eos else "length")
-        assert sum(res.stats.acceptance_lengths) >= len(exp) - 1
+    for fast_path in (None, False):  # the fast path where the architecture has one, and the generic path
+        if use_oracle:
+            proposer = OracleProposer([p + e for p, e in zip(prompts, expected)], seed=i)
+            engine = SpecEngine(target, block_size=block_size, proposer=proposer, fast_path=fast_path)
+        else:
+            engine = SpecEngine(target, _drafter(arch, block_size), fast_path=fast_path)
+        results = engine.generate(prompts, params)
+        for row, (res, exp) in enumerate(zip(results, expected)):
+            assert res.token_ids == exp, (
+                f"case {i} ({arch}, block {block_size}, batch {len(prompts)}, row {row}, eos {eos}, oracle "
+                f"{use_oracle}, fast path {engine.fast is not None}): engine {res.token_ids} != target {exp}"
+            )
+            assert res.finish_reason == ("stop" if eos is not None and exp and exp[-1] == eos else "length")
+            assert sum(res.stats.acceptance_lengths) >= len(exp) - 1
 
 
 def test_oracle_cases_cover_every_acceptance_length():

@@ -121,11 +121,14 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["t1", "t0.8-topk5", "t1-topp0.7"])
-@pytest.mark.parametrize("method", ["dflash", "soft", "ar"])
-def test_sampling_matches_target_distribution(target, drafter, params, method):
-    if method == "dflash":
-        engine = SpecEngine(target, drafter)
+CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2), ("soft", 0), ("soft", 1), ("ar", 2)]
+
+
+@pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
+def test_sampling_matches_target_distribution(target, drafter, method, setting):
+    params = SETTINGS[setting]
+    if method.startswith("dflash"):
+        engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None)
     elif method == "soft":
         engine = SpecEngine(target, block_size=3, proposer=SoftProposer())
     else:

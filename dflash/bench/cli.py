@@ -76,7 +76,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
 
     o = p.add_argument_group("output")
-    o.add_argument("--output-dir", default="bench_results", help="results.json, results.md and plots go here")
+    o.add_argument("--output-dir", default="runs/bench", help="results.json, results.md and plots go here")
     o.add_argument("--strict", action="store_true", help="exit 1 when a lossless method's greedy output differs")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -5,16 +5,15 @@ One cycle for a batch of rows (DFLASH.md section 1):
 2. verify  the target runs once over the block with its KV cache, capturing the tapped layers' features;
 3. accept  the shared verifier returns per row the accepted count a and the next token;
 4. commit  tokens `d_1..d_a, next` are appended; the block slots `0..a` stay in the target cache, the rest are
-           rolled back. Rows accept different counts, so the cache is cropped to the longest kept prefix and the
-           shorter rows' extra slots are masked out (`slot_mask`) - the cache holds holes, not copies. The
-           features of the kept slots become the drafter's next context.
+           rolled back (`target_kv.py`: a no-op on the static fast path, a crop plus masked holes on the generic
+           transformers path). The features of the kept slots become the drafter's next context.
 Finished rows leave the batch at once (their cache rows are dropped). Block size 1 with `NoProposer` is plain
 autoregressive decoding through the same code: the baseline every speedup is measured against.
 
-Positions are explicit per row (prompts are left-padded), so any transformers decoder that accepts
-`position_ids` and a 2D attention mask works. Limitation: with batch > 1, targets whose attention uses a sliding
-window count cache slots (holes included) rather than tokens, so they are exact only while the context fits the
-window; batch 1 never has holes.
+Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
+transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
+Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
+(holes included) rather than tokens, so they are exact only while the context fits the window.
 
 What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
 HTTP, or continuous batching (the server drives `SpecEngine` one cycle at a time through the same functions).
@@ -28,12 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
 from dflash.engine.profile import CycleProfiler
+from dflash.engine.target_kv import DynamicTargetKV, StaticTargetKV, left_pad
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from dflash.engine.verify import SamplingParams, sample_tokens, verify
 from dflash.model.drafter import DFlashDraftModel
+from dflash.model.fast_target import FastTarget, fast_path_unsupported
 from dflash.model.target import TargetModel, validate_pair
 
 
@@ -154,6 +154,7 @@ class SpecEngine:
         block_size: int | None = None,
         proposer=None,
         profile: bool = False,
+        fast_path: bool | None = None,
     ):
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
@@ -173,6 +174,11 @@ class SpecEngine:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         self.pad_token_id = 0
+        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
+        reason = fast_path_unsupported(self.target.model)
+        if fast_path and reason:
+            raise ValueError(f"fast_path=True but {reason}")
+        self.fast = FastTarget(self.target) if (fast_path is not False and reason is None) else None
         self.profiler = CycleProfiler(profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -273,25 +279,20 @@ class SpecEngine:
         return rows
 
     def _prefill(self, rows: list[_Row]) -> "Batch":
-        dev = self.target.device
         start = time.perf_counter()
-        width = max(len(r.prompt) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long, device=dev)
-        mask = torch.zeros((len(rows), width), dtype=torch.bool, device=dev)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt, device=dev)
-            mask[i, width - len(r.prompt):] = True
-        positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
-        cache = DynamicCache()
-        logits, features = self.target.forward(
-            ids, positions, mask.long(), cache, logits_to_keep=1, capture=self.proposer.needs_features
-        )
-        first = sample_tokens(logits[:, -1], [r.params for r in rows], [r.generator for r in rows])
+        prompts = [r.prompt for r in rows]
+        capture = self.proposer.needs_features
+        if self.fast is not None:
+            capacity = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + self.block_size
+            kv, logits, features, positions, valid = StaticTargetKV.prefill(self.fast, prompts, capture, capacity)
+        else:
+            kv, logits, features, positions, valid = DynamicTargetKV.prefill(self.target, prompts, capture)
+        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows])
         now = time.perf_counter()
         if features is not None:  # padded prompt slots may hold garbage: zero them so no NaN reaches the drafter
-            features = features.masked_fill(~mask[..., None], 0.0)
-        state = Batch(rows=list(rows), cache=cache, slot_mask=mask, features=features, feature_positions=positions,
-                      feature_valid=mask, proposer_state=self.proposer.new_batch_state())
+            features = features.masked_fill(~valid[..., None], 0.0)
+        state = Batch(rows=list(rows), kv=kv, features=features, feature_positions=positions, feature_valid=valid,
+                      proposer_state=self.proposer.new_batch_state())
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -317,19 +318,15 @@ class SpecEngine:
         )
         block = torch.cat([bonus[:, None], drafts], dim=1)
         prof.mark("draft")
-        attention = torch.cat([state.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
-        logits, features = self.target.forward(
-            block, positions, attention, state.cache, capture=self.proposer.needs_features
-        )
+        logits, features = state.kv.verify(block, positions, self.proposer.needs_features)
         prof.mark("verify")
         verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
         prof.mark("accept")
 
         kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
         width = int(kept.max())
-        _truncate_cache(state.cache, state.slot_mask.shape[1] + width)
         kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
-        state.slot_mask = torch.cat([state.slot_mask, kept_valid], dim=1)
+        state.kv.keep(kept, width, kept_valid)
         if features is not None:
             state.features = features[:, :width]
             state.feature_positions = positions[:, :width]
@@ -421,19 +418,12 @@ def _stable_text_length(text: str, stop_strings: tuple[str, ...]) -> int:
     return end
 
 
-def _truncate_cache(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 @dataclass
 class Batch:
     """The live state of a batch: its rows, the target KV cache and what the drafter has not seen yet."""
 
     rows: list[_Row] = field(default_factory=list)
-    cache: DynamicCache | None = None
-    slot_mask: torch.Tensor | None = None  # [b, S] which target cache slots hold real tokens of the row
+    kv: DynamicTargetKV | StaticTargetKV | None = None
     features: torch.Tensor | None = None  # target features of slots committed since the last draft
     feature_positions: torch.Tensor | None = None
     feature_valid: torch.Tensor | None = None
@@ -441,8 +431,7 @@ class Batch:
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]
-        self.cache.batch_select_indices(idx)
-        self.slot_mask = self.slot_mask.index_select(0, idx)
+        self.kv.select_rows(idx)
         if self.features is not None:
             self.features = self.features.index_select(0, idx)
             self.feature_positions = self.feature_positions.index_select(0, idx)
@@ -450,41 +439,23 @@ class Batch:
         self.proposer_state.select_rows(idx)
 
     def merge(self, other: "Batch") -> None:
-        """Append `other`'s rows (freshly prefilled, same proposer) below ours.
-
-        Target caches are aligned on the slot axis by left-padding the shorter one with masked slots; positions
-        are explicit, so padding changes nothing a row attends to.
-        """
+        """Append `other`'s rows (freshly prefilled by the same engine) below ours."""
         if not other.rows:
             return
         if not self.rows:
-            self.rows, self.cache, self.slot_mask = other.rows, other.cache, other.slot_mask
+            self.rows, self.kv = other.rows, other.kv
             self.features, self.feature_positions, self.feature_valid = (
                 other.features, other.feature_positions, other.feature_valid)
             self.proposer_state = other.proposer_state
             return
-        n_old = len(self.rows)
         self.rows = self.rows + other.rows
-        width = max(self.slot_mask.shape[1], other.slot_mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)], dim=0)
-            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)], dim=0)
-        self.slot_mask = torch.cat([_left_pad(self.slot_mask, width, 1), _left_pad(other.slot_mask, width, 1)])
+        self.kv.merge(other.kv)
         if self.features is not None:
             width = max(self.features.shape[1], other.features.shape[1])
-            self.features = torch.cat([_left_pad(self.features, width, 1), _left_pad(other.features, width, 1)])
-            self.feature_positions = torch.cat([_left_pad(self.feature_positions, width, 1),
-                                                _left_pad(other.feature_positions, width, 1)])
-            self.feature_valid = torch.cat([_left_pad(self.feature_valid, width, 1),
-                                            _left_pad(other.feature_valid, width, 1)])
+            self.features = torch.cat([left_pad(self.features, width, 1), left_pad(other.features, width, 1)])
+            self.feature_positions = torch.cat([left_pad(self.feature_positions, width, 1),
+                                                left_pad(other.feature_positions, width, 1)])
+            self.feature_valid = torch.cat([left_pad(self.feature_valid, width, 1),
+                                            left_pad(other.feature_valid, width, 1)])
         self.proposer_state.add_rows(len(other.rows))
 
-
-def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero/False-pad `x` at the start of `dim` to `width`."""
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)

@@ -1,0 +1,156 @@
+"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3) with a static KV cache.
+
+transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
+every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
+arithmetic over the model's OWN parameters (nothing is copied): embedding, pre-norm layers with grouped-query
+attention (+ q/k RMSNorm for Qwen3, q/k/v bias for Qwen2), RoPE from the model's own rotary module (so rope
+scaling variants match), SiLU-gated MLP, final norm, lm_head.
+
+The KV cache is static and per row: slot p of row r holds position p of that row. Writing a block scatters its
+K/V to the slots of its positions; a query at position p attends to slots 0..p. Rolling back after a rejection is
+therefore nothing at all - the next block overwrites the rejected slots - and rows of a batch never hold holes.
+
+What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
+fused projections, sliding windows shorter than the context, MoE): `fast_path_unsupported` names the reason and
+the engine keeps the generic transformers path for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
+
+from dflash.model.target import TargetModel
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fast_path_unsupported(model) -> str | None:
+    """None if `FastTarget` reproduces this model's forward; otherwise why not."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_FAMILIES:
+        return f"model_type {model_type!r} is not one of {FAST_FAMILIES}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    if model_type == "mistral" and getattr(config, "sliding_window", None):
+        if config.sliding_window < config.max_position_embeddings:
+            return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    attn = inner.layers[0].self_attn
+    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "fused attention projections"
+    return None
+
+
+class StaticKV:
+    """Per-layer K/V [b, capacity, kv_heads, head_dim]; slot p of row r holds position p of row r."""
+
+    def __init__(self, num_layers, batch, capacity, kv_heads, head_dim, dtype, device):
+        shape = (batch, capacity, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            grow = max(needed, 2 * self.capacity) - self.capacity
+            pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1)  # noqa: E731
+            self.keys = [pad(k) for k in self.keys]
+            self.values = [pad(v) for v in self.values]
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.keys = [k.index_select(0, idx) for k in self.keys]
+        self.values = [v.index_select(0, idx) for v in self.values]
+
+    def merge(self, other: "StaticKV") -> None:
+        width = max(self.capacity, other.capacity)
+        self.ensure_capacity(width)
+        other.ensure_capacity(width)
+        self.keys = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.values, other.values)]
+
+
+class FastTarget:
+    """Lean forward over a supported transformers model's own weights; see the module docstring."""
+
+    def __init__(self, target: TargetModel):
+        reason = fast_path_unsupported(target.model)
+        if reason:
+            raise ValueError(f"no fast path for this model: {reason}")
+        self.target = target
+        inner = target.model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = target.model.get_output_embeddings()
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        cfg = target.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+
+    def new_cache(self, batch: int, capacity: int) -> StaticKV:
+        return StaticKV(len(self.layers), batch, capacity, self.num_kv_heads, self.head_dim,
+                        self.lm_head.weight.dtype, self.lm_head.weight.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: StaticKV,
+        logit_index: torch.Tensor | None = None,
+        capture: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H]."""
+        b, q = input_ids.shape
+        kv.ensure_capacity(int(positions.max()) + 1)
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rows = torch.arange(b, device=x.device)[:, None]
+        key_len = int(positions.max()) + 1
+        mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+        taps = self.target.layer_ids if capture else []
+        captured = {}
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs = attn.q_proj(h).view(b, q, self.num_heads, self.head_dim)
+            ks = attn.k_proj(h).view(b, q, self.num_kv_heads, self.head_dim)
+            vs = attn.v_proj(h).view(b, q, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
+            qs = qs * cos + rotate_half(qs) * sin
+            ks = ks * cos + rotate_half(ks) * sin
+            kv.keys[i][rows, positions] = ks.transpose(1, 2)
+            kv.values[i][rows, positions] = vs
+            keys = kv.keys[i][:, :key_len].transpose(1, 2)
+            values = kv.values[i][:, :key_len].transpose(1, 2)
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in taps and i != last:
+                captured[i] = x
+        x = self.norm(x)
+        if last in taps:
+            captured[last] = x  # transformers' hidden_states[L] is after the final norm
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        logits = self.lm_head(x)
+        features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
+        return logits, features
