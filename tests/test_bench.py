@@ -301,3 +301,21 @@ def test_train_assistant_on_regenerated_shards(pair, tmp_path):
     args = _args(pair, tmp_path / "b", "--methods", "hf-assisted", "--num-prompts", "1")
     args[args.index("--assistant") + 1] = str(out)
     assert main(args + ["--no-plots"]) == 0
+
+
+def test_sampling_skips_the_equality_check_and_parser_mounts(pair, tmp_path):
+    import argparse
+
+    out = tmp_path / "s"
+    assert main(_args(pair, out, "--methods", "dflash,prompt-lookup", "--num-prompts", "2", "--temperature", "0.8",
+                      "--no-plots", "--strict")) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["losslessness"]["checked"] is False and res["datasets"]["prompts"]["methods"]["dflash"]["mismatches"] \
+        is None
+    parser = argparse.ArgumentParser(prog="dflash")
+    from dflash.bench.cli import add_bench_parser
+
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--methods", "ar,dflash", "--concurrency", "1,8"])
+    assert args.func is run_bench and args.methods == ["ar", "dflash"] and args.concurrency == [1, 8]
+    assert main(_args(pair, tmp_path / "u", "--methods", "ar,medusa")) == 2

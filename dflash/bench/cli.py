@@ -132,7 +132,10 @@ def run_bench(args, extra_methods=None, console=None) -> int:
     from dflash.bench import report
     from dflash.bench.datasets import DatasetUnavailable, dataset_label, load_prompts
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: a table wide enough not to wrap
+            console = Console(width=max(console.width, 132))
     out_dir = Path(args.output_dir)
     num_prompts = args.num_prompts or None
     try:
@@ -168,6 +171,10 @@ def run_bench(args, extra_methods=None, console=None) -> int:
                               prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                               max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
                               dtype=args.dtype, cache_dir=args.cache_dir)
+            if cfg.target is None:
+                from dflash.loading import default_pair_paths
+
+                default_pair_paths()  # DefaultPairMissing (exit 3) before any other complaint
             datasets = {dataset_label(d): load_prompts(d, num_prompts, args.cache_dir) for d in cfg.datasets}
             target, tokenizer, drafter, assistant = load_models(cfg)
             with _progress(not args.no_progress) as progress:
