@@ -1,4 +1,4 @@
-"""`dflash` command line: generate, demo (the main job on the shipped pair), regenerate, train.
+"""`dflash` command line: generate, demo (the main job on the shipped pair), serve, bench, regenerate, train.
 
 What this module does not know about: anything beyond argument parsing and printing; the work is in the engine,
 the loaders and the training package.
@@ -123,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, help="also write the results to this JSON file")
     d.set_defaults(func=lambda a: __import__("dflash.demo", fromlist=["run"]).run(a))
 
+    from dflash.bench.cli import add_bench_parser
+    from dflash.serve.cli import add_serve_parser
     from dflash.train.cli import add_regenerate_parser, add_train_parser
 
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     add_regenerate_parser(sub)
     add_train_parser(sub)
     return parser

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the shipped default drafter into dflash/assets/default_pair/drafter/ with dflash's own pipeline:
+#   1. prompts     held-out prompts (shipped) and train prompts (starts of stdlib functions/classes)
+#   2. regenerate  the target's OWN greedy responses to the train prompts -> data/default_pair/regen/
+#   3. train       the DFlash drafter on them (random anchors, decayed loss), evaluating tau with the engine
+#   4. export      the final checkpoint (reference format, bf16) into the package assets
+# Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
+# Usage: scripts/default_pair/build_drafter.sh [--force] [extra `dflash train` flags...]   (PY=python to choose)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+PY="${PY:-python}"
+FORCE=0
+EXTRA=()
+for a in "$@"; do
+    if [ "$a" = "--force" ]; then FORCE=1; else EXTRA+=("$a"); fi
+done
+TARGET=dflash/assets/default_pair/target
+REGEN=data/default_pair/regen
+RUN=runs/default_drafter
+OUT=dflash/assets/default_pair/drafter
+
+echo "== [1/4] prompts"
+"$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64
+
+echo "== [2/4] regenerate responses with the target (greedy, 128 new tokens)"
+[ "$FORCE" = 1 ] && rm -rf "$REGEN"
+"$PY" -m dflash.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
+    --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
+
+echo "== [3/4] train the drafter"
+[ "$FORCE" = 1 ] && rm -rf "$RUN"
+RESUME=()
+[ -d "$RUN/checkpoints" ] && RESUME=(--resume)
+"$PY" -m dflash.cli train --target "$TARGET" --data "$REGEN" --output-dir "$RUN" \
+    --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
+    --epochs 6 --batch-size 8 --max-length 512 --num-anchors 512 --lr 6e-4 --seed 0 \
+    --eval-prompts dflash/assets/default_pair/heldout_prompts.jsonl --eval-limit 16 --eval-every 500 \
+    --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
+
+echo "== [4/4] export"
+rm -rf "$OUT"
+"$PY" - "$RUN/final" "$OUT" <<'PY'
+import sys, torch
+from dflash import DFlashDraftModel
+DFlashDraftModel.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], dtype=torch.bfloat16)
+print("exported", sys.argv[2])
+PY
