@@ -507,3 +507,15 @@ def test_graceful_shutdown_finishes_in_flight_streams(pair):
     assert "data: [DONE]" in lines[-2:]
     assert data[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(len(d["choices"][0]["text"]) > 0 for d in data) >= 30  # the whole completion came through
+
+
+def test_loadtest_script_against_live_server(server, tmp_path, capsys):
+    from dflash.serve.loadtest import main
+
+    out = tmp_path / "lt.json"
+    assert main(["--url", server.url, "--concurrency", "1,4", "--requests", "4", "--max-tokens", "4",
+                 "--warmup", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [row["concurrency"] for row in report["levels"]] == [1, 4]
+    assert all(row["output_tokens"] == 16 and row["mean_tau"] >= 1.0 for row in report["levels"])
+    assert "out tok/s" in capsys.readouterr().out
