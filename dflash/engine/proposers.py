@@ -79,5 +79,6 @@ class DFlashProposer:
             inp.new_valid.to(dev),
             cache=cache,
         )
+        cache.compact()
         logits = self.drafter.compute_logits(hidden[:, 1:], self.target.lm_head)
         return logits.argmax(dim=-1).to(inp.bonus.device), None

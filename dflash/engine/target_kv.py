@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from dflash.model.fast_target import FastTarget
+from dflash.model.slots import compaction_order, gather_slots
 from dflash.model.target import TargetModel
 
 
@@ -60,10 +61,22 @@ class DynamicTargetKV:
         if extra > 0:
             self.cache.crop(-extra)
         self.slot_mask = torch.cat([self.slot_mask, kept_valid], dim=1)
+        self.compact()
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
         self.slot_mask = self.slot_mask.index_select(0, idx)
+        self.compact()
+
+    def compact(self) -> None:
+        """Squeeze out holes (rejected slots, finished rows' padding) once they are most of the cache."""
+        order = compaction_order(self.slot_mask)
+        if order is None:
+            return
+        for layer in self.cache.layers:
+            layer.keys = gather_slots(layer.keys, order, 2)
+            layer.values = gather_slots(layer.values, order, 2)
+        self.slot_mask = self.slot_mask.gather(1, order)
 
     def merge(self, other: "DynamicTargetKV") -> None:
         """Append other's rows; caches are aligned on the slot axis by left-padding with masked slots."""

@@ -34,6 +34,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflash.model.slots import compaction_order, gather_slots
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DEFAULT_BLOCK_SIZE = 16
@@ -165,6 +167,19 @@ class DraftCache:
         if self.valid is not None:
             self.valid = self.valid.index_select(0, rows)
             self.positions = self.positions.index_select(0, rows)
+
+    def compact(self) -> None:
+        """Squeeze out slots no row uses once they are most of the cache (rows of a batch add context at
+        different rates, and rows that left leave their columns behind)."""
+        if self.valid is None:
+            return
+        order = compaction_order(self.valid)
+        if order is None:
+            return
+        self.keys = [gather_slots(k, order, 2) for k in self.keys]
+        self.values = [gather_slots(v, order, 2) for v in self.values]
+        self.valid = self.valid.gather(1, order)
+        self.positions = self.positions.gather(1, order)
 
 
 class DFlashAttention(nn.Module):
