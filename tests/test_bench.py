@@ -20,7 +20,7 @@ from dflash.bench.metrics import from_counters
 from dflash.bench.server import counter_delta, parse_servers, parse_spec_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_server import MiniServer  # noqa: E402
+from test_bench_server import MiniServer  # noqa: E402
 
 torch.set_num_threads(1)
 TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"

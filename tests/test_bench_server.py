@@ -1,4 +1,4 @@
-"""A minimal OpenAI-compatible server for the bench tests (stdlib http.server, one thread per connection).
+"""(No tests here: a helper of test_bench.py.) A minimal OpenAI-compatible server for the bench tests (stdlib http.server, one thread per connection).
 
 It serves real generations from a `SpecEngine` (one request at a time behind a lock), streams SSE chunks for
 /v1/completions and /v1/chat/completions, lists its model at /v1/models and exposes the vLLM spec-decode counters
