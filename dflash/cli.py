@@ -134,16 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(args, prog: str = "dflash") -> int:
+    """Run a parsed subcommand; user errors print one line (exit 2), a missing default pair exits 3."""
     try:
         return int(args.func(args) or 0)
     except DefaultPairMissing as exc:
-        print(f"dflash: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 3
     except (ValueError, FileNotFoundError) as exc:
-        print(f"dflash: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -209,15 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash.bench.datasets import DatasetUnavailable
-    from dflash.loading import DefaultPairMissing
+    from dflash.cli import run_command
 
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except DefaultPairMissing as exc:
-        print(f"dflash bench: {exc}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError, DatasetUnavailable) as exc:
-        print(f"dflash bench: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser().parse_args(argv), prog="dflash bench")

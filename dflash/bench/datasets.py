@@ -54,8 +54,8 @@ BUILTIN = {
 CHAT_DATASETS = {"gsm8k", "math500", "humaneval", "mbpp", "mt-bench"}  # instructions: meant for chat models
 
 
-class DatasetUnavailable(RuntimeError):
-    pass
+class DatasetUnavailable(ValueError):
+    """A dataset is neither cached nor downloadable (offline): a user error, reported in one line."""
 
 
 @dataclass

@@ -101,19 +101,11 @@ def run_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash.loading import DefaultPairMissing
+    from dflash.cli import run_command
 
     parser = argparse.ArgumentParser(prog="dflash")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except DefaultPairMissing as exc:
-        print(f"dflash: {exc}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"dflash: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":
