@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DFLASH_VENV:-$ROOT/.venv}"
-EXTRAS="${DFLASH_EXTRAS:-dev}"
+EXTRAS="${DFLASH_EXTRAS-}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
@@ -13,5 +13,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q "torch>=2.6,<2.14"
 fi
-"$PY" -m pip install -q -e "$ROOT[$EXTRAS]"
+SPEC="$ROOT"
+[ -n "$EXTRAS" ] && SPEC="$ROOT[$EXTRAS]"
+"$PY" -m pip install -q -e "$SPEC"
 export PY
