@@ -4,15 +4,14 @@ Prometheus parsing and the hf-assisted draft-model trainer."""
 
 import io
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash import DFlashDraftModel, SpecEngine, make_draft_config
+from dflash import SpecEngine
 from dflash.bench.cli import build_parser, main, run_bench
 from dflash.bench.datasets import DatasetUnavailable, Prompt, load_prompts
 from dflash.bench.methods import EngineMethod, Method, RunOutput
@@ -21,9 +20,9 @@ from dflash.bench.server import counter_delta, parse_servers, parse_spec_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bench_server import MiniServer  # noqa: E402
+from tiny import load_tokenizer, save_text_pair  # noqa: E402
 
 torch.set_num_threads(1)
-TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
 PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class Stack:\n    def __init__(self):\n",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
 
@@ -32,20 +31,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n", "class
 def pair(tmp_path_factory):
     """A tiny Qwen3 target with the project's tokenizer, a DFlash drafter and a tiny random AR assistant."""
     root = tmp_path_factory.mktemp("bench_pair")
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    target = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # sharper logits: fewer near-ties, outputs that repeat (prompt lookup gets matches)
-        target.lm_head.weight.mul_(4.0)
-    target.save_pretrained(root / "target")
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, root / "target" / f.name)
-    torch.manual_seed(1)
-    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=1, block_size=4, mask_token_id=tok.mask_token_id))
-    drafter.save_pretrained(root / "drafter")
+    # sharper logits: fewer near-ties, outputs that repeat (prompt lookup gets matches)
+    tok, cfg = save_text_pair(root, block_size=4, lm_head_scale=4.0)
     torch.manual_seed(2)
     acfg = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=256,
@@ -254,7 +241,7 @@ vllm:num_requests_running{model_name="m"} 0.0
 def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):
     ps = load_prompts(str(pair / "prompts.jsonl"))
     assert ps[0] == Prompt(text=PROMPTS[0]) and ps[3].messages[0]["role"] == "user"
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    tok = load_tokenizer()
     assert ps[3].encode(tok, chat=False)[:2] == tok("user: Write", add_special_tokens=False)["input_ids"][:2]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

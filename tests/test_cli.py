@@ -1,32 +1,16 @@
 """`dflash generate` end to end on a tiny target + drafter saved to disk with the project's tokenizer."""
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from dflash import DFlashDraftModel, make_draft_config
 from dflash.cli import main
-
-TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
-
+from tiny import save_text_pair
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                      eos_token_id=tok.eos_token_id)
-    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, root / "target" / f.name)
-    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=1, block_size=8, mask_token_id=tok.mask_token_id))
-    drafter.save_pretrained(root / "drafter")
+    save_text_pair(root)
     return root
 
 

@@ -1,20 +1,18 @@
 """Engine behaviour beyond losslessness: streaming, stop strings, per-request statistics, row bookkeeping."""
 
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash import SamplingParams, SpecEngine
-from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+from tiny import OracleProposer, greedy_reference, load_tokenizer, make_drafter, make_target
 
-TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
 
 
 @pytest.fixture(scope="module")
 def text_model():
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    tok = load_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)

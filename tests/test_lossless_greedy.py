@@ -10,7 +10,6 @@ architecture has one, and the generic transformers path). Each row is compared w
 import random
 
 import pytest
-import torch
 
 from dflash import SamplingParams, SpecEngine
 from tiny import ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target

@@ -11,28 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from dflash import DFlashDraftModel, make_draft_config  # noqa: E402
 from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
 from dflash.loading import load_pair  # noqa: E402
 from dflash.serve.app import ServeConfig, create_app  # noqa: E402
+from tiny import save_text_pair  # noqa: E402
 
-TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MODEL = "tiny"
@@ -42,16 +37,7 @@ MAX_LEN = 384
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_pair")
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id)
-    Qwen3ForCausalLM(cfg).save_pretrained(root / "target")
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, root / "target" / f.name)
-    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=1, block_size=8, mask_token_id=tok.mask_token_id))
-    drafter.save_pretrained(root / "drafter")
+    save_text_pair(root, max_positions=512)
     return root
 
 

@@ -24,7 +24,7 @@ def test_cli_regenerate_then_train_uses_tokenizer_mask_token(tmp_path):
     cfg.eos_token_id = tok.eos_token_id
     target = tmp_path / "target"
     Qwen3ForCausalLM(cfg).save_pretrained(target)
-    for f in TOKENIZER.iterdir():
+    for f in TOKENIZER.glob("tokenizer*.json"):
         shutil.copy(f, target / f.name)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Count from {i}:"}) + "\n" for i in range(6)))

@@ -6,8 +6,12 @@ losslessness tests then measure the engine, not floating-point ties.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 from transformers import (
+    AutoTokenizer,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -98,3 +102,34 @@ class OracleProposer:
                     shift = 1 + int(torch.randint(0, self.vocab - 1, (1,), generator=self.rng))
                     drafts[row, j] = (drafts[row, j] + shift) % self.vocab
         return drafts.to(inp.bonus.device), None
+
+
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+
+
+def load_tokenizer():
+    """The project's own code tokenizer (8192 tokens, `<|mask|>` = id 1), shipped with the default pair."""
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def save_text_pair(root: Path, block_size: int = 8, draft_layers: int = 1, max_positions: int = 256,
+                   lm_head_scale: float = 1.0, seed: int = 0):
+    """A tiny random Qwen3 target saved with the project's tokenizer under root/target, and a DFlash drafter
+    for it under root/drafter (float32, as users' checkpoints are). Returns (tokenizer, target config)."""
+    tok = load_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=max_positions,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    target = Qwen3ForCausalLM(cfg)
+    if lm_head_scale != 1.0:
+        with torch.no_grad():
+            target.lm_head.weight.mul_(lm_head_scale)
+    target.save_pretrained(root / "target")
+    for f in TOKENIZER_DIR.glob("tokenizer*.json"):
+        shutil.copy(f, root / "target" / f.name)
+    torch.manual_seed(seed + 1)
+    drafter = DFlashDraftModel(make_draft_config(cfg, num_layers=draft_layers, block_size=block_size,
+                                                 mask_token_id=tok.mask_token_id))
+    drafter.save_pretrained(root / "drafter")
+    return tok, cfg

@@ -10,13 +10,10 @@ What this module does not know about: HTTP servers (`server.py`), tables and plo
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import torch
 
-from dflash.bench.datasets import Prompt, dataset_label, load_prompts
+from dflash.bench.datasets import dataset_label, load_prompts
 from dflash.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
 from dflash.bench.metrics import acceptance_summary, timing_summary
 from dflash.engine import SamplingParams

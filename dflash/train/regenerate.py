@@ -21,7 +21,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 
 from dflash.engine import SamplingParams, SpecEngine
 
