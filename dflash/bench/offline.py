@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-
 from dflash.bench.datasets import dataset_label, load_prompts
 from dflash.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
 from dflash.bench.metrics import acceptance_summary, timing_summary
