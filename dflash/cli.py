@@ -19,6 +19,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,10 +58,18 @@ def histogram_lines(histogram: list[int], width: int = 40) -> list[str]:
             for i, c in enumerate(histogram)]
 
 
+def apply_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
 def run_generate(args) -> int:
     from dflash.engine import SpecEngine
     from dflash.loading import load_pair
 
+    apply_threads(args)
     target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)

@@ -27,10 +27,11 @@ def load_heldout_prompts(n: int | None = None) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from dflash.cli import histogram_lines
+    from dflash.cli import apply_threads, histogram_lines
     from dflash.engine import RequestStats, SamplingParams, SpecEngine
     from dflash.loading import load_pair
 
+    apply_threads(args)
     target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
     prompts = load_heldout_prompts(args.num_prompts)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
