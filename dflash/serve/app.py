@@ -50,6 +50,7 @@ class ServeConfig:
     api_key: str | None = None
     drain_timeout: float = 30.0
     default_completion_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+    threads: int | None = None  # CPU threads of the engine's thread (default: 1 on CPU)
 
 
 class Server:
@@ -65,7 +66,7 @@ class Server:
         self.vocab_size = engine.target.vocab_size
         self.metrics = Metrics(config.model_name)
         self.scheduler = Scheduler(engine, config.max_batch_size, config.max_queue, config.max_prefill_tokens,
-                                   self.metrics)
+                                   self.metrics, threads=config.threads)
         self.eos_ids = _eos_ids(engine)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())

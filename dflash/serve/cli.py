@@ -40,6 +40,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else open)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the target directory's name)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the engine (default: 1 on CPU, where more threads measured slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -91,7 +93,7 @@ def run_serve(args) -> int:
     engine, name = build_engine(args)
     config = ServeConfig(model_name=name, max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
-                         api_key=args.api_key or None, drain_timeout=args.drain_timeout)
+                         api_key=args.api_key or None, drain_timeout=args.drain_timeout, threads=args.threads)
     app = create_app(engine, config)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
     logging.getLogger("dflash.serve").info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
