@@ -173,7 +173,6 @@ class SpecEngine:
             self.block_size = int(block_size or getattr(drafter, "block_size", 16))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        self.pad_token_id = 0
         # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
         if fast_path and reason:

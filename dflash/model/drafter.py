@@ -341,7 +341,6 @@ class DFlashDraftModel(nn.Module):
         slots (padding otherwise). `attention_mask` [b, 1, q, total_c + q] (bool, True = attend) overrides the
         default one-block-per-row mask; training uses it to put many blocks of a sequence in one pass.
         """
-        b = noise_embedding.shape[0]
         ctx = self.project_context(target_hidden)
         if context_valid is None:
             context_valid = torch.ones(ctx.shape[:2], dtype=torch.bool, device=ctx.device)
@@ -364,7 +363,6 @@ class DFlashDraftModel(nn.Module):
                     masks[key] = block_attention_mask(position_ids, all_positions, all_valid, *key)
                 mask = masks[key]
             hidden = layer(hidden, ctx, ctx_cos, ctx_sin, cos, sin, mask, cache)
-        assert hidden.shape[0] == b
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
