@@ -222,12 +222,12 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx, ctx_cos, ctx_sin, cos, sin, mask, cache: DraftCache | None):
-        """x: block hidden [b, q, H]; ctx: projected context [b, c, H] (new context only when a cache is used)."""
+    def forward(self, x, ctx_kv, cos, sin, mask, cache: DraftCache | None):
+        """x: block hidden [b, q, H]; ctx_kv: this layer's context K/V (new context only when a cache is used)."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        k_ctx, v_ctx = self._kv(ctx, ctx_cos, ctx_sin)
+        k_ctx, v_ctx = ctx_kv
         if cache is not None:
             k_ctx, v_ctx = cache.append_layer(self.layer_idx, k_ctx, v_ctx)
         k_blk, v_blk = self._kv(x, cos, sin)
@@ -250,8 +250,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, ctx_cos, ctx_sin, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, ctx_cos, ctx_sin, cos, sin, mask, cache)
+    def forward(self, x, ctx_kv, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -353,7 +353,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb(hidden, position_ids)
         ctx_cos, ctx_sin = self.rotary_emb(hidden, context_position_ids)
         masks: dict = {}
-        for layer in self.layers:
+        for layer, ctx_kv in zip(self.layers, self.context_kv(ctx, ctx_cos, ctx_sin)):
             attn = layer.self_attn
             if attention_mask is not None:
                 mask = attention_mask
@@ -362,8 +362,24 @@ class DFlashDraftModel(nn.Module):
                 if key not in masks:
                     masks[key] = block_attention_mask(position_ids, all_positions, all_valid, *key)
                 mask = masks[key]
-            hidden = layer(hidden, ctx, ctx_cos, ctx_sin, cos, sin, mask, cache)
+            hidden = layer(hidden, ctx_kv, cos, sin, mask, cache)
         return self.norm(hidden)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's context K/V ([b, kv_heads, c, head_dim], k-normed and rotated) from ONE matmul over the
+        stacked k/v projections of all layers, instead of two small matmuls per layer."""
+        attns = [layer.self_attn for layer in self.layers]
+        weight = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)])
+        bias = None
+        if attns[0].k_proj.bias is not None:
+            bias = torch.cat([bb for a in attns for bb in (a.k_proj.bias, a.v_proj.bias)])
+        b, c, _ = ctx.shape
+        width = 2 * attns[0].num_kv_heads * attns[0].head_dim  # every layer has the same K/V width
+        out = []
+        for a, kv in zip(attns, F.linear(ctx, weight, bias).split(width, dim=-1)):
+            k, v = kv.view(b, c, 2, a.num_kv_heads, a.head_dim).unbind(2)
+            out.append((apply_rope(a.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)))
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Read the draft hidden states out through the TARGET's lm_head (plus the reference's optional scalings)."""
