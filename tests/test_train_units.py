@@ -155,7 +155,7 @@ def _loss_with(kind, d, emb, head, ids, loss_mask, lengths, block):
     feats = torch.randn(ids.shape[0], ids.shape[1], len(d.target_layer_ids) * 32, generator=torch.Generator().manual_seed(1))
     mask = dense_training_mask(a, ctx_valid, block) if kind == "sdpa" else flex_training_mask(a, ctx_valid, block)
     ctx_pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-    hidden = d(d.embed(bb.block_ids, emb), bb.position_ids, feats, ctx_pos, ctx_valid, None, mask)
+    hidden = d(d.embed(bb.block_ids, emb), bb.position_ids, feats, ctx_pos, ctx_valid, mask)
     w = slot_weights(bb.block_offset, bb.label_valid, block, None)
     return dflash_loss(hidden, lambda h: d.compute_logits(h, head), bb.labels, w, bb.block_offset, block).loss
 
@@ -186,7 +186,7 @@ def test_training_pass_matches_per_block_inference_pass():
     ctx_valid = torch.arange(ids.shape[1])[None] < n
     ctx_pos = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
-        full = d(d.embed(bb.block_ids, emb), bb.position_ids, feats, ctx_pos, ctx_valid, None,
+        full = d(d.embed(bb.block_ids, emb), bb.position_ids, feats, ctx_pos, ctx_valid,
                  dense_training_mask(a, ctx_valid, block))
         for j, anc in enumerate(anchors.tolist()):
             sl = slice(j * block, (j + 1) * block)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dflash.engine.compiled import compile_step, compile_unavailable
 from dflash.engine.profile import CycleProfiler
 from dflash.engine.target_kv import DynamicTargetKV, StaticTargetKV, left_pad
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
@@ -155,6 +156,7 @@ class SpecEngine:
         proposer=None,
         profile: bool = False,
         fast_path: bool | None = None,
+        compile: bool = False,
     ):
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
@@ -164,7 +166,7 @@ class SpecEngine:
         elif drafter is not None and (block_size is None or block_size > 1):
             validate_pair(drafter, self.target)
             self.target.set_layer_ids(drafter.target_layer_ids)
-            self.proposer = DFlashProposer(drafter, self.target)
+            self.proposer = DFlashProposer(drafter, self.target, compile=compile)
         else:
             self.proposer = NoProposer()
         if isinstance(self.proposer, NoProposer):
@@ -178,6 +180,14 @@ class SpecEngine:
         if fast_path and reason:
             raise ValueError(f"fast_path=True but {reason}")
         self.fast = FastTarget(self.target) if (fast_path is not False and reason is None) else None
+        # compiled draft and verify steps (static shapes per block size; CUDA graphs on GPU)
+        self.verify_step = None
+        if compile:
+            why_not = compile_unavailable(self.target.device) or (
+                f"compile=True needs the fast target path, and {reason}" if self.fast is None else None)
+            if why_not:
+                raise ValueError(why_not)
+            self.verify_step = compile_step(self.fast.forward, self.target.device)
         self.profiler = CycleProfiler(profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -281,9 +291,10 @@ class SpecEngine:
         start = time.perf_counter()
         prompts = [r.prompt for r in rows]
         capture = self.proposer.needs_features
+        capacity = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + self.block_size
         if self.fast is not None:
-            capacity = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + self.block_size
-            kv, logits, features, positions, valid = StaticTargetKV.prefill(self.fast, prompts, capture, capacity)
+            kv, logits, features, positions, valid = StaticTargetKV.prefill(
+                self.fast, prompts, capture, capacity, self.verify_step)
         else:
             kv, logits, features, positions, valid = DynamicTargetKV.prefill(self.target, prompts, capture)
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows])
@@ -291,7 +302,7 @@ class SpecEngine:
         if features is not None:  # padded prompt slots may hold garbage: zero them so no NaN reaches the drafter
             features = features.masked_fill(~valid[..., None], 0.0)
         state = Batch(rows=list(rows), kv=kv, features=features, feature_positions=positions, feature_valid=valid,
-                      proposer_state=self.proposer.new_batch_state())
+                      proposer_state=self.proposer.new_batch_state(), capacity=capacity)
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -309,15 +320,17 @@ class SpecEngine:
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
+        context_len = max(r.n_cached for r in rows)
         drafts, draft_probs = self.proposer.propose(
             state.proposer_state,
             ProposalInput(bonus, positions, state.features, state.feature_positions, state.feature_valid,
-                          [r.history for r in rows], [r.index for r in rows]),
+                          [r.history for r in rows], [r.index for r in rows], state.capacity, context_len),
             self.block_size,
         )
         block = torch.cat([bonus[:, None], drafts], dim=1)
         prof.mark("draft")
-        logits, features = state.kv.verify(block, positions, self.proposer.needs_features)
+        logits, features = state.kv.verify(block, positions, self.proposer.needs_features,
+                                           context_len + self.block_size)
         prof.mark("verify")
         verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
         prof.mark("accept")
@@ -326,10 +339,10 @@ class SpecEngine:
         width = int(kept.max())
         kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
         state.kv.keep(kept, width, kept_valid)
-        if features is not None:
-            state.features = features[:, :width]
-            state.feature_positions = positions[:, :width]
-            state.feature_valid = kept_valid
+        if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
+            state.features = features
+            state.feature_positions = positions
+            state.feature_valid = torch.arange(self.block_size, device=dev)[None] < kept[:, None]
         accepted = verdict.num_accepted.tolist()
         block_list = block.tolist()
         for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block_list):
@@ -427,6 +440,7 @@ class Batch:
     feature_positions: torch.Tensor | None = None
     feature_valid: torch.Tensor | None = None
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
+    capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]
@@ -445,9 +459,10 @@ class Batch:
             self.rows, self.kv = other.rows, other.kv
             self.features, self.feature_positions, self.feature_valid = (
                 other.features, other.feature_positions, other.feature_valid)
-            self.proposer_state = other.proposer_state
+            self.proposer_state, self.capacity = other.proposer_state, other.capacity
             return
         self.rows = self.rows + other.rows
+        self.capacity = max(self.capacity, other.capacity)
         self.kv.merge(other.kv)
         if self.features is not None:
             width = max(self.features.shape[1], other.features.shape[1])

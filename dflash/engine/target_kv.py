@@ -51,7 +51,7 @@ class DynamicTargetKV:
         logits, features = target.forward(ids, positions, mask.long(), cache, logits_to_keep=1, capture=capture)
         return cls(target, cache, mask), logits[:, -1], features, positions, mask
 
-    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool):
+    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
         attention = torch.cat([self.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
         return self.target.forward(block, positions, attention, self.cache, capture=capture)
 
@@ -88,12 +88,14 @@ class DynamicTargetKV:
 
 
 class StaticTargetKV:
-    def __init__(self, fast: FastTarget, kv):
+    def __init__(self, fast: FastTarget, kv, compiled_forward=None):
         self.fast = fast
         self.kv = kv
+        self.compiled_forward = compiled_forward  # `fast.forward` compiled (attends over the whole capacity)
 
     @classmethod
-    def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, capacity: int, pad_id: int = 0):
+    def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, capacity: int,
+                compiled_forward=None, pad_id: int = 0):
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -103,11 +105,15 @@ class StaticTargetKV:
         positions = torch.arange(width, device=dev)[None].expand(len(prompts), -1)
         valid = positions < lengths[:, None]
         kv = fast.new_cache(len(prompts), max(capacity, width))
-        logits, features = fast.forward(ids, positions, kv, logit_index=lengths - 1, capture=capture)
-        return cls(fast, kv), logits[:, 0], features, positions, valid
+        logits, features = fast.forward(ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
+        return cls(fast, kv, compiled_forward), logits[:, 0], features, positions, valid
 
-    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool):
-        return self.fast.forward(block, positions, self.kv, capture=capture)
+    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
+        """Logits and features of the block; `end` = 1 + the largest position in it."""
+        self.kv.ensure_capacity(end)
+        if self.compiled_forward is not None:
+            return self.compiled_forward(block, positions, self.kv, capture=capture)
+        return self.fast.forward(block, positions, self.kv, capture=capture, key_len=end)
 
     def keep(self, kept: torch.Tensor, width: int, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots

@@ -3,7 +3,6 @@
 from dflash.model.drafter import (
     CheckpointError,
     DFlashDraftModel,
-    DraftCache,
     default_target_layer_ids,
     make_draft_config,
 )
@@ -12,7 +11,6 @@ from dflash.model.target import PairMismatchError, TargetModel, validate_pair
 __all__ = [
     "CheckpointError",
     "DFlashDraftModel",
-    "DraftCache",
     "PairMismatchError",
     "TargetModel",
     "default_target_layer_ids",

@@ -9,8 +9,10 @@ Design (DFLASH.md section 2):
   positions of the context. A config field `is_causal: true` (newer reference drafters) makes the block causal.
 - The drafter owns no embedding and no lm_head: the block is embedded with the TARGET's embedding and read out
   through the TARGET's lm_head. Checkpoints therefore hold only the draft layers, `fc`, `hidden_norm`, `norm`.
-- Context K/V lives in a `DraftCache` and persists across cycles; block K/V is never cached. The cache keeps
-  a per-row validity mask so rows of a batch may hold different numbers of context tokens.
+- When decoding, context K/V lives in a static per-row cache (`new_cache`, slot = position) that persists
+  across cycles: `write_context` adds the newly committed positions, `draft` runs one block per row against it.
+  Block K/V is never cached. Rejected context needs no rollback: it lies past the next block's start (masked)
+  and is overwritten.
 
 The checkpoint format is the reference one (config.json with `dflash_config` + model.safetensors, keys without a
 `model.` prefix), so the same directory loads in the reference code, vLLM and SGLang. Weights load from
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from dflash.model.slots import compaction_order, gather_slots
+from dflash.model.slots import StaticKV
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -121,67 +122,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-@dataclass
-class DraftCache:
-    """Per-layer context K/V for the drafter, [batch, kv_heads, T, head_dim], plus which slots are real.
-
-    Rows may receive different numbers of context tokens per cycle: slots are padded and `valid` masks them out.
-    """
-
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    valid: torch.Tensor | None = None  # [b, T] bool
-    positions: torch.Tensor | None = None  # [b, T] long, absolute positions of the context slots
-
-    @property
-    def length(self) -> int:
-        return 0 if self.valid is None else self.valid.shape[1]
-
-    def append_slots(self, valid: torch.Tensor, positions: torch.Tensor) -> None:
-        self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], dim=1)
-
-    def append_layer(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx == len(self.keys):
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=2)
-            self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def add_rows(self, n: int) -> None:
-        """Append n rows with no context yet (requests joining a running batch); their slots are all invalid."""
-        if self.valid is None or n == 0:
-            return
-        pad = lambda t: torch.cat([t, t.new_zeros((n, *t.shape[1:]))])  # noqa: E731
-        self.keys = [pad(k) for k in self.keys]
-        self.values = [pad(v) for v in self.values]
-        self.valid = pad(self.valid)
-        self.positions = pad(self.positions)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (a LongTensor of batch indices), e.g. after some requests finished."""
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
-        if self.valid is not None:
-            self.valid = self.valid.index_select(0, rows)
-            self.positions = self.positions.index_select(0, rows)
-
-    def compact(self) -> None:
-        """Squeeze out slots no row uses once they are most of the cache (rows of a batch add context at
-        different rates, and rows that left leave their columns behind)."""
-        if self.valid is None:
-            return
-        order = compaction_order(self.valid)
-        if order is None:
-            return
-        self.keys = [gather_slots(k, order, 2) for k in self.keys]
-        self.values = [gather_slots(v, order, 2) for v in self.values]
-        self.valid = self.valid.gather(1, order)
-        self.positions = self.positions.gather(1, order)
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -222,14 +162,12 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx_kv, cos, sin, mask, cache: DraftCache | None):
-        """x: block hidden [b, q, H]; ctx_kv: this layer's context K/V (new context only when a cache is used)."""
+    def forward(self, x, ctx_kv, cos, sin, mask):
+        """x: block hidden [b, q, H]; ctx_kv: this layer's context K/V, each [b, kv_heads, c, head_dim]."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_ctx, v_ctx = ctx_kv
-        if cache is not None:
-            k_ctx, v_ctx = cache.append_layer(self.layer_idx, k_ctx, v_ctx)
         k_blk, v_blk = self._kv(x, cos, sin)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
@@ -250,8 +188,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx_kv, cos, sin, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, mask, cache)
+    def forward(self, x, ctx_kv, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -331,38 +269,67 @@ class DFlashDraftModel(nn.Module):
         target_hidden: torch.Tensor,
         context_position_ids: torch.Tensor,
         context_valid: torch.Tensor | None = None,
-        cache: DraftCache | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [b, q, H] (after the final norm) for the block(s) in `noise_embedding`.
+        """Hidden states [b, q, H] (after the final norm) for the block(s) in `noise_embedding`, given the whole
+        context: target_hidden [b, c, n_taps*H] at `context_position_ids` [b, c].
 
-        target_hidden [b, c, n_taps*H] at `context_position_ids` [b, c]: the NEW context when `cache` is given
-        (it is appended to the cache and persists), else the whole context. `context_valid` [b, c] marks real
-        slots (padding otherwise). `attention_mask` [b, 1, q, total_c + q] (bool, True = attend) overrides the
-        default one-block-per-row mask; training uses it to put many blocks of a sequence in one pass.
+        `context_valid` [b, c] marks real slots (padding otherwise). `attention_mask` [b, 1, q, c + q] (bool, True
+        = attend) overrides the default one-block-per-row mask; training uses it to put many blocks of a sequence
+        in one pass. Decoding keeps the context in a cache instead: `write_context` + `draft`.
         """
         ctx = self.project_context(target_hidden)
         if context_valid is None:
             context_valid = torch.ones(ctx.shape[:2], dtype=torch.bool, device=ctx.device)
-        if cache is not None:
-            cache.append_slots(context_valid, context_position_ids)
-            all_valid, all_positions = cache.valid, cache.positions
-        else:
-            all_valid, all_positions = context_valid, context_position_ids
+        ctx_cos, ctx_sin = self.rotary_emb(ctx, context_position_ids)
+        return self._blocks(noise_embedding, position_ids, self.context_kv(ctx, ctx_cos, ctx_sin),
+                            context_position_ids, context_valid, attention_mask)
+
+    def new_cache(self, batch: int, capacity: int) -> StaticKV:
+        """A static context cache for `capacity` positions per row (plus one scratch slot for padding)."""
+        attn = self.layers[0].self_attn
+        return StaticKV(len(self.layers), batch, capacity + 1, attn.num_kv_heads, attn.head_dim, self.dtype,
+                        self.device)
+
+    def write_context(self, cache: StaticKV, target_hidden: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor) -> None:
+        """Project target features [b, c, n_taps*H] at `positions` [b, c] into every layer's context K/V and store
+        them at slot = position. Slots where `valid` is False go to the scratch slot (the last one), which no
+        query attends to, so padded or rejected features never reach the context."""
+        ctx = self.project_context(target_hidden)
+        cos, sin = self.rotary_emb(ctx, positions)
+        slots = torch.where(valid, positions, cache.capacity - 1)
+        for i, (k, v) in enumerate(self.context_kv(ctx, cos, sin)):
+            cache.write(i, slots, k.transpose(1, 2), v.transpose(1, 2))
+
+    def draft(self, cache: StaticKV, noise_embedding: torch.Tensor, position_ids: torch.Tensor,
+              context_len: int | None = None) -> torch.Tensor:
+        """Hidden states [b, q, H] for one block per row at `position_ids` [b, q], attending to the cached context
+        of each row: the slots before the row's block start (and inside the window of sliding layers).
+
+        Only slots [0, context_len) are read (all of them when None: static shapes for compiled steps)."""
+        b = position_ids.shape[0]
+        context_len = context_len or cache.capacity
+        slot_positions = torch.arange(context_len, device=position_ids.device)[None].expand(b, -1)
+        ctx_kv = [(k[:, :context_len].transpose(1, 2), v[:, :context_len].transpose(1, 2))
+                  for k, v in zip(cache.keys, cache.values)]
+        return self._blocks(noise_embedding, position_ids, ctx_kv, slot_positions,
+                            slot_positions < position_ids[:, :1], None)
+
+    def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask):
         hidden = noise_embedding.to(self.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        ctx_cos, ctx_sin = self.rotary_emb(hidden, context_position_ids)
         masks: dict = {}
-        for layer, ctx_kv in zip(self.layers, self.context_kv(ctx, ctx_cos, ctx_sin)):
+        for layer, layer_ctx_kv in zip(self.layers, ctx_kv):
             attn = layer.self_attn
             if attention_mask is not None:
                 mask = attention_mask
             else:
                 key = (attn.sliding_window, attn.is_causal)
                 if key not in masks:
-                    masks[key] = block_attention_mask(position_ids, all_positions, all_valid, *key)
+                    masks[key] = block_attention_mask(position_ids, context_positions, context_valid, *key)
                 mask = masks[key]
-            hidden = layer(hidden, ctx_kv, cos, sin, mask, cache)
+            hidden = layer(hidden, layer_ctx_kv, cos, sin, mask)
         return self.norm(hidden)
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

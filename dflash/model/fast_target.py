@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
+from dflash.model.slots import StaticKV
 from dflash.model.target import TargetModel
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -48,37 +49,6 @@ def fast_path_unsupported(model) -> str | None:
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "fused attention projections"
     return None
-
-
-class StaticKV:
-    """Per-layer K/V [b, capacity, kv_heads, head_dim]; slot p of row r holds position p of row r."""
-
-    def __init__(self, num_layers, batch, capacity, kv_heads, head_dim, dtype, device):
-        shape = (batch, capacity, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
-
-    def ensure_capacity(self, needed: int) -> None:
-        if needed > self.capacity:
-            grow = max(needed, 2 * self.capacity) - self.capacity
-            pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1)  # noqa: E731
-            self.keys = [pad(k) for k in self.keys]
-            self.values = [pad(v) for v in self.values]
-
-    def select_rows(self, idx: torch.Tensor) -> None:
-        self.keys = [k.index_select(0, idx) for k in self.keys]
-        self.values = [v.index_select(0, idx) for v in self.values]
-
-    def merge(self, other: "StaticKV") -> None:
-        width = max(self.capacity, other.capacity)
-        self.ensure_capacity(width)
-        other.ensure_capacity(width)
-        self.keys = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.values, other.values)]
 
 
 class FastTarget:
@@ -112,15 +82,18 @@ class FastTarget:
         kv: StaticKV,
         logit_index: torch.Tensor | None = None,
         capture: bool = True,
+        key_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H]."""
+        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
+
+        Queries attend to cache slots [0, key_len) (all of them when None: static shapes for compiled steps);
+        the caller guarantees every position fits the cache and is < key_len.
+        """
         b, q = input_ids.shape
-        kv.ensure_capacity(int(positions.max()) + 1)
+        key_len = key_len or kv.capacity
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        rows = torch.arange(b, device=x.device)[:, None]
-        key_len = int(positions.max()) + 1
         mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
         taps = self.target.layer_ids if capture else []
         captured = {}
@@ -136,8 +109,7 @@ class FastTarget:
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
             qs = qs * cos + rotate_half(qs) * sin
             ks = ks * cos + rotate_half(ks) * sin
-            kv.keys[i][rows, positions] = ks.transpose(1, 2)
-            kv.values[i][rows, positions] = vs
+            kv.write(i, positions, ks.transpose(1, 2), vs)
             keys = kv.keys[i][:, :key_len].transpose(1, 2)
             values = kv.values[i][:, :key_len].transpose(1, 2)
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,

@@ -1,8 +1,77 @@
-"""Slot-axis helpers shared by the KV caches that keep per-row validity masks (target and drafter)."""
+"""KV storage shared by the engine's caches.
+
+- `StaticKV`: preallocated per-layer K/V [batch, capacity, kv_heads, head_dim] where slot p of row r holds
+  position p of row r. Writing scatters K/V to the slots of their positions, so rolling back rejected tokens is
+  nothing (they sit past the row's length, are masked, and are overwritten) and rows never hold holes. Shapes
+  change only when rows leave or join or the capacity grows, which keeps compiled steps on one graph.
+- `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
+  target path), squeeze the holes out once they are most of the cache.
+
+What this module does not know about: attention, masks, which positions are valid (callers keep lengths).
+"""
 
 from __future__ import annotations
 
 import torch
+
+
+class StaticKV:
+    """Per-layer K/V [b, capacity, kv_heads, head_dim]; slot p of row r holds position p of row r."""
+
+    def __init__(self, num_layers, batch, capacity, kv_heads, head_dim, dtype, device):
+        shape = (batch, capacity, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """CUDA graphs may write these tensors in place only if they are marked as static addresses."""
+        for t in self.keys + self.values:
+            if t.is_cuda:
+                torch._dynamo.mark_static_address(t)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+    def write(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys/values [b, n, kv_heads, head_dim] of layer `layer` at slots `positions` [b, n]."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.keys[layer][rows, positions] = keys
+        self.values[layer][rows, positions] = values
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Grow (at least doubling, so shapes change rarely) until `needed` slots fit."""
+        if needed > self.capacity:
+            grow = max(needed, 2 * self.capacity) - self.capacity
+            pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1)  # noqa: E731
+            self.keys = [pad(k) for k in self.keys]
+            self.values = [pad(v) for v in self.values]
+            self._mark_static()
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.keys = [k.index_select(0, idx) for k in self.keys]
+        self.values = [v.index_select(0, idx) for v in self.values]
+        self._mark_static()
+
+    def add_rows(self, n: int) -> None:
+        """Append n empty rows (requests joining a running batch)."""
+        pad = lambda t: torch.cat([t, t.new_zeros((n, *t.shape[1:]))])  # noqa: E731
+        self.keys = [pad(k) for k in self.keys]
+        self.values = [pad(v) for v in self.values]
+        self._mark_static()
+
+    def merge(self, other: "StaticKV") -> None:
+        width = max(self.capacity, other.capacity)
+        self.ensure_capacity(width)
+        other.ensure_capacity(width)
+        self.keys = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.keys, other.keys)]
+        self.values = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.values, other.values)]
+        self._mark_static()
 
 
 def compaction_order(valid: torch.Tensor) -> torch.Tensor | None:

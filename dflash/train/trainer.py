@@ -335,7 +335,7 @@ class Trainer:
             ctx_mgr = self.model.no_sync() if not sync else _nullcontext()
             with ctx_mgr, autocast:
                 noise = self.drafter.embed(blk.block_ids.to(dev), self.target.embedding_weight)
-                hidden = self.model(noise, blk.position_ids.to(dev), feats, ctx_pos, ctx_valid, None, mask)
+                hidden = self.model(noise, blk.position_ids.to(dev), feats, ctx_pos, ctx_valid, mask)
                 teacher = gather_teacher_logits(tlogits, blk.position_ids.to(dev)) if tlogits is not None else None
                 out = dflash_loss(
                     hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head), blk.labels.to(dev),

@@ -3,7 +3,8 @@
 It mirrors z-lab/dflash `dflash_generate` (batch 1): the target runs with `output_hidden_states=True` (every
 layer's hidden states are materialised, then the tapped ones are concatenated), transformers' DynamicCache is
 cropped after every verify, acceptance is computed with `.item()` host syncs, and the drafter's context is
-recomputed from the accepted positions each cycle. Greedy only (the reference's sampling path checks equality of
+recomputed from the accepted positions each cycle (the drafter's context K/V then goes into its cache, as the
+reference's draft DynamicCache does). Greedy only (the reference's sampling path checks equality of
 a draft with a target sample, which is not the distribution-preserving verifier this project uses).
 
 What this module does not know about: batching, sampling, streaming; it exists to be timed against SpecEngine.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from dflash.model.drafter import DFlashDraftModel, DraftCache
+from dflash.model.drafter import DFlashDraftModel
 
 
 @torch.inference_mode()
@@ -27,7 +28,7 @@ def reference_style_generate(drafter: DFlashDraftModel, target, input_ids: torch
     output_ids = torch.full((1, max_length + block_size), drafter.mask_token_id, dtype=torch.long, device=device)
     position_ids = torch.arange(output_ids.shape[1], device=device)[None]
     cache = DynamicCache()
-    draft_cache = DraftCache()
+    draft_cache = drafter.new_cache(1, max_length + block_size)
     lm_head = target.get_output_embeddings()
     embed = target.get_input_embeddings().weight
 
@@ -41,8 +42,10 @@ def reference_style_generate(drafter: DFlashDraftModel, target, input_ids: torch
     stops = set(stop_token_ids or [])
     while start < max_length:
         block = output_ids[:, start:start + block_size].clone()
-        hidden = drafter(drafter.embed(block, embed), position_ids[:, start:start + block_size], target_hidden,
-                         position_ids[:, ctx_start:start], cache=draft_cache)
+        context_positions = position_ids[:, ctx_start:start]
+        drafter.write_context(draft_cache, target_hidden, context_positions, torch.ones_like(context_positions) > 0)
+        hidden = drafter.draft(draft_cache, drafter.embed(block, embed), position_ids[:, start:start + block_size],
+                               start)
         block[:, 1:] = drafter.compute_logits(hidden[:, 1:], lm_head).argmax(-1)
         out = target(block, position_ids=position_ids[:, start:start + block_size], past_key_values=cache,
                      use_cache=True, output_hidden_states=True)
