@@ -18,6 +18,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -70,14 +74,14 @@ def run_generate(args) -> int:
     from dflash.loading import load_pair
 
     apply_threads(args)
-    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
+    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)
         return 2
     params = _sampling_params(args, tokenizer)
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
-    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size)
-    baseline_engine = SpecEngine(target, None, tokenizer) if args.compare else None
+    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
+    baseline_engine = SpecEngine(target, None, tokenizer, compile=args.compile) if args.compare else None
     if args.compare:  # warm both up so that neither pays first-call costs inside the timed run
         for e in (engine, baseline_engine):
             e.generate([prompt_ids], SamplingParams(max_new_tokens=4))

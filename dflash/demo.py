@@ -32,13 +32,13 @@ def run(args) -> int:
     from dflash.loading import load_pair
 
     apply_threads(args)
-    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
+    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     prompts = load_heldout_prompts(args.num_prompts)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=eos,
                             seed=0 if args.temperature > 0 else None)
-    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size)
-    plain = SpecEngine(target, None, tokenizer)
+    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
+    plain = SpecEngine(target, None, tokenizer, compile=args.compile)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     print(f"dflash demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "
           f"{drafter.num_parameters() / 1e6:.1f}M params, block {spec.block_size}, {len(prompts)} held-out prompts, "

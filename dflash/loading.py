@@ -62,8 +62,28 @@ def default_pair_paths() -> tuple[Path, Path]:
     return DEFAULT_TARGET, DEFAULT_DRAFTER
 
 
+def native_bf16_cpu() -> bool:
+    """True if this CPU multiplies bf16 natively (AVX512-BF16 / AMX), where bf16 matmuls beat fp32 several times."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target_dtype: torch.dtype, device: str) -> torch.dtype:
+    """The drafter's dtype. 'auto': the target's, except bf16 for an fp32 target on a CPU with native bf16.
+
+    Drafts only steer how many tokens are accepted, never which: the verifier alone decides the output, so a
+    lower-precision drafter is still lossless."""
+    if draft_dtype in (None, "auto"):
+        if device == "cpu" and target_dtype == torch.float32 and native_bf16_cpu():
+            return torch.bfloat16
+        return target_dtype
+    return resolve_dtype(draft_dtype, device)
+
+
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
-              dtype: str | torch.dtype | None = None):
+              dtype: str | torch.dtype | None = None, draft_dtype: str | torch.dtype | None = None):
     """(target model, tokenizer, drafter or None). No target and no draft: the shipped default pair."""
     from dflash.model import DFlashDraftModel, TargetModel, validate_pair
 
@@ -74,6 +94,7 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     model, tokenizer = load_target(target, device, dtype)
     drafter = None
     if draft is not None:
-        drafter = DFlashDraftModel.from_pretrained(draft, dtype=model.dtype, device=device)
+        drafter = DFlashDraftModel.from_pretrained(draft, dtype=resolve_draft_dtype(draft_dtype, model.dtype, device),
+                                                   device=device)
         validate_pair(drafter, TargetModel(model))
     return model, tokenizer, drafter

@@ -137,3 +137,23 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
     for rid in prompts:
         if rid != "r1":
             assert results[rid].token_ids == expected[rid], rid
+
+
+def test_lower_precision_drafter_is_lossless_and_still_drafts_well():
+    """A bf16 drafter for an fp32 target (the CPU default where bf16 is native): drafts only steer acceptance."""
+    from dflash.demo import load_heldout_prompts
+    from dflash.loading import load_pair, resolve_draft_dtype
+
+    target, tok, drafter = load_pair(device="cpu", dtype="float32", draft_dtype="bfloat16")
+    assert (target.dtype, drafter.dtype) == (torch.float32, torch.bfloat16)
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(4)]
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
+    plain = SpecEngine(target, None).generate(prompts, params)
+    spec = SpecEngine(target, drafter).generate(prompts, params)
+    full = SpecEngine(target, drafter.float()).generate(prompts, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] == [r.token_ids for r in full]
+    tau = lambda results: sum(sum(r.stats.acceptance_lengths) for r in results) / sum(  # noqa: E731
+        r.stats.num_drafts for r in results)
+    assert tau(full) > 2.5 and tau(spec) > 0.9 * tau(full), (tau(spec), tau(full))
+    assert resolve_draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
+    assert resolve_draft_dtype("float32", torch.bfloat16, "cpu") == torch.float32

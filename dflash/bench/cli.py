@@ -40,6 +40,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "assistant with the default pair; train one with `python -m dflash.bench.assistant`)")
     m.add_argument("--device", default="auto")
     m.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    m.add_argument("--draft-dtype", default="auto",
+                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
+    m.add_argument("--compile", action="store_true", help="compile our engine's draft and verify steps (ar, dflash)")
     m.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all; ar always runs)")
@@ -170,7 +173,8 @@ def run_bench(args, extra_methods=None, console=None) -> int:
                               num_assistant_tokens=args.num_assistant_tokens,
                               prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                               max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
-                              dtype=args.dtype, cache_dir=args.cache_dir)
+                              dtype=args.dtype, draft_dtype=args.draft_dtype, compile=args.compile,
+                              cache_dir=args.cache_dir)
             if cfg.target is None:
                 from dflash.loading import default_pair_paths
 

@@ -62,9 +62,10 @@ class Method:
 class EngineMethod(Method):
     """`ar` or `dflash`: our engine, batch 1."""
 
-    def __init__(self, name: str, target, drafter, tokenizer, params: SamplingParams, block_size: int | None = None):
+    def __init__(self, name: str, target, drafter, tokenizer, params: SamplingParams, block_size: int | None = None,
+                 compile: bool = False):
         self.name = name
-        self.engine = SpecEngine(target, drafter, tokenizer, block_size=block_size)
+        self.engine = SpecEngine(target, drafter, tokenizer, block_size=block_size, compile=compile)
         self.params = params
         self.max_draft = self.engine.block_size - 1
         self.device = self.engine.target.device

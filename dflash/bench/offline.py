@@ -42,6 +42,8 @@ class BenchConfig:
     max_matching_ngram_size: int = 2
     device: str | None = "auto"
     dtype: str | None = "auto"
+    draft_dtype: str | None = "auto"
+    compile: bool = False
     cache_dir: str | None = None
     warmup: bool = True
 
@@ -66,11 +68,11 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     names = ["ar"] + [n for n in names if n != "ar"]
     for name in names:
         if name == "ar":
-            methods.append(EngineMethod("ar", target, None, tokenizer, params))
+            methods.append(EngineMethod("ar", target, None, tokenizer, params, compile=cfg.compile))
         elif name == "dflash":
             if drafter is None:
                 raise ValueError("method dflash needs a drafter (--draft)")
-            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size))
+            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile))
         elif name == "hf-dflash":
             from dflash.model.hf_export import transformers_dflash_available
 
@@ -101,7 +103,7 @@ def load_models(cfg: BenchConfig):
     """(target, tokenizer, drafter, assistant) on one device; the assistant only when hf-assisted is requested."""
     from dflash.loading import load_pair, resolve_device
 
-    target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype)
+    target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype, cfg.draft_dtype)
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; bench needs one to encode prompts")
     assistant = None

@@ -37,6 +37,8 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.fast_target import FastTarget, fast_path_unsupported
 from dflash.model.target import TargetModel, validate_pair
 
+CAPACITY_STEP = 256  # static caches are sized in multiples of this many positions
+
 
 @dataclass
 class RequestStats:
@@ -292,6 +294,7 @@ class SpecEngine:
         prompts = [r.prompt for r in rows]
         capture = self.proposer.needs_features
         capacity = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + self.block_size
+        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP  # few distinct cache shapes: few recompiles
         if self.fast is not None:
             kv, logits, features, positions, valid = StaticTargetKV.prefill(
                 self.fast, prompts, capture, capacity, self.verify_step)

@@ -15,6 +15,7 @@ What this module does not know about: the target's KV cache and sampling of comm
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,12 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False):
         self.drafter = drafter
         self.target = target
+        # the drafter may run in another dtype than the target (e.g. bf16 drafts for an fp32 target on CPU):
+        # drafts only steer acceptance, the verifier alone decides the output
+        self.embedding_weight = target.embedding_weight.to(drafter.dtype)
+        self.lm_head = target.lm_head
+        if target.lm_head.weight.dtype != drafter.dtype:
+            self.lm_head = copy.deepcopy(target.lm_head).to(drafter.dtype)
         self.compiled = compile
         self._write_step, self._draft_step = drafter.write_context, self._draft_tokens
         if compile:
@@ -111,12 +118,12 @@ class DFlashProposer:
         if pad:
             features = F.pad(features, (0, 0, 0, pad))
             positions, valid = F.pad(positions, (0, pad)), F.pad(valid, (0, pad))
+        dense = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731  (same strides: no recompile)
         for i in range(0, features.shape[1], block_size):
             chunk = slice(i, i + block_size)
-            self._write_step(kv, features[:, chunk].contiguous(), positions[:, chunk].contiguous(),
-                             valid[:, chunk].contiguous())
+            self._write_step(kv, dense(features[:, chunk]), dense(positions[:, chunk]), dense(valid[:, chunk]))
 
     def _draft_tokens(self, kv, block: torch.Tensor, positions: torch.Tensor, context_len: int | None):
-        embeds = self.drafter.embed(block, self.target.embedding_weight)
+        embeds = self.drafter.embed(block, self.embedding_weight)
         hidden = self.drafter.draft(kv, embeds, positions, context_len)
-        return self.drafter.compute_logits(hidden[:, 1:], self.target.lm_head).argmax(dim=-1)
+        return self.drafter.compute_logits(hidden[:, 1:], self.lm_head).argmax(dim=-1)

@@ -28,6 +28,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the AR baseline)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--draft-dtype", default="auto",
+                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
@@ -70,10 +74,10 @@ def build_engine(args):
         model, tokenizer = load_target(target_path, args.device, args.dtype)
         drafter = None
     else:
-        model, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
+        model, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
-    engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size)
+    engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
 

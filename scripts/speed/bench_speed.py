@@ -4,8 +4,10 @@ reference-style loop, interleaved prompt by prompt (batch 1, greedy), plus a per
     python scripts/speed/bench_speed.py                      # the shipped default pair, held-out prompts
     python scripts/speed/bench_speed.py --target T --draft D --prompts prompts.jsonl --max-new-tokens 256
 
-Prints a markdown table (tokens/s, ratio to plain decoding and to transformers' DFlash, tau, whether outputs
-equal plain decoding) and writes --json. Every method must produce identical greedy outputs.
+Methods: our engine (eager, and compiled with --compile), plain decoding through our engine (block size 1, eager
+and compiled), transformers' own `generate`, the reference-style loop and transformers' built-in DFlash. Prints a
+markdown table (tokens/s, ratios to plain decoding and to transformers' DFlash, whether outputs equal plain
+decoding) and the per-phase cycle profile, and writes --json. Every method must produce identical greedy outputs.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--draft-dtype", default="auto", help="default: the target's; bf16 on a CPU with native bf16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--compile", action="store_true", help="also time our engine and plain decoding compiled")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target, tok, drafter = load_pair(args.target, args.draft, args.device, args.dtype)
+    target, tok, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if args.prompts:
         texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
     else:
@@ -54,15 +58,20 @@ def main(argv=None) -> int:
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
     block = args.block_size or drafter.block_size
-    ours = SpecEngine(target, drafter, block_size=block, profile=True)
-    plain = SpecEngine(target, None)
+    engines = {"dflash (ours)": SpecEngine(target, drafter, block_size=block, profile=True),
+               "plain decoding": SpecEngine(target, None)}
+    if args.compile:
+        engines["dflash (ours, compiled)"] = SpecEngine(target, drafter, block_size=block, profile=True, compile=True)
+        engines["plain decoding (compiled)"] = SpecEngine(target, None, compile=True)
     assistant = to_transformers_assistant(drafter) if transformers_dflash_available() and block == drafter.block_size else None
 
-    def run_ours(ids):
-        return ours.generate([ids], params)[0].token_ids
+    def engine_runner(engine):
+        return lambda ids: engine.generate([ids], params)[0].token_ids
 
-    def run_plain(ids):
-        return plain.generate([ids], params)[0].token_ids
+    def run_hf_plain(ids):
+        out = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=args.max_new_tokens,
+                              do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+        return out[0, len(ids):].tolist()
 
     def run_reference(ids):
         out = reference_style_generate(drafter, target, torch.tensor([ids], device=target.device),
@@ -75,12 +84,16 @@ def main(argv=None) -> int:
                               eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
         return out[0, len(ids):].tolist()
 
-    methods = {"dflash (ours)": run_ours, "plain decoding": run_plain, "reference-style loop": run_reference}
+    methods = {name: engine_runner(engine) for name, engine in engines.items()}
+    methods["transformers generate"] = run_hf_plain
+    methods["reference-style loop"] = run_reference
     if assistant is not None:
         methods["transformers DFlash"] = run_hf
-    for fn in methods.values():  # warm-up
-        fn(prompts[0][:8])
-    ours.profiler.reset()
+    for fn in methods.values():  # warm-up (compiled steps: the first call compiles)
+        for ids in prompts[:2]:
+            fn(ids)
+    for engine in engines.values():
+        engine.profiler.reset()
     totals = {m: [0, 0.0] for m in methods}
     outputs = {m: [] for m in methods}
     for ids in prompts:
@@ -92,25 +105,24 @@ def main(argv=None) -> int:
             outputs[name].append(toks)
     tps = {m: n / s for m, (n, s) in totals.items()}
     identical = {m: sum(a == b for a, b in zip(outputs[m], outputs["plain decoding"])) for m in methods}
-    profile = ours.profiler.report()
-    cycles = profile["cycles"]
-    tau = (sum(len(o) for o in outputs["dflash (ours)"]) - len(prompts)) / max(cycles, 1)
-    hf = tps.get("transformers DFlash")
+    profiles = {m: e.profiler.report() for m, e in engines.items() if e.block_size > 1}
+    tau = (sum(len(o) for o in outputs["dflash (ours)"]) - len(prompts)) / max(profiles["dflash (ours)"]["cycles"], 1)
+    baselines = [b for b in ("plain decoding", "plain decoding (compiled)", "transformers DFlash") if b in tps]
     print(f"\n{len(prompts)} prompts, max {args.max_new_tokens} new tokens, block {block}, batch 1, greedy, "
-          f"device {target.device}, {torch.get_num_threads()} threads; tau {tau:.2f}\n")
-    print("| method | tokens/s | vs plain | vs transformers DFlash | outputs equal plain |")
-    print("|---|---|---|---|---|")
+          f"device {target.device}, {target.dtype}, {torch.get_num_threads()} threads; tau {tau:.2f}\n")
+    print("| method | tokens/s | " + " | ".join(f"vs {b}" for b in baselines) + " | outputs equal plain |")
+    print("|---|---|" + "---|" * len(baselines) + "---|")
     for m in methods:
-        vs_hf = f"{tps[m] / hf:.2f}x" if hf else "n/a"
-        print(f"| {m} | {tps[m]:.1f} | {tps[m] / tps['plain decoding']:.2f}x | {vs_hf} | "
-              f"{identical[m]}/{len(prompts)} |")
-    ms = profile["ms_per_cycle"]
-    print(f"\nour cycle: {profile['cycle_ms']:.2f} ms = draft {ms['draft']:.2f} + verify {ms['verify']:.2f} + "
-          f"accept {ms['accept']:.2f} + overhead {ms['overhead']:.2f} "
-          f"(overhead share {100 * (profile['share']['accept'] + profile['share']['overhead']):.1f}% incl. acceptance)")
+        ratios = " | ".join(f"{tps[m] / tps[b]:.2f}x" for b in baselines)
+        print(f"| {m} | {tps[m]:.1f} | {ratios} | {identical[m]}/{len(prompts)} |")
+    for m, profile in profiles.items():
+        ms = profile["ms_per_cycle"]
+        print(f"\n{m} cycle: {profile['cycle_ms']:.2f} ms = draft {ms['draft']:.2f} + verify {ms['verify']:.2f} + "
+              f"accept {ms['accept']:.2f} + overhead {ms['overhead']:.2f} (overhead share "
+              f"{100 * (profile['share']['accept'] + profile['share']['overhead']):.1f}% incl. acceptance)")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens_per_second": tps, "identical": identical, "tau": tau,
-                                               "profile": profile, "block_size": block,
+                                               "profiles": profiles, "block_size": block, "dtype": str(target.dtype),
                                                "num_prompts": len(prompts)}, indent=2))
     return 0 if all(v == len(prompts) for v in identical.values()) else 1
 
