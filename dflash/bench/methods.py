@@ -168,7 +168,7 @@ class HFMethod(Method):
 def hf_dflash(target, drafter, tokenizer, params: SamplingParams) -> HFMethod:
     from dflash.model.hf_export import to_transformers_assistant
 
-    assistant = to_transformers_assistant(drafter)
+    assistant = to_transformers_assistant(drafter, dtype=target.dtype)
     return HFMethod("hf-dflash", target, tokenizer, params, max_draft=drafter.block_size - 1,
                     assistant_model=assistant, speculation_type="dflash")
 

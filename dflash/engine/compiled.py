@@ -3,8 +3,8 @@
 Only the per-cycle steps are compiled - the drafter's context write and block forward, and the target's block
 verify on the fast path - because their shapes are static per block size: the static caches are attended over
 their whole capacity (masks, not slices, say which slots are live) and the drafter's context arrives in chunks
-of one block. Prefill, acceptance and bookkeeping stay eager. A shape change (rows joining or leaving, a cache
-growing) costs one recompile, after which torch marks that dimension dynamic.
+of one block. Prefill, acceptance and bookkeeping stay eager. Each new shape (another batch size; a cache grown
+past its size, which comes in steps of 256 positions) compiles one more static graph, once.
 
 On CUDA the steps use mode="reduce-overhead" (CUDA graphs). The caches they write in place are static addresses
 (`StaticKV` marks its CUDA tensors), and outputs are cloned because a graph replay overwrites its last outputs.
@@ -34,11 +34,17 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
+MAX_GRAPHS_PER_STEP = 64  # static graphs kept per step (batch sizes x cache sizes) before falling back to eager
+
+
 def compile_step(fn, device: torch.device):
-    """`fn` compiled without graph breaks; on CUDA captured as CUDA graphs with cloned outputs."""
+    """`fn` compiled without graph breaks, one static graph per input shape; on CUDA captured as CUDA graphs
+    with cloned outputs."""
+    if torch._dynamo.config.recompile_limit < MAX_GRAPHS_PER_STEP:
+        torch._dynamo.config.recompile_limit = MAX_GRAPHS_PER_STEP
     if device.type != "cuda":
-        return torch.compile(fn, fullgraph=True)
-    graphed = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    graphed = torch.compile(fn, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
     @functools.wraps(fn)
     def step(*args, **kwargs):

@@ -28,8 +28,9 @@ def transformers_dflash_available() -> bool:
     return True
 
 
-def to_transformers_assistant(drafter: DFlashDraftModel):
-    """A `MuseGlimmerAssistantModel` holding `drafter`'s weights, for transformers' own DFlash generation."""
+def to_transformers_assistant(drafter: DFlashDraftModel, dtype: torch.dtype | None = None):
+    """A `MuseGlimmerAssistantModel` holding `drafter`'s weights (in `dtype`, default the drafter's), for
+    transformers' own DFlash generation, which needs the assistant in the target's dtype."""
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
     if getattr(drafter.config, "is_causal", False):
@@ -63,7 +64,7 @@ def to_transformers_assistant(drafter: DFlashDraftModel):
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping to transformers' assistant failed: missing {missing}, unexpected {unexpected}")
-    return model.to(device=drafter.device, dtype=drafter.dtype).eval()
+    return model.to(device=drafter.device, dtype=dtype or drafter.dtype).eval()
 
 
 @torch.inference_mode()

@@ -63,10 +63,18 @@ def main(argv=None) -> int:
     if args.compile:
         engines["dflash (ours, compiled)"] = SpecEngine(target, drafter, block_size=block, profile=True, compile=True)
         engines["plain decoding (compiled)"] = SpecEngine(target, None, compile=True)
-    assistant = to_transformers_assistant(drafter) if transformers_dflash_available() and block == drafter.block_size else None
+    assistant = None  # transformers' DFlash runs the drafter in the target's dtype (it cannot mix them)
+    if transformers_dflash_available() and block == drafter.block_size:
+        assistant = to_transformers_assistant(drafter, dtype=target.dtype)
 
-    def engine_runner(engine):
-        return lambda ids: engine.generate([ids], params)[0].token_ids
+    acceptance = {name: [] for name in engines}  # acceptance lengths of the timed runs
+
+    def engine_runner(name):
+        def run(ids):
+            result = engines[name].generate([ids], params)[0]
+            acceptance[name].extend(result.stats.acceptance_lengths)
+            return result.token_ids
+        return run
 
     def run_hf_plain(ids):
         out = target.generate(torch.tensor([ids], device=target.device), max_new_tokens=args.max_new_tokens,
@@ -84,7 +92,7 @@ def main(argv=None) -> int:
                               eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
         return out[0, len(ids):].tolist()
 
-    methods = {name: engine_runner(engine) for name, engine in engines.items()}
+    methods = {name: engine_runner(name) for name in engines}
     methods["transformers generate"] = run_hf_plain
     methods["reference-style loop"] = run_reference
     if assistant is not None:
@@ -92,8 +100,9 @@ def main(argv=None) -> int:
     for fn in methods.values():  # warm-up (compiled steps: the first call compiles)
         for ids in prompts[:2]:
             fn(ids)
-    for engine in engines.values():
+    for name, engine in engines.items():
         engine.profiler.reset()
+        acceptance[name].clear()
     totals = {m: [0, 0.0] for m in methods}
     outputs = {m: [] for m in methods}
     for ids in prompts:
@@ -106,10 +115,11 @@ def main(argv=None) -> int:
     tps = {m: n / s for m, (n, s) in totals.items()}
     identical = {m: sum(a == b for a, b in zip(outputs[m], outputs["plain decoding"])) for m in methods}
     profiles = {m: e.profiler.report() for m, e in engines.items() if e.block_size > 1}
-    tau = (sum(len(o) for o in outputs["dflash (ours)"]) - len(prompts)) / max(profiles["dflash (ours)"]["cycles"], 1)
+    tau = sum(acceptance["dflash (ours)"]) / max(len(acceptance["dflash (ours)"]), 1)  # mean acceptance length
     baselines = [b for b in ("plain decoding", "plain decoding (compiled)", "transformers DFlash") if b in tps]
     print(f"\n{len(prompts)} prompts, max {args.max_new_tokens} new tokens, block {block}, batch 1, greedy, "
-          f"device {target.device}, {target.dtype}, {torch.get_num_threads()} threads; tau {tau:.2f}\n")
+          f"device {target.device}, target {target.dtype}, our drafter {drafter.dtype}, "
+          f"{torch.get_num_threads()} threads; tau {tau:.2f}\n")
     print("| method | tokens/s | " + " | ".join(f"vs {b}" for b in baselines) + " | outputs equal plain |")
     print("|---|---|" + "---|" * len(baselines) + "---|")
     for m in methods:
