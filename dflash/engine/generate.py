@@ -12,6 +12,7 @@ autoregressive decoding through the same code: the baseline every speedup is mea
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
+`compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`).
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
 (holes included) rather than tokens, so they are exact only while the context fits the window.
 

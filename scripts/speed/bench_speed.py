@@ -131,6 +131,7 @@ def main(argv=None) -> int:
               f"accept {ms['accept']:.2f} + overhead {ms['overhead']:.2f} (overhead share "
               f"{100 * (profile['share']['accept'] + profile['share']['overhead']):.1f}% incl. acceptance)")
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"tokens_per_second": tps, "identical": identical, "tau": tau,
                                                "profiles": profiles, "block_size": block, "dtype": str(target.dtype),
                                                "num_prompts": len(prompts)}, indent=2))
