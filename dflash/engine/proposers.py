@@ -89,10 +89,8 @@ class DFlashProposer:
         if target.lm_head.weight.dtype != drafter.dtype:
             self.lm_head = copy.deepcopy(target.lm_head).to(drafter.dtype)
         self.compiled = compile
-        self._write_step, self._draft_step = drafter.write_context, self._draft_tokens
-        if compile:
-            self._write_step = compile_step(drafter.write_context, drafter.device)
-            self._draft_step = compile_step(self._draft_tokens, drafter.device)
+        self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
+        self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else self._draft_tokens
 
     def new_batch_state(self) -> DraftRows:
         return DraftRows()
