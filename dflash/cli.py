@@ -13,17 +13,23 @@ import sys
 from dflash.loading import DefaultPairMissing
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's choice)") -> None:
+    """--target/--draft, the device and precision flags, --block-size and --threads (generate, demo, serve)."""
     p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
+    add_device_args(p)
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--threads", type=int, default=None, help=threads_help)
+
+
+def add_device_args(p) -> None:
+    """--device, --dtype, --draft-dtype and --compile (also used by `dflash bench`)."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--draft-dtype", default="auto",
                    help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
     p.add_argument("--compile", action="store_true",
                    help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -122,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with speculative decoding")
-    _add_model_args(g)
+    add_model_args(g)
     _add_sampling_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -132,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=run_generate)
 
     d = sub.add_parser("demo", help="the main job: the shipped pair on held-out prompts, vs plain decoding")
-    _add_model_args(d)
+    add_model_args(d)
     d.add_argument("--num-prompts", type=int, default=8)
     d.add_argument("--max-new-tokens", type=int, default=128)
     d.add_argument("--temperature", type=float, default=0.0)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from dflash.bench.methods import ALL_METHODS
+from dflash.cli import add_device_args
 
 
 def _csv(value: str) -> list[str]:
@@ -38,11 +39,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--assistant", default=None,
                    help="small autoregressive draft model for hf-assisted (default: dflash/assets/default_pair/"
                         "assistant with the default pair; train one with `python -m dflash.bench.assistant`)")
-    m.add_argument("--device", default="auto")
-    m.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    m.add_argument("--draft-dtype", default="auto",
-                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
-    m.add_argument("--compile", action="store_true", help="compile our engine's draft and verify steps (ar, dflash)")
+    add_device_args(m)
     m.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all; ar always runs)")

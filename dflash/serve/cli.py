@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from dflash.cli import add_model_args
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -23,16 +25,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "decoding and continuous batching; /metrics for Prometheus, /health.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair)")
-    p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair's)")
+    add_model_args(p, threads_help="CPU threads for the engine (default: 1 on CPU, where more threads measured slower)")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the AR baseline)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--draft-dtype", default="auto",
-                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a batch slot; beyond that the server answers 429 (default 64)")
@@ -44,8 +38,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DFLASH_API_KEY, else open)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the target directory's name)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the engine (default: 1 on CPU, where more threads measured slower)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
