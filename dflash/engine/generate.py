@@ -341,12 +341,12 @@ class SpecEngine:
 
         kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
         width = int(kept.max())
-        kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
-        state.kv.keep(kept, width, kept_valid)
+        kept_valid = torch.arange(self.block_size, device=dev)[None] < kept[:, None]
+        state.kv.keep(kept, width, kept_valid[:, :width])
         if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
             state.features = features
             state.feature_positions = positions
-            state.feature_valid = torch.arange(self.block_size, device=dev)[None] < kept[:, None]
+            state.feature_valid = kept_valid
         accepted = verdict.num_accepted.tolist()
         block_list = block.tolist()
         for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block_list):
