@@ -7,7 +7,8 @@ A method is stateless; what it remembers per row lives in a state object it crea
 
 - `DFlashProposer`: the target features of the newly committed positions are written into the drafter's static
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
-  With `compile=True` both steps are compiled (`compiled.py`); features then arrive in chunks of one block.
+  With `compile=True` (`compiled.py`) features arrive in chunks of one block and the write of the last chunk
+  and the draft run as ONE compiled graph (one call, one guard check per cycle).
 - `NoProposer`: plain autoregressive decoding (block size 1) through the same engine, the baseline.
 
 What this module does not know about: the target's KV cache and sampling of committed tokens.
@@ -90,7 +91,7 @@ class DFlashProposer:
             self.lm_head = copy.deepcopy(target.lm_head).to(drafter.dtype)
         self.compiled = compile
         self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
-        self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else self._draft_tokens
+        self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None
 
     def new_batch_state(self) -> DraftRows:
         return DraftRows()
@@ -101,27 +102,30 @@ class DFlashProposer:
         if state.kv is None:
             state.kv = self.drafter.new_cache(b, inp.capacity)
         state.kv.ensure_capacity(inp.capacity + 1)  # + the scratch slot
-        self._write_context(state.kv, inp.new_features.to(dev), inp.new_positions.to(dev), inp.new_valid.to(dev),
-                            block_size)
+        features, positions, valid = inp.new_features.to(dev), inp.new_positions.to(dev), inp.new_valid.to(dev)
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = inp.bonus.to(dev)
-        context_len = None if self.compiled else inp.context_len
-        return self._draft_step(state.kv, block, inp.positions.to(dev), context_len).to(inp.bonus.device), None
-
-    def _write_context(self, kv, features, positions, valid, block_size: int) -> None:
         if not self.compiled:
-            self.drafter.write_context(kv, features, positions, valid)
-            return
-        pad = -features.shape[1] % block_size  # compiled: one static chunk shape, whatever arrived
+            return self._draft_tokens(state.kv, features, positions, valid, block, inp.positions.to(dev),
+                                      inp.context_len).to(inp.bonus.device), None
+        # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
+        # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
+        pad = -features.shape[1] % block_size
         if pad:
             features = F.pad(features, (0, 0, 0, pad))
             positions, valid = F.pad(positions, (0, pad)), F.pad(valid, (0, pad))
         dense = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731  (same strides: no recompile)
-        for i in range(0, features.shape[1], block_size):
-            chunk = slice(i, i + block_size)
-            self._write_step(kv, dense(features[:, chunk]), dense(positions[:, chunk]), dense(valid[:, chunk]))
+        chunks = [(dense(features[:, i:i + block_size]), dense(positions[:, i:i + block_size]),
+                   dense(valid[:, i:i + block_size])) for i in range(0, features.shape[1], block_size)]
+        for chunk in chunks[:-1]:
+            self._write_step(state.kv, *chunk)
+        drafts = self._draft_step(state.kv, *chunks[-1], block, inp.positions.to(dev), None)
+        return drafts.to(inp.bonus.device), None
 
-    def _draft_tokens(self, kv, block: torch.Tensor, positions: torch.Tensor, context_len: int | None):
+    def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
+                      positions: torch.Tensor, context_len: int | None) -> torch.Tensor:
+        """Write the newly committed context into the drafter's cache, then draft one block per row."""
+        self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
         hidden = self.drafter.draft(kv, embeds, positions, context_len)
         return self.drafter.compute_logits(hidden[:, 1:], self.lm_head).argmax(dim=-1)
