@@ -10,6 +10,7 @@ import torch
 
 from dflash.engine import SamplingParams, SpecEngine
 from dflash.engine.compiled import compile_unavailable
+from dflash.engine.generate import batch_bucket
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
@@ -46,6 +47,43 @@ def test_compiled_verify_with_long_accepted_runs(qwen3):
     results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
     assert [r.token_ids for r in results] == expected
     assert max(max(r.stats.acceptance_lengths) for r in results) == 6  # some whole blocks accepted
+
+
+def test_warmup_compiles_every_batch_bucket_so_requests_never_recompile(qwen3):
+    target, expected = qwen3
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True)
+    assert engine.warmup(4) == [1, 2, 4]
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # 3 rows run padded to 4, as do 4
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+        assert [r.token_ids for r in engine.generate(PROMPTS + PROMPTS[:1], params)] == expected + expected[:1]
+        assert engine.generate(PROMPTS[1:2], params)[0].token_ids == expected[1]
+    assert SpecEngine(target, make_drafter(target, block_size=4)).warmup(4) == []  # not compiled: nothing to do
+
+
+def test_compiled_continuous_batching_rows_join_and_leave(qwen3):
+    """Rows finish at different times and new rows join a running batch: the caches stay padded to the bucket
+    of the live row count, and every row still gets exactly the target's greedy output."""
+    target, expected = qwen3
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True)
+    first = [SamplingParams(max_new_tokens=n) for n in (6, MAX_NEW, 13)]
+    batch = engine.open_batch()
+    outputs: dict = {}
+
+    def collect(events):
+        for e in events:
+            outputs.setdefault(e.index, []).extend(e.token_ids)
+        assert batch.kv is None or not batch.rows or batch.kv.num_rows == batch_bucket(len(batch.rows))
+
+    collect(engine.add(batch, PROMPTS, first, request_ids=["a0", "a1", "a2"]))
+    collect(engine.step(batch))
+    collect(engine.step(batch))
+    collect(engine.add(batch, PROMPTS[::-1], SamplingParams(max_new_tokens=MAX_NEW), request_ids=["b2", "b1", "b0"]))
+    while batch.rows:
+        collect(engine.step(batch))
+    for i, p in enumerate(first):
+        assert outputs[f"a{i}"] == expected[i][:p.max_new_tokens]
+        assert outputs[f"b{i}"] == expected[i]
 
 
 def test_compile_needs_the_fast_path():

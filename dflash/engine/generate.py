@@ -215,11 +215,26 @@ class SpecEngine:
         while batch.rows:
             yield from self.step(batch)
 
+    def warmup(self, max_batch_size: int = 1) -> list[int]:
+        """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
+        generation per bucket, so that the first requests do not wait for the compiler. Covers the smallest
+        cache size; requests that need a larger cache compile theirs on first use. Returns the buckets warmed
+        ([] for an engine that is not compiled)."""
+        if self.verify_step is None:
+            return []
+        buckets = sorted({batch_bucket(n) for n in range(1, max_batch_size + 1)})
+        params = SamplingParams(max_new_tokens=self.block_size + 1)  # at least one full cycle
+        prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
+        for rows in buckets:
+            self.generate([prompt] * rows, params)
+        return buckets
+
     # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
 
     def open_batch(self) -> "Batch":
         """An empty live batch. Drive it with `add` (between cycles) and `step` (one cycle)."""
-        return Batch(proposer_state=self.proposer.new_batch_state())
+        # compiled steps see the batch padded to a power of two (`batch_bucket`): few graphs, whatever the load
+        return Batch(proposer_state=self.proposer.new_batch_state(), bucketed=self.verify_step is not None)
 
     @torch.inference_mode()
     def add(
@@ -321,20 +336,32 @@ class SpecEngine:
     def _cycle(self, state: "Batch") -> None:
         rows, dev, prof = state.rows, self.target.device, self.profiler
         prof.start()
-        bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
-        n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
+        n, padded = len(rows), state.kv.num_rows  # padded > n: the rows past n are padding (`batch_bucket`)
+        bonus = torch.tensor([r.bonus for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
+        n_cached = torch.tensor([r.n_cached for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
         context_len = max(r.n_cached for r in rows)
+        features = state.features
+        if features is not None and padded > n:
+            features = (pad_rows(features, padded), pad_rows(state.feature_positions, padded),
+                        pad_rows(state.feature_valid, padded))  # padding rows' features are invalid: never read
+        else:
+            features = (features, state.feature_positions, state.feature_valid)
         drafts, draft_probs = self.proposer.propose(
             state.proposer_state,
-            ProposalInput(bonus, positions, state.features, state.feature_positions, state.feature_valid,
-                          [r.history for r in rows], [r.index for r in rows], state.capacity, context_len),
+            ProposalInput(bonus, positions, *features, [r.history for r in rows], [r.index for r in rows],
+                          state.capacity, context_len),
             self.block_size,
         )
+        drafts = pad_rows(drafts, padded)  # a method that only drafts for the live rows
         block = torch.cat([bonus[:, None], drafts], dim=1)
         prof.mark("draft")
         logits, features = state.kv.verify(block, positions, self.proposer.needs_features,
                                            context_len + self.block_size)
+        if padded > n:
+            block, positions, logits, drafts = block[:n], positions[:n], logits[:n], drafts[:n]
+            features = features[:n] if features is not None else None
+            draft_probs = draft_probs[:n] if draft_probs is not None else None
         prof.mark("verify")
         verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
         prof.mark("accept")
@@ -445,18 +472,21 @@ class Batch:
     feature_valid: torch.Tensor | None = None
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
     capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
+    bucketed: bool = False  # caches hold batch_bucket(len(rows)) rows; those past the live rows are padding
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]
-        self.kv.select_rows(idx)
-        if self.features is not None:
+        if self.features is not None:  # per-cycle inputs hold the live rows only
             self.features = self.features.index_select(0, idx)
             self.feature_positions = self.feature_positions.index_select(0, idx)
             self.feature_valid = self.feature_valid.index_select(0, idx)
+        if self.bucketed:  # padding rows copy a live row: their contents are never read
+            idx = torch.cat([idx, idx[:1].expand(batch_bucket(len(idx)) - len(idx))])
+        self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
 
     def merge(self, other: "Batch") -> None:
-        """Append `other`'s rows (freshly prefilled by the same engine) below ours."""
+        """Append `other`'s rows (freshly prefilled by the same engine, unpadded) below ours."""
         if not other.rows:
             return
         if not self.rows:
@@ -464,10 +494,18 @@ class Batch:
             self.features, self.feature_positions, self.feature_valid = (
                 other.features, other.feature_positions, other.feature_valid)
             self.proposer_state, self.capacity = other.proposer_state, other.capacity
+            self._pad_to_bucket()
             return
-        self.rows = self.rows + other.rows
+        live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
-        self.kv.merge(other.kv)
+        pad = batch_bucket(len(self.rows)) - len(self.rows) if self.bucketed else 0
+        if self.kv.num_rows > live:  # drop our padding rows; the new rows go right below the live ones
+            self.kv.merge(other.kv, keep=live, pad=pad)
+            self.proposer_state.select_rows(torch.arange(live, device=self.kv.device))
+        elif pad:
+            self.kv.merge(other.kv, pad=pad)
+        else:
+            self.kv.merge(other.kv)
         if self.features is not None:
             width = max(self.features.shape[1], other.features.shape[1])
             self.features = torch.cat([left_pad(self.features, width, 1), left_pad(other.features, width, 1)])
@@ -475,5 +513,22 @@ class Batch:
                                                 left_pad(other.feature_positions, width, 1)])
             self.feature_valid = torch.cat([left_pad(self.feature_valid, width, 1),
                                             left_pad(other.feature_valid, width, 1)])
-        self.proposer_state.add_rows(len(other.rows))
+        self.proposer_state.add_rows(len(other.rows) + pad)
 
+    def _pad_to_bucket(self) -> None:
+        pad = batch_bucket(len(self.rows)) - self.kv.num_rows if self.bucketed else 0
+        if pad > 0:
+            self.kv.add_rows(pad)
+            self.proposer_state.add_rows(pad)
+
+
+def batch_bucket(n: int) -> int:
+    """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
+    moves between 1 and N compiles about log2(N) graphs per step instead of N."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with zero/False rows appended along dim 0 up to `rows`."""
+    missing = rows - x.shape[0]
+    return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))]) if missing > 0 else x

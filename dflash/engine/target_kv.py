@@ -63,6 +63,14 @@ class DynamicTargetKV:
         self.slot_mask = torch.cat([self.slot_mask, kept_valid], dim=1)
         self.compact()
 
+    @property
+    def num_rows(self) -> int:
+        return self.slot_mask.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mask.device
+
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
         self.slot_mask = self.slot_mask.index_select(0, idx)
@@ -118,8 +126,20 @@ class StaticTargetKV:
     def keep(self, kept: torch.Tensor, width: int, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots
 
+    @property
+    def num_rows(self) -> int:
+        return self.kv.batch
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.keys[0].device
+
     def select_rows(self, idx: torch.Tensor) -> None:
         self.kv.select_rows(idx)
 
-    def merge(self, other: "StaticTargetKV") -> None:
-        self.kv.merge(other.kv)
+    def add_rows(self, n: int) -> None:
+        self.kv.add_rows(n)
+
+    def merge(self, other: "StaticTargetKV", keep: int | None = None, pad: int = 0) -> None:
+        """Rows [0, keep) of ours, other's rows, then `pad` padding rows (see `StaticKV.merge`)."""
+        self.kv.merge(other.kv, keep, pad)

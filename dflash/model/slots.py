@@ -65,12 +65,21 @@ class StaticKV:
         self.values = [pad(v) for v in self.values]
         self._mark_static()
 
-    def merge(self, other: "StaticKV") -> None:
+    def merge(self, other: "StaticKV", keep: int | None = None, pad: int = 0) -> None:
+        """Rows [0, keep) of self (all by default), then all of other's, then `pad` empty rows: one copy."""
         width = max(self.capacity, other.capacity)
         self.ensure_capacity(width)
         other.ensure_capacity(width)
-        self.keys = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.keys, other.keys)]
-        self.values = [torch.cat([a[:, :width], b[:, :width]]) for a, b in zip(self.values, other.values)]
+        keep = self.batch if keep is None else keep
+
+        def joined(a, b):
+            parts = [a[:keep, :width], b[:, :width]]
+            if pad:
+                parts.append(a.new_zeros((pad, width, *a.shape[2:])))
+            return torch.cat(parts)
+
+        self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
+        self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
         self._mark_static()
 
 

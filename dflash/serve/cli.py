@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from dflash.cli import add_model_args
 
@@ -91,8 +92,14 @@ def run_serve(args) -> int:
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                          api_key=args.api_key or None, drain_timeout=args.drain_timeout, threads=args.threads)
     app = create_app(engine, config)
+    log = logging.getLogger("dflash.serve")
+    if args.compile:
+        log.info("compiling the draft and verify steps for batches of up to %d rows ...", args.max_batch_size)
+        start = time.perf_counter()
+        buckets = engine.warmup(args.max_batch_size)
+        log.info("compiled for batch buckets %s in %.0f s", buckets, time.perf_counter() - start)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
-    logging.getLogger("dflash.serve").info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
+    log.info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_timeout + 5)
     return 0
