@@ -4,7 +4,7 @@
 #   2. regenerate  the target's OWN greedy responses to the train prompts -> data/default_pair/regen/
 #   3. train       the DFlash drafter on them (random anchors, decayed loss), evaluating tau with the engine
 #                  (32 anchors per sequence instead of the paper's 512: on a CPU the loss over 8192 logits per
-#                  block position dominates the step; 1500 steps x 8 sequences took ~29 min on 2 cores)
+#                  block position dominates the step; 4000 steps x 8 sequences take ~80 min on 2 cores)
 #   4. export      the final checkpoint (reference format, bf16) into the package assets
 # Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
 # Usage: scripts/default_pair/build_drafter.sh [--force] [extra `dflash train` flags...]   (PY=python to choose)
@@ -32,13 +32,17 @@ echo "== [2/4] regenerate responses with the target (greedy, 128 new tokens)"
 
 echo "== [3/4] train the drafter"
 [ "$FORCE" = 1 ] && rm -rf "$RUN"
-RESUME=()
-[ -d "$RUN/checkpoints" ] && RESUME=(--resume)
-"$PY" -m dflash.cli train --target "$TARGET" --data "$REGEN" --output-dir "$RUN" \
-    --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
-    --max-steps 1500 --batch-size 8 --max-length 512 --num-anchors 32 --lr 6e-4 --seed 0 \
-    --eval-prompts dflash/assets/default_pair/heldout_prompts.jsonl --eval-limit 16 --eval-every 500 \
-    --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
+# two stages, as the shipped drafter was trained: 1500 steps (cosine to zero), then resumed to 4000 steps (the
+# scheduler's cosine is stretched to 4000 at the resume, so the learning rate restarts at ~70 % of its peak)
+for STEPS in 1500 4000; do
+    RESUME=()
+    [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
+    "$PY" -m dflash.cli train --target "$TARGET" --data "$REGEN" --output-dir "$RUN" \
+        --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
+        --max-steps "$STEPS" --batch-size 8 --max-length 512 --num-anchors 32 --lr 6e-4 --seed 0 \
+        --eval-prompts dflash/assets/default_pair/heldout_prompts.jsonl --eval-limit 16 --eval-every 500 \
+        --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
+done
 
 echo "== [4/4] export"
 rm -rf "$OUT"
