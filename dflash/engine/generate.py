@@ -12,7 +12,8 @@ autoregressive decoding through the same code: the baseline every speedup is mea
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
-`compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`).
+`compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`) and pads the batch
+to a power of two (`batch_bucket`), so requests joining and leaving reuse a handful of graphs.
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
 (holes included) rather than tokens, so they are exact only while the context fits the window.
 
@@ -341,15 +342,12 @@ class SpecEngine:
         n_cached = torch.tensor([r.n_cached for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
         context_len = max(r.n_cached for r in rows)
-        features = state.features
-        if features is not None and padded > n:
-            features = (pad_rows(features, padded), pad_rows(state.feature_positions, padded),
-                        pad_rows(state.feature_valid, padded))  # padding rows' features are invalid: never read
-        else:
-            features = (features, state.feature_positions, state.feature_valid)
+        context = (state.features, state.feature_positions, state.feature_valid)
+        if state.features is not None and padded > n:  # padding rows' features are invalid: never read
+            context = tuple(pad_rows(t, padded) for t in context)
         drafts, draft_probs = self.proposer.propose(
             state.proposer_state,
-            ProposalInput(bonus, positions, *features, [r.history for r in rows], [r.index for r in rows],
+            ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
                           state.capacity, context_len),
             self.block_size,
         )
@@ -499,11 +497,9 @@ class Batch:
         live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
         pad = batch_bucket(len(self.rows)) - len(self.rows) if self.bucketed else 0
-        if self.kv.num_rows > live:  # drop our padding rows; the new rows go right below the live ones
+        if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)
             self.proposer_state.select_rows(torch.arange(live, device=self.kv.device))
-        elif pad:
-            self.kv.merge(other.kv, pad=pad)
         else:
             self.kv.merge(other.kv)
         if self.features is not None:
