@@ -499,7 +499,6 @@ class Batch:
         pad = batch_bucket(len(self.rows)) - len(self.rows) if self.bucketed else 0
         if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)
-            self.proposer_state.select_rows(torch.arange(live, device=self.kv.device))
         else:
             self.kv.merge(other.kv)
         if self.features is not None:
@@ -509,13 +508,14 @@ class Batch:
                                                 left_pad(other.feature_positions, width, 1)])
             self.feature_valid = torch.cat([left_pad(self.feature_valid, width, 1),
                                             left_pad(other.feature_valid, width, 1)])
-        self.proposer_state.add_rows(len(other.rows) + pad)
+        self.proposer_state.join_rows(live, len(other.rows) + pad)
 
     def _pad_to_bucket(self) -> None:
-        pad = batch_bucket(len(self.rows)) - self.kv.num_rows if self.bucketed else 0
+        live = len(self.rows)
+        pad = batch_bucket(live) - live if self.bucketed else 0
         if pad > 0:
-            self.kv.add_rows(pad)
-            self.proposer_state.add_rows(pad)
+            self.kv.join_rows(live, pad)
+            self.proposer_state.join_rows(live, pad)
 
 
 def batch_bucket(n: int) -> int:

@@ -2,8 +2,8 @@
 shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
-(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left) and `add_rows(n)`
-(rows joined at the bottom).
+(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left) and
+`join_rows(keep, add)` (rows [0, keep) stay, `add` new rows join below them).
 
 - `DFlashProposer`: the target features of the newly committed positions are written into the drafter's static
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
@@ -46,7 +46,7 @@ class NoRowState:
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
-    def add_rows(self, n: int) -> None:
+    def join_rows(self, keep: int, add: int) -> None:
         pass
 
 
@@ -70,9 +70,9 @@ class DraftRows:
         if self.kv is not None:
             self.kv.select_rows(rows)
 
-    def add_rows(self, n: int) -> None:
+    def join_rows(self, keep: int, add: int) -> None:
         if self.kv is not None:
-            self.kv.add_rows(n)
+            self.kv.join_rows(keep, add)
 
 
 class DFlashProposer:

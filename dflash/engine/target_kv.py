@@ -67,10 +67,6 @@ class DynamicTargetKV:
     def num_rows(self) -> int:
         return self.slot_mask.shape[0]
 
-    @property
-    def device(self) -> torch.device:
-        return self.slot_mask.device
-
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
         self.slot_mask = self.slot_mask.index_select(0, idx)
@@ -130,15 +126,11 @@ class StaticTargetKV:
     def num_rows(self) -> int:
         return self.kv.batch
 
-    @property
-    def device(self) -> torch.device:
-        return self.kv.keys[0].device
-
     def select_rows(self, idx: torch.Tensor) -> None:
         self.kv.select_rows(idx)
 
-    def add_rows(self, n: int) -> None:
-        self.kv.add_rows(n)
+    def join_rows(self, keep: int, add: int) -> None:
+        self.kv.join_rows(keep, add)
 
     def merge(self, other: "StaticTargetKV", keep: int | None = None, pad: int = 0) -> None:
         """Rows [0, keep) of ours, other's rows, then `pad` padding rows (see `StaticKV.merge`)."""

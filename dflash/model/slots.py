@@ -3,7 +3,9 @@
 - `StaticKV`: preallocated per-layer K/V [batch, capacity, kv_heads, head_dim] where slot p of row r holds
   position p of row r. Writing scatters K/V to the slots of their positions, so rolling back rejected tokens is
   nothing (they sit past the row's length, are masked, and are overwritten) and rows never hold holes. Shapes
-  change only when rows leave or join or the capacity grows, which keeps compiled steps on one graph.
+  change only when the row count or the capacity changes, which keeps compiled steps on one graph; rows leaving
+  or joining without changing the row count (a padded batch) are handled in place, so the tensors keep their
+  addresses and CUDA graphs replay without re-recording (torch re-records at most 128 times, then gives up).
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
 
@@ -54,29 +56,40 @@ class StaticKV:
             self._mark_static()
 
     def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep rows `idx`, in that order. In place when the row count stays (see the module docstring)."""
+        if idx.numel() == self.batch:
+            for t in self.keys + self.values:
+                t.copy_(t.index_select(0, idx))
+            return
         self.keys = [k.index_select(0, idx) for k in self.keys]
         self.values = [v.index_select(0, idx) for v in self.values]
         self._mark_static()
 
-    def add_rows(self, n: int) -> None:
-        """Append n empty rows (requests joining a running batch)."""
-        pad = lambda t: torch.cat([t, t.new_zeros((n, *t.shape[1:]))])  # noqa: E731
-        self.keys = [pad(k) for k in self.keys]
-        self.values = [pad(v) for v in self.values]
+    def join_rows(self, keep: int, add: int) -> None:
+        """Rows [0, keep) stay, then `add` fresh rows. In place when the row count stays: a fresh row's slots are
+        written before they are read (slot = position), so what an earlier occupant left there never shows."""
+        if keep + add == self.batch:
+            return
+        fresh = lambda t: torch.cat([t[:keep], t.new_zeros((add, *t.shape[1:]))])  # noqa: E731
+        self.keys = [fresh(k) for k in self.keys]
+        self.values = [fresh(v) for v in self.values]
         self._mark_static()
 
     def merge(self, other: "StaticKV", keep: int | None = None, pad: int = 0) -> None:
-        """Rows [0, keep) of self (all by default), then all of other's, then `pad` empty rows: one copy."""
+        """Rows [0, keep) of self (all by default), then all of other's, then `pad` fresh rows. In place when the
+        row count stays and other's rows fit, otherwise one copy."""
+        keep = self.batch if keep is None else keep
+        rows = slice(keep, keep + other.batch)
+        if keep + other.batch + pad == self.batch and other.capacity <= self.capacity:
+            for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
+                mine[rows, :other.capacity].copy_(theirs)
+            return
         width = max(self.capacity, other.capacity)
         self.ensure_capacity(width)
         other.ensure_capacity(width)
-        keep = self.batch if keep is None else keep
 
         def joined(a, b):
-            parts = [a[:keep, :width], b[:, :width]]
-            if pad:
-                parts.append(a.new_zeros((pad, width, *a.shape[2:])))
-            return torch.cat(parts)
+            return torch.cat([a[:keep], b, a.new_zeros((pad, width, *a.shape[2:]))])
 
         self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
         self.values = [joined(a, b) for a, b in zip(self.values, other.values)]

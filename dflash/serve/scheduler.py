@@ -183,6 +183,7 @@ class Scheduler:
                 self._count_finish(req, "abort", 0)
         if admit:
             self._admit(admit)
+            self.num_running = len(self._batch.rows)  # admitted rows run from now (their first tokens are out)
         if self._batch.rows:
             try:
                 events = self.engine.step(self._batch)
