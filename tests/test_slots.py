@@ -48,3 +48,9 @@ def test_merge_copies_once_when_the_row_count_or_capacity_changes():
     assert kv.keys[0][5:].abs().sum() == 0  # padding rows start empty
     kv.join_rows(5, 11)
     assert kv.batch == 16 and row_ids(kv, upto=5) == [0, 1, 50, 51, 52]
+
+
+def test_merge_of_caches_whose_growth_overshoots_each_other():
+    kv = make_kv(1, capacity=512)
+    kv.merge(make_kv(1, capacity=768, fill_from=50))  # 512 grows by doubling to 1024; the rows meet at 768
+    assert kv.batch == 2 and kv.capacity == 768 and row_ids(kv) == [0, 50]

@@ -89,7 +89,7 @@ class StaticKV:
         other.ensure_capacity(width)
 
         def joined(a, b):
-            return torch.cat([a[:keep], b, a.new_zeros((pad, width, *a.shape[2:]))])
+            return torch.cat([a[:keep, :width], b[:, :width], a.new_zeros((pad, width, *a.shape[2:]))])
 
         self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
         self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
