@@ -139,6 +139,27 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
             assert results[rid].token_ids == expected[rid], rid
 
 
+def test_caches_shrink_when_the_longest_request_leaves(monkeypatch):
+    import dflash.engine.generate as generate
+
+    monkeypatch.setattr(generate, "MIN_CAPACITY", 16)
+    target = make_target("qwen3")
+    long_prompt, short_prompt = list(range(20, 58)), [5, 17, 3]
+    expected = [greedy_reference(target, long_prompt, 4), greedy_reference(target, short_prompt, 24)]
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    batch = engine.open_batch()
+    params = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=24)]
+    outputs = {i: ev.token_ids for i, ev in enumerate(engine.add(batch, [long_prompt, short_prompt], params))}
+    assert batch.capacity == 64 and batch.kv.kv.capacity == 64  # 38 + 4 + a block of 4, rounded up
+    while batch.rows:
+        for ev in engine.step(batch):
+            outputs[ev.index] = outputs[ev.index] + ev.token_ids
+        if [r.index for r in batch.rows] == [1]:  # the long one left: 3 + 24 + 4 positions -> 32
+            assert batch.capacity == 32 and batch.kv.kv.capacity == 32
+            assert batch.proposer_state.kv.capacity == 33  # + the drafter's scratch slot
+    assert [outputs[0], outputs[1]] == expected
+
+
 def test_lower_precision_drafter_is_lossless_and_still_drafts_well():
     """A bf16 drafter for an fp32 target (the CPU default where bf16 is native): drafts only steer acceptance."""
     from dflash.demo import load_heldout_prompts

@@ -50,7 +50,11 @@ def test_merge_copies_once_when_the_row_count_or_capacity_changes():
     assert kv.batch == 16 and row_ids(kv, upto=5) == [0, 1, 50, 51, 52]
 
 
-def test_merge_of_caches_whose_growth_overshoots_each_other():
+def test_merge_grows_the_smaller_cache_and_shrink_cuts_slots():
     kv = make_kv(1, capacity=512)
-    kv.merge(make_kv(1, capacity=768, fill_from=50))  # 512 grows by doubling to 1024; the rows meet at 768
-    assert kv.batch == 2 and kv.capacity == 768 and row_ids(kv) == [0, 50]
+    kv.merge(make_kv(1, capacity=1024, fill_from=50))
+    assert kv.batch == 2 and kv.capacity == 1024 and row_ids(kv) == [0, 50]
+    kv.shrink(256)
+    assert kv.capacity == 256 and row_ids(kv) == [0, 50]
+    kv.shrink(512)  # never grows
+    assert kv.capacity == 256

@@ -4,7 +4,7 @@ Only the per-cycle steps are compiled - the drafter's context write and block fo
 verify on the fast path - because their shapes are static per block size: the static caches are attended over
 their whole capacity (masks, not slices, say which slots are live) and the drafter's context arrives in chunks
 of one block. Prefill, acceptance and bookkeeping stay eager. Each new shape (another batch bucket - the engine
-pads batches to a power of two -, a cache grown past its size, which comes in steps of 256 positions) compiles
+pads batches to a power of two -, a cache of another size class: powers of two from 256 positions) compiles
 one more static graph, once; `SpecEngine.warmup` builds the buckets' graphs ahead of time.
 
 On CUDA the steps use mode="reduce-overhead" (CUDA graphs). The caches they write in place are static addresses

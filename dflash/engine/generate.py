@@ -39,7 +39,13 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.fast_target import FastTarget, fast_path_unsupported
 from dflash.model.target import TargetModel, validate_pair
 
-CAPACITY_STEP = 256  # static caches are sized in multiples of this many positions
+MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
+
+
+def cache_capacity(positions: int) -> int:
+    """Cache size for rows needing `positions` slots: a power of two, so a server compiles one graph per size
+    class (6 from 256 to 8192) rather than one per length."""
+    return max(MIN_CAPACITY, 1 << max(0, positions - 1).bit_length())
 
 
 @dataclass
@@ -130,6 +136,7 @@ class _Row:
     stats: RequestStats
     output: list[int] = field(default_factory=list)
     n_cached: int = 0  # tokens of this row in the target cache = position of the bonus token
+    capacity: int = 0  # cache positions the row may need: prompt + max new tokens + one block, rounded up
     bonus: int = 0
     finish_reason: str | None = None
     text: str = ""
@@ -310,8 +317,9 @@ class SpecEngine:
         start = time.perf_counter()
         prompts = [r.prompt for r in rows]
         capture = self.proposer.needs_features
-        capacity = max(len(r.prompt) + r.params.max_new_tokens for r in rows) + self.block_size
-        capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP  # few distinct cache shapes: few recompiles
+        for r in rows:
+            r.capacity = cache_capacity(len(r.prompt) + r.params.max_new_tokens + self.block_size)
+        capacity = max(r.capacity for r in rows)
         if self.fast is not None:
             kv, logits, features, positions, valid = StaticTargetKV.prefill(
                 self.fast, prompts, capture, capacity, self.verify_step)
@@ -482,6 +490,11 @@ class Batch:
             idx = torch.cat([idx, idx[:1].expand(batch_bucket(len(idx)) - len(idx))])
         self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
+        needed = max(r.capacity for r in self.rows)
+        if needed < self.capacity:  # a long request left: the others stop paying for its cache
+            self.capacity = needed
+            self.kv.shrink(needed)
+            self.proposer_state.shrink(needed)
 
     def merge(self, other: "Batch") -> None:
         """Append `other`'s rows (freshly prefilled by the same engine, unpadded) below ours."""

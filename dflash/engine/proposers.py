@@ -2,8 +2,9 @@
 shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
-(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left) and
-`join_rows(keep, add)` (rows [0, keep) stay, `add` new rows join below them).
+(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left),
+`join_rows(keep, add)` (rows [0, keep) stay, `add` new rows join below them) and `shrink(capacity)` (no row
+needs positions >= capacity any more).
 
 - `DFlashProposer`: the target features of the newly committed positions are written into the drafter's static
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
@@ -49,6 +50,9 @@ class NoRowState:
     def join_rows(self, keep: int, add: int) -> None:
         pass
 
+    def shrink(self, capacity: int) -> None:
+        pass
+
 
 class NoProposer:
     needs_features = False
@@ -73,6 +77,11 @@ class DraftRows:
     def join_rows(self, keep: int, add: int) -> None:
         if self.kv is not None:
             self.kv.join_rows(keep, add)
+
+    def shrink(self, capacity: int) -> None:
+        """No row needs positions >= capacity any more."""
+        if self.kv is not None:
+            self.kv.shrink(capacity + 1)  # + the scratch slot
 
 
 class DFlashProposer:

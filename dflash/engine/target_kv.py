@@ -67,6 +67,9 @@ class DynamicTargetKV:
     def num_rows(self) -> int:
         return self.slot_mask.shape[0]
 
+    def shrink(self, capacity: int) -> None:
+        pass  # a dynamic cache holds only what was written (and compacts its holes)
+
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
         self.slot_mask = self.slot_mask.index_select(0, idx)
@@ -131,6 +134,9 @@ class StaticTargetKV:
 
     def join_rows(self, keep: int, add: int) -> None:
         self.kv.join_rows(keep, add)
+
+    def shrink(self, capacity: int) -> None:
+        self.kv.shrink(capacity)
 
     def merge(self, other: "StaticTargetKV", keep: int | None = None, pad: int = 0) -> None:
         """Rows [0, keep) of ours, other's rows, then `pad` padding rows (see `StaticKV.merge`)."""

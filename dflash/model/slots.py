@@ -47,12 +47,19 @@ class StaticKV:
         self.values[layer][rows, positions] = values
 
     def ensure_capacity(self, needed: int) -> None:
-        """Grow (at least doubling, so shapes change rarely) until `needed` slots fit."""
+        """Grow to `needed` slots (callers size caches in a few classes, so shapes change rarely)."""
         if needed > self.capacity:
-            grow = max(needed, 2 * self.capacity) - self.capacity
+            grow = needed - self.capacity
             pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1)  # noqa: E731
             self.keys = [pad(k) for k in self.keys]
             self.values = [pad(v) for v in self.values]
+            self._mark_static()
+
+    def shrink(self, capacity: int) -> None:
+        """Keep slots [0, capacity) only (the caller knows no row needs more)."""
+        if capacity < self.capacity:
+            self.keys = [k[:, :capacity].clone() for k in self.keys]
+            self.values = [v[:, :capacity].clone() for v in self.values]
             self._mark_static()
 
     def select_rows(self, idx: torch.Tensor) -> None:
