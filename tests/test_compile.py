@@ -90,3 +90,26 @@ def test_compile_needs_the_fast_path():
     target = make_target("gemma")
     with pytest.raises(ValueError, match="fast target path"):
         SpecEngine(target, make_drafter(target), compile=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
+def test_cuda_graphs_lossless_while_rows_come_and_go_in_place():
+    """On CUDA the steps replay CUDA graphs: rows leaving within a bucket keep the caches' addresses."""
+    target = make_target("qwen3", dtype=torch.float32).cuda()
+    engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32).cuda(), compile=True)
+    assert engine.warmup(4) == [1, 2, 4]
+    prompts, budgets = PROMPTS + PROMPTS[:1], [6, MAX_NEW, 13, MAX_NEW]
+    batch = engine.open_batch()
+    outputs = {i: e.token_ids for i, e in enumerate(engine.add(batch, prompts, [
+        SamplingParams(max_new_tokens=n) for n in budgets]))}
+    address = batch.kv.kv.keys[0].data_ptr()
+    while batch.rows:
+        for e in engine.step(batch):
+            outputs[e.index] = outputs[e.index] + e.token_ids
+        if len(batch.rows) >= 3:  # 4 or 3 live rows: bucket 4, same tensors
+            assert batch.kv.kv.keys[0].data_ptr() == address
+    for i, (prompt, n) in enumerate(zip(prompts, budgets)):
+        ids = torch.tensor([prompt], device="cuda")
+        want = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                               attention_mask=torch.ones_like(ids))[0, len(prompt):].tolist()
+        assert outputs[i] == want, i
