@@ -35,7 +35,7 @@ def compile_unavailable(device: torch.device) -> str | None:
     return None
 
 
-MAX_GRAPHS_PER_STEP = 64  # static graphs kept per step (batch sizes x cache sizes) before falling back to eager
+MAX_GRAPHS_PER_STEP = 64  # static graphs kept per step (batch buckets x cache sizes) before falling back to eager
 
 
 def compile_step(fn, device: torch.device):

@@ -32,7 +32,7 @@ from torch import nn
 
 from dflash.engine.compiled import compile_step, compile_unavailable
 from dflash.engine.profile import CycleProfiler
-from dflash.engine.target_kv import DynamicTargetKV, StaticTargetKV, left_pad
+from dflash.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from dflash.engine.verify import SamplingParams, sample_tokens, verify
 from dflash.model.drafter import DFlashDraftModel
@@ -42,10 +42,14 @@ from dflash.model.target import TargetModel, validate_pair
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
 
 
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def cache_capacity(positions: int) -> int:
     """Cache size for rows needing `positions` slots: a power of two, so a server compiles one graph per size
     class (6 from 256 to 8192) rather than one per length."""
-    return max(MIN_CAPACITY, 1 << max(0, positions - 1).bit_length())
+    return max(MIN_CAPACITY, next_power_of_two(positions))
 
 
 @dataclass
@@ -352,14 +356,14 @@ class SpecEngine:
         context_len = max(r.n_cached for r in rows)
         context = (state.features, state.feature_positions, state.feature_valid)
         if state.features is not None and padded > n:  # padding rows' features are invalid: never read
-            context = tuple(pad_rows(t, padded) for t in context)
+            context = tuple(zero_pad(t, padded, 0, at_end=True) for t in context)
         drafts, draft_probs = self.proposer.propose(
             state.proposer_state,
             ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
                           state.capacity, context_len),
             self.block_size,
         )
-        drafts = pad_rows(drafts, padded)  # a method that only drafts for the live rows
+        drafts = zero_pad(drafts, padded, 0, at_end=True)  # a method that only drafts for the live rows
         block = torch.cat([bonus[:, None], drafts], dim=1)
         prof.mark("draft")
         logits, features = state.kv.verify(block, positions, self.proposer.needs_features,
@@ -487,7 +491,7 @@ class Batch:
             self.feature_positions = self.feature_positions.index_select(0, idx)
             self.feature_valid = self.feature_valid.index_select(0, idx)
         if self.bucketed:  # padding rows copy a live row: their contents are never read
-            idx = torch.cat([idx, idx[:1].expand(batch_bucket(len(idx)) - len(idx))])
+            idx = torch.cat([idx, idx[:1].expand(self._padding(len(idx)))])
         self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
         needed = max(r.capacity for r in self.rows)
@@ -509,23 +513,27 @@ class Batch:
             return
         live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
-        pad = batch_bucket(len(self.rows)) - len(self.rows) if self.bucketed else 0
+        pad = self._padding(len(self.rows))
         if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)
         else:
             self.kv.merge(other.kv)
         if self.features is not None:
             width = max(self.features.shape[1], other.features.shape[1])
-            self.features = torch.cat([left_pad(self.features, width, 1), left_pad(other.features, width, 1)])
-            self.feature_positions = torch.cat([left_pad(self.feature_positions, width, 1),
-                                                left_pad(other.feature_positions, width, 1)])
-            self.feature_valid = torch.cat([left_pad(self.feature_valid, width, 1),
-                                            left_pad(other.feature_valid, width, 1)])
+            self.features = torch.cat([zero_pad(self.features, width, 1), zero_pad(other.features, width, 1)])
+            self.feature_positions = torch.cat([zero_pad(self.feature_positions, width, 1),
+                                                zero_pad(other.feature_positions, width, 1)])
+            self.feature_valid = torch.cat([zero_pad(self.feature_valid, width, 1),
+                                            zero_pad(other.feature_valid, width, 1)])
         self.proposer_state.join_rows(live, len(other.rows) + pad)
+
+    def _padding(self, live: int) -> int:
+        """Padding rows the caches hold below `live` live rows."""
+        return batch_bucket(live) - live if self.bucketed else 0
 
     def _pad_to_bucket(self) -> None:
         live = len(self.rows)
-        pad = batch_bucket(live) - live if self.bucketed else 0
+        pad = self._padding(live)
         if pad > 0:
             self.kv.join_rows(live, pad)
             self.proposer_state.join_rows(live, pad)
@@ -534,10 +542,4 @@ class Batch:
 def batch_bucket(n: int) -> int:
     """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
     moves between 1 and N compiles about log2(N) graphs per step instead of N."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with zero/False rows appended along dim 0 up to `rows`."""
-    missing = rows - x.shape[0]
-    return torch.cat([x, x.new_zeros((missing, *x.shape[1:]))]) if missing > 0 else x
+    return next_power_of_two(n)

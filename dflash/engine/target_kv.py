@@ -20,14 +20,15 @@ from dflash.model.slots import compaction_order, gather_slots
 from dflash.model.target import TargetModel
 
 
-def left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero/False-pad `x` at the start of `dim` to `width`."""
+def zero_pad(x: torch.Tensor, width: int, dim: int, at_end: bool = False) -> torch.Tensor:
+    """Zero/False-pad `x` along `dim` to `width`, at the start (default) or at the end."""
     missing = width - x.shape[dim]
     if missing <= 0:
         return x
     shape = list(x.shape)
     shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
+    zeros = x.new_zeros(shape)
+    return torch.cat([x, zeros] if at_end else [zeros, x], dim=dim)
 
 
 class DynamicTargetKV:
@@ -89,9 +90,9 @@ class DynamicTargetKV:
         """Append other's rows; caches are aligned on the slot axis by left-padding with masked slots."""
         width = max(self.slot_mask.shape[1], other.slot_mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([left_pad(mine.keys, width, 2), left_pad(theirs.keys, width, 2)], dim=0)
-            mine.values = torch.cat([left_pad(mine.values, width, 2), left_pad(theirs.values, width, 2)], dim=0)
-        self.slot_mask = torch.cat([left_pad(self.slot_mask, width, 1), left_pad(other.slot_mask, width, 1)])
+            mine.keys = torch.cat([zero_pad(mine.keys, width, 2), zero_pad(theirs.keys, width, 2)], dim=0)
+            mine.values = torch.cat([zero_pad(mine.values, width, 2), zero_pad(theirs.values, width, 2)], dim=0)
+        self.slot_mask = torch.cat([zero_pad(self.slot_mask, width, 1), zero_pad(other.slot_mask, width, 1)])
 
 
 class StaticTargetKV:

@@ -46,21 +46,22 @@ class StaticKV:
         self.keys[layer][rows, positions] = keys
         self.values[layer][rows, positions] = values
 
+    def _replace(self, fn) -> None:
+        """Every K/V tensor t becomes fn(t) (new tensors: new addresses to mark)."""
+        self.keys = [fn(t) for t in self.keys]
+        self.values = [fn(t) for t in self.values]
+        self._mark_static()
+
     def ensure_capacity(self, needed: int) -> None:
         """Grow to `needed` slots (callers size caches in a few classes, so shapes change rarely)."""
         if needed > self.capacity:
             grow = needed - self.capacity
-            pad = lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1)  # noqa: E731
-            self.keys = [pad(k) for k in self.keys]
-            self.values = [pad(v) for v in self.values]
-            self._mark_static()
+            self._replace(lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1))
 
     def shrink(self, capacity: int) -> None:
         """Keep slots [0, capacity) only (the caller knows no row needs more)."""
         if capacity < self.capacity:
-            self.keys = [k[:, :capacity].clone() for k in self.keys]
-            self.values = [v[:, :capacity].clone() for v in self.values]
-            self._mark_static()
+            self._replace(lambda t: t[:, :capacity].clone())
 
     def select_rows(self, idx: torch.Tensor) -> None:
         """Keep rows `idx`, in that order. In place when the row count stays (see the module docstring)."""
@@ -68,19 +69,13 @@ class StaticKV:
             for t in self.keys + self.values:
                 t.copy_(t.index_select(0, idx))
             return
-        self.keys = [k.index_select(0, idx) for k in self.keys]
-        self.values = [v.index_select(0, idx) for v in self.values]
-        self._mark_static()
+        self._replace(lambda t: t.index_select(0, idx))
 
     def join_rows(self, keep: int, add: int) -> None:
         """Rows [0, keep) stay, then `add` fresh rows. In place when the row count stays: a fresh row's slots are
         written before they are read (slot = position), so what an earlier occupant left there never shows."""
-        if keep + add == self.batch:
-            return
-        fresh = lambda t: torch.cat([t[:keep], t.new_zeros((add, *t.shape[1:]))])  # noqa: E731
-        self.keys = [fresh(k) for k in self.keys]
-        self.values = [fresh(v) for v in self.values]
-        self._mark_static()
+        if keep + add != self.batch:
+            self._replace(lambda t: torch.cat([t[:keep], t.new_zeros((add, *t.shape[1:]))]))
 
     def merge(self, other: "StaticKV", keep: int | None = None, pad: int = 0) -> None:
         """Rows [0, keep) of self (all by default), then all of other's, then `pad` fresh rows. In place when the
@@ -91,12 +86,11 @@ class StaticKV:
             for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
                 mine[rows, :other.capacity].copy_(theirs)
             return
-        width = max(self.capacity, other.capacity)
-        self.ensure_capacity(width)
-        other.ensure_capacity(width)
+        self.ensure_capacity(other.capacity)  # both end up max(capacities) wide
+        other.ensure_capacity(self.capacity)
 
         def joined(a, b):
-            return torch.cat([a[:keep, :width], b[:, :width], a.new_zeros((pad, width, *a.shape[2:]))])
+            return torch.cat([a[:keep], b, a.new_zeros((pad, *a.shape[1:]))])
 
         self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
         self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
