@@ -172,16 +172,25 @@ class SpecEngine:
         profile: bool = False,
         fast_path: bool | None = None,
         compile: bool = False,
+        pack_weights: bool | None = None,
     ):
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
+        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it);
+        # on CPU it runs the wide projections through oneDNN on packed weight copies (`cpu_linear.py`; None =
+        # when the copies stay small)
+        reason = fast_path_unsupported(self.target.model)
+        if fast_path and reason:
+            raise ValueError(f"fast_path=True but {reason}")
+        self.fast = FastTarget(self.target, pack_weights) if (fast_path is not False and reason is None) else None
         if proposer is not None:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
             validate_pair(drafter, self.target)
             self.target.set_layer_ids(drafter.target_layer_ids)
-            self.proposer = DFlashProposer(drafter, self.target, compile=compile)
+            pack_lm_head = self.fast.packs_weights if self.fast is not None else bool(pack_weights)
+            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_lm_head=pack_lm_head)
         else:
             self.proposer = NoProposer()
         if isinstance(self.proposer, NoProposer):
@@ -190,11 +199,6 @@ class SpecEngine:
             self.block_size = int(block_size or getattr(drafter, "block_size", 16))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
-        reason = fast_path_unsupported(self.target.model)
-        if fast_path and reason:
-            raise ValueError(f"fast_path=True but {reason}")
-        self.fast = FastTarget(self.target) if (fast_path is not False and reason is None) else None
         # compiled draft and verify steps (static shapes per block size; CUDA graphs on GPU)
         self.verify_step = None
         if compile:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash.engine.compiled import compile_step
+from dflash.model.cpu_linear import packed_linear
 from dflash.model.drafter import DFlashDraftModel
 from dflash.model.target import TargetModel
 
@@ -89,15 +90,18 @@ class DFlashProposer:
 
     needs_features = True
 
-    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False):
+    def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False,
+                 pack_lm_head: bool = False):
         self.drafter = drafter
         self.target = target
         # the drafter may run in another dtype than the target (e.g. bf16 drafts for an fp32 target on CPU):
         # drafts only steer acceptance, the verifier alone decides the output
         self.embedding_weight = target.embedding_weight.to(drafter.dtype)
-        self.lm_head = target.lm_head
-        if target.lm_head.weight.dtype != drafter.dtype:
-            self.lm_head = copy.deepcopy(target.lm_head).to(drafter.dtype)
+        lm_head = target.lm_head
+        if lm_head.weight.dtype != drafter.dtype:
+            lm_head = copy.deepcopy(lm_head).to(drafter.dtype)
+        # CPU: the vocabulary projection through oneDNN on a packed copy (`cpu_linear.py`)
+        self.lm_head = packed_linear(lm_head) if pack_lm_head else lm_head
         self.compiled = compile
         self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
         self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
+from dflash.model.cpu_linear import can_pack, pack_by_default, packed_concat, packed_linear
 from dflash.model.slots import StaticKV
 from dflash.model.target import TargetModel
 
@@ -48,13 +49,16 @@ def fast_path_unsupported(model) -> str | None:
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "fused attention projections"
+    if not all(isinstance(getattr(inner.layers[0].mlp, p, None), torch.nn.Linear)
+               for p in ("gate_proj", "up_proj", "down_proj")):
+        return "fused or non-linear MLP projections"
     return None
 
 
 class FastTarget:
     """Lean forward over a supported transformers model's own weights; see the module docstring."""
 
-    def __init__(self, target: TargetModel):
+    def __init__(self, target: TargetModel, pack_weights: bool | None = None):
         reason = fast_path_unsupported(target.model)
         if reason:
             raise ValueError(f"no fast path for this model: {reason}")
@@ -65,15 +69,31 @@ class FastTarget:
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = target.model.get_output_embeddings()
+        # CPU: the lm_head and the MLPs (the widest GEMMs of a verify) through oneDNN on packed copies
+        self.packed_mlps = None
+        if pack_weights is None:
+            pack_weights = pack_by_default(self.packable_weights())
+        elif pack_weights and not all(can_pack(w) for w in self.packable_weights()):
+            raise ValueError("pack_weights=True needs fp32 or bf16 weights on a CPU with oneDNN")
+        self.packs_weights = bool(pack_weights)
+        if pack_weights:
+            self.lm_head = packed_linear(self.lm_head)
+            self.packed_mlps = [(packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                                 packed_linear(layer.mlp.down_proj)) for layer in self.layers]
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         cfg = target.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
 
+    def packable_weights(self) -> list[torch.Tensor]:
+        """The weights `pack_weights` copies into oneDNN's layout: the lm_head and every MLP projection."""
+        return [self.lm_head.weight] + [getattr(layer.mlp, p).weight for layer in self.layers
+                                        for p in ("gate_proj", "up_proj", "down_proj")]
+
     def new_cache(self, batch: int, capacity: int) -> StaticKV:
         return StaticKV(len(self.layers), batch, capacity, self.num_kv_heads, self.head_dim,
-                        self.lm_head.weight.dtype, self.lm_head.weight.device)
+                        self.target.dtype, self.target.device)
 
     def forward(
         self,
@@ -115,7 +135,7 @@ class FastTarget:
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._mlp(i, layer.post_attention_layernorm(x))
             if i in taps and i != last:
                 captured[i] = x
         x = self.norm(x)
@@ -126,3 +146,10 @@ class FastTarget:
         logits = self.lm_head(x)
         features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
         return logits, features
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        if self.packed_mlps is None:
+            return self.layers[i].mlp(h)
+        gate_up, down = self.packed_mlps[i]
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)
