@@ -3,10 +3,12 @@
 200 randomized cases over 6 architectures, block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64,
 with and without an EOS stop id, each with either the DFlash drafter or an oracle drafter that makes the engine
 accept full, partial and empty blocks, each through both target paths (the lean static-cache fast path where the
-architecture has one, and the generic transformers path). Each row is compared with
+architecture has one, and the generic transformers path). Every other case runs again in float32 on the fast
+path with its projections through oneDNN on packed weights (the CPU default). Each row is compared with
 `target.generate(do_sample=False)` on that row alone.
 """
 
+import copy
 import random
 
 import pytest
@@ -15,6 +17,7 @@ from dflash import SamplingParams, SpecEngine
 from tiny import ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2")
 _targets: dict = {}
 _drafters: dict = {}
 
@@ -77,3 +80,25 @@ def test_oracle_cases_cover_every_acceptance_length():
     lengths = {a for r in results for a in r.stats.acceptance_lengths}
     assert 8 in lengths and len(lengths) >= 4, lengths
     assert [r.token_ids for r in results] == expected
+
+
+_targets32: dict = {}
+
+
+@pytest.mark.parametrize("i", [i for i in range(0, NUM_CASES, 2) if _case(i)[0] in FAST_ARCHS])
+def test_greedy_equals_target_fp32_packed(i):
+    """The same cases in float32 on the fast path with projections through oneDNN on packed weights (what a CPU
+    user gets by default), against transformers' own float32 greedy decoding."""
+    arch, block_size, prompts, max_new, _, use_oracle, _ = _case(i)
+    if arch not in _targets32:
+        _targets32[arch] = copy.deepcopy(_target(arch)).float()
+    target = _targets32[arch]
+    expected = [greedy_reference(target, p, max_new) for p in prompts]
+    if use_oracle:
+        engine = SpecEngine(target, block_size=block_size, pack_weights=True,
+                            proposer=OracleProposer([p + e for p, e in zip(prompts, expected)], seed=i))
+    else:
+        engine = SpecEngine(target, copy.deepcopy(_drafter(arch, block_size)).float(), pack_weights=True)
+    assert engine.fast is not None and engine.fast.packed_mlps is not None
+    for row, (res, exp) in enumerate(zip(engine.generate(prompts, SamplingParams(max_new_tokens=max_new)), expected)):
+        assert res.token_ids == exp, f"case {i} ({arch}, block {block_size}, row {row}): {res.token_ids} != {exp}"

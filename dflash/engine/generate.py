@@ -36,7 +36,8 @@ from dflash.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
 from dflash.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from dflash.engine.verify import SamplingParams, sample_tokens, verify
 from dflash.model.drafter import DFlashDraftModel
-from dflash.model.fast_target import FastTarget, fast_path_unsupported
+from dflash.model.cpu_linear import pack_by_default, require_packable
+from dflash.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
 from dflash.model.target import TargetModel, validate_pair
 
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
@@ -177,20 +178,26 @@ class SpecEngine:
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
-        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it);
-        # on CPU it runs the wide projections through oneDNN on packed weight copies (`cpu_linear.py`; None =
-        # when the copies stay small)
+        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
         if fast_path and reason:
             raise ValueError(f"fast_path=True but {reason}")
-        self.fast = FastTarget(self.target, pack_weights) if (fast_path is not False and reason is None) else None
+        use_fast = fast_path is not False and reason is None
+        # CPU: the wide projections of target and drafter through oneDNN on packed weight copies (`cpu_linear.py`;
+        # None = when all are packable and the copies stay small)
+        packable = (packable_weights(self.target.model) if use_fast else []) + [self.target.lm_head.weight]
+        if pack_weights is None:
+            pack_weights = bool(packable) and pack_by_default(packable)
+        elif pack_weights:
+            require_packable(packable)
+        self.pack_weights = pack_weights
+        self.fast = FastTarget(self.target, pack_weights) if use_fast else None
         if proposer is not None:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
             validate_pair(drafter, self.target)
             self.target.set_layer_ids(drafter.target_layer_ids)
-            pack_lm_head = self.fast.packs_weights if self.fast is not None else bool(pack_weights)
-            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_lm_head=pack_lm_head)
+            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_weights)
         else:
             self.proposer = NoProposer()
         if isinstance(self.proposer, NoProposer):

@@ -7,7 +7,7 @@ MLP's 256 <-> 768 projections gain 1.2-1.6x. Speculative decoding is full of suc
 
 `PackedLinear(weight, bias)` computes `F.linear(x, weight, bias)` through `torch.ops.mkldnn._linear_pointwise` on
 the packed copy, wrapped as a custom op so `torch.compile` keeps it as one opaque call. `packed_linear(module)`
-gives the twin of one `nn.Linear` (the module is untouched; its `.weight` stays reachable through the twin).
+gives the twin of one `nn.Linear` (the module is untouched; its `.weight`/`.bias` stay reachable through the twin).
 
 What this module does not know about: GPUs (nothing here runs there), dtypes other than fp32 and bf16, autograd
 (inference only: a packed copy does not follow later changes to the weight), and bitwise equality with MKL:
@@ -41,6 +41,12 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def require_packable(weights: list[torch.Tensor]) -> None:
+    bad = sorted({f"{w.dtype} on {w.device}" for w in weights if not can_pack(w)})
+    if bad:
+        raise ValueError(f"pack_weights=True needs fp32 or bf16 weights on a CPU with oneDNN, got {', '.join(bad)}")
+
+
 def pack_by_default(weights: list[torch.Tensor]) -> bool:
     """Whether packed copies of `weights` are a good default: all packable and their copies within budget."""
     return all(can_pack(w) for w in weights) and sum(w.numel() * w.element_size() for w in weights) <= AUTO_PACK_BUDGET_BYTES
@@ -60,11 +66,11 @@ class PackedLinear(nn.Module):
 
 
 def packed_linear(linear: nn.Module) -> nn.Module:
-    """The oneDNN twin of a CPU fp32/bf16 `nn.Linear` (keeping its `.weight` reachable); anything else unchanged."""
+    """The oneDNN twin of a CPU fp32/bf16 `nn.Linear` (sharing its parameters); anything else comes back unchanged."""
     if not isinstance(linear, nn.Linear) or not can_pack(linear.weight):
         return linear
     twin = PackedLinear(linear.weight, linear.bias)
-    twin.weight = linear.weight  # the same parameter: callers read its dtype and device
+    twin.weight, twin.bias = linear.weight, linear.bias  # the same parameters, for callers that read them
     return twin
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
-from dflash.model.cpu_linear import can_pack, pack_by_default, packed_concat, packed_linear
+from dflash.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
 from dflash.model.slots import StaticKV
 from dflash.model.target import TargetModel
 
@@ -55,6 +55,12 @@ def fast_path_unsupported(model) -> str | None:
     return None
 
 
+def packable_weights(model) -> list[torch.Tensor]:
+    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: the lm_head and the MLPs."""
+    return [model.get_output_embeddings().weight] + [getattr(layer.mlp, p).weight for layer in model.model.layers
+                                                     for p in ("gate_proj", "up_proj", "down_proj")]
+
+
 class FastTarget:
     """Lean forward over a supported transformers model's own weights; see the module docstring."""
 
@@ -72,10 +78,9 @@ class FastTarget:
         # CPU: the lm_head and the MLPs (the widest GEMMs of a verify) through oneDNN on packed copies
         self.packed_mlps = None
         if pack_weights is None:
-            pack_weights = pack_by_default(self.packable_weights())
-        elif pack_weights and not all(can_pack(w) for w in self.packable_weights()):
-            raise ValueError("pack_weights=True needs fp32 or bf16 weights on a CPU with oneDNN")
-        self.packs_weights = bool(pack_weights)
+            pack_weights = pack_by_default(packable_weights(target.model))
+        elif pack_weights:
+            require_packable(packable_weights(target.model))
         if pack_weights:
             self.lm_head = packed_linear(self.lm_head)
             self.packed_mlps = [(packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]),
@@ -85,11 +90,6 @@ class FastTarget:
         cfg = target.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-
-    def packable_weights(self) -> list[torch.Tensor]:
-        """The weights `pack_weights` copies into oneDNN's layout: the lm_head and every MLP projection."""
-        return [self.lm_head.weight] + [getattr(layer.mlp, p).weight for layer in self.layers
-                                        for p in ("gate_proj", "up_proj", "down_proj")]
 
     def new_cache(self, batch: int, capacity: int) -> StaticKV:
         return StaticKV(len(self.layers), batch, capacity, self.num_kv_heads, self.head_dim,

@@ -1,0 +1,75 @@
+"""oneDNN projections on packed weights (`dflash/model/cpu_linear.py`): same results as `F.linear`, eager and
+compiled, and the engine's choice of when to pack."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash import SpecEngine
+from dflash.model import cpu_linear
+from dflash.model.cpu_linear import PackedLinear, can_pack, pack_by_default, packed_concat, packed_linear
+from tiny import make_drafter, make_target
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, tol, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 200, bias=bias).to(dtype)
+    twin = packed_linear(linear)
+    assert isinstance(twin, PackedLinear) and twin.weight is linear.weight and twin.bias is linear.bias
+    for shape in [(1, 64), (16, 64), (3, 16, 64), (2, 5, 64)]:
+        x = torch.randn(shape, dtype=dtype)
+        torch.testing.assert_close(twin(x), F.linear(x, linear.weight, linear.bias), atol=tol, rtol=tol)
+    x = torch.randn(3, 16, 64, dtype=dtype)[:, ::2]  # a strided view
+    torch.testing.assert_close(twin(x), F.linear(x, linear.weight, linear.bias), atol=tol, rtol=tol)
+
+
+def test_packed_concat_computes_the_linears_side_by_side():
+    torch.manual_seed(0)
+    a, b = nn.Linear(32, 48), nn.Linear(32, 80)
+    x = torch.randn(2, 16, 32)
+    torch.testing.assert_close(packed_concat([a, b])(x), torch.cat([a(x), b(x)], dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_compiles_to_the_same_result():
+    torch.manual_seed(0)
+    twin = packed_linear(nn.Linear(64, 512, bias=False))
+    step = torch.compile(lambda x: twin(x).argmax(-1), fullgraph=True)
+    x = torch.randn(2, 16, 64)
+    assert torch.equal(step(x), twin(x).argmax(-1))
+
+
+def test_what_is_not_packed_comes_back_unchanged():
+    half = nn.Linear(8, 8).half()
+    assert packed_linear(half) is half
+    assert packed_linear(nn.ReLU()).__class__ is nn.ReLU
+    assert not can_pack(torch.zeros(2, 2, dtype=torch.float64))
+    assert not can_pack(torch.zeros(2, 2, device="meta"))
+
+
+def test_auto_packing_stays_within_its_budget(monkeypatch):
+    weights = [torch.zeros(256, 256), torch.zeros(256, 256, dtype=torch.bfloat16)]
+    assert pack_by_default(weights)
+    monkeypatch.setattr(cpu_linear, "AUTO_PACK_BUDGET_BYTES", 256 * 256 * 6 - 1)
+    assert not pack_by_default(weights)
+    assert not pack_by_default([torch.zeros(4, 4, dtype=torch.float16)])
+
+
+def test_engine_packs_a_small_fp32_target_on_cpu_by_default():
+    target = make_target("llama", dtype=torch.float32)
+    engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32))
+    assert engine.pack_weights and engine.fast.packed_mlps is not None
+    assert isinstance(engine.fast.lm_head, PackedLinear) and isinstance(engine.proposer.lm_head, PackedLinear)
+    unpacked = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32), pack_weights=False)
+    assert unpacked.fast.packed_mlps is None and isinstance(unpacked.fast.lm_head, nn.Linear)
+
+
+def test_pack_weights_true_on_unpackable_weights_is_a_clear_error():
+    target = make_target("qwen3")  # float64
+    assert not SpecEngine(target, make_drafter(target)).pack_weights
+    with pytest.raises(ValueError, match="pack_weights=True needs fp32 or bf16 weights.*float64"):
+        SpecEngine(target, make_drafter(target), pack_weights=True)
