@@ -62,10 +62,10 @@ def test_auto_packing_stays_within_its_budget(monkeypatch):
 def test_engine_packs_a_small_fp32_target_on_cpu_by_default():
     target = make_target("llama", dtype=torch.float32)
     engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32))
-    assert engine.pack_weights and engine.fast.packed_mlps is not None
+    assert engine.pack_weights and engine.fast.packed_layers is not None
     assert isinstance(engine.fast.lm_head, PackedLinear) and isinstance(engine.proposer.lm_head, PackedLinear)
     unpacked = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32), pack_weights=False)
-    assert unpacked.fast.packed_mlps is None and isinstance(unpacked.fast.lm_head, nn.Linear)
+    assert unpacked.fast.packed_layers is None and isinstance(unpacked.fast.lm_head, nn.Linear)
 
 
 def test_pack_weights_true_on_unpackable_weights_is_a_clear_error():
@@ -73,3 +73,10 @@ def test_pack_weights_true_on_unpackable_weights_is_a_clear_error():
     assert not SpecEngine(target, make_drafter(target)).pack_weights
     with pytest.raises(ValueError, match="pack_weights=True needs fp32 or bf16 weights.*float64"):
         SpecEngine(target, make_drafter(target), pack_weights=True)
+
+
+def test_packed_concat_with_some_biases_missing():
+    torch.manual_seed(0)
+    a, b = nn.Linear(32, 16, bias=False), nn.Linear(32, 8)
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(packed_concat([a, b])(x), torch.cat([a(x), b(x)], dim=-1), atol=1e-5, rtol=1e-5)

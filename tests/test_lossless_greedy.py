@@ -99,6 +99,6 @@ def test_greedy_equals_target_fp32_packed(i):
                             proposer=OracleProposer([p + e for p, e in zip(prompts, expected)], seed=i))
     else:
         engine = SpecEngine(target, copy.deepcopy(_drafter(arch, block_size)).float(), pack_weights=True)
-    assert engine.fast is not None and engine.fast.packed_mlps is not None
+    assert engine.fast is not None and engine.fast.packed_layers is not None
     for row, (res, exp) in enumerate(zip(engine.generate(prompts, SamplingParams(max_new_tokens=max_new)), expected)):
         assert res.token_ids == exp, f"case {i} ({arch}, block {block_size}, row {row}): {res.token_ids} != {exp}"

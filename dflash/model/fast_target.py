@@ -56,9 +56,11 @@ def fast_path_unsupported(model) -> str | None:
 
 
 def packable_weights(model) -> list[torch.Tensor]:
-    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: the lm_head and the MLPs."""
-    return [model.get_output_embeddings().weight] + [getattr(layer.mlp, p).weight for layer in model.model.layers
-                                                     for p in ("gate_proj", "up_proj", "down_proj")]
+    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the MLPs."""
+    return [model.get_output_embeddings().weight] + [
+        getattr(module, p).weight for layer in model.model.layers
+        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for p in names]
 
 
 class FastTarget:
@@ -75,16 +77,19 @@ class FastTarget:
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
         self.lm_head = target.model.get_output_embeddings()
-        # CPU: the lm_head and the MLPs (the widest GEMMs of a verify) through oneDNN on packed copies
-        self.packed_mlps = None
+        # CPU: the lm_head, the fused q/k/v and gate/up projections and the down projections (the widest GEMMs
+        # of a verify) through oneDNN on packed copies; o_proj alone is as fast through MKL
+        self.packed_layers = None  # per layer: (q/k/v, gate/up, down)
         if pack_weights is None:
             pack_weights = pack_by_default(packable_weights(target.model))
         elif pack_weights:
             require_packable(packable_weights(target.model))
         if pack_weights:
             self.lm_head = packed_linear(self.lm_head)
-            self.packed_mlps = [(packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]),
-                                 packed_linear(layer.mlp.down_proj)) for layer in self.layers]
+            self.packed_layers = [
+                (packed_concat([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                 packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
+                for layer in self.layers]
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         cfg = target.config
@@ -121,9 +126,10 @@ class FastTarget:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            qs = attn.q_proj(h).view(b, q, self.num_heads, self.head_dim)
-            ks = attn.k_proj(h).view(b, q, self.num_kv_heads, self.head_dim)
-            vs = attn.v_proj(h).view(b, q, self.num_kv_heads, self.head_dim)
+            qs, ks, vs = self._qkv(i, h)
+            qs = qs.view(b, q, self.num_heads, self.head_dim)
+            ks = ks.view(b, q, self.num_kv_heads, self.head_dim)
+            vs = vs.view(b, q, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 qs, ks = attn.q_norm(qs), attn.k_norm(ks)
             qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
@@ -147,9 +153,16 @@ class FastTarget:
         features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
         return logits, features
 
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self.layers[i].self_attn
+        if self.packed_layers is None:
+            return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        kv_width = self.num_kv_heads * self.head_dim
+        return self.packed_layers[i][0](h).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        if self.packed_mlps is None:
+        if self.packed_layers is None:
             return self.layers[i].mlp(h)
-        gate_up, down = self.packed_mlps[i]
+        _, gate_up, down = self.packed_layers[i]
         gate, up = gate_up(h).chunk(2, dim=-1)
         return down(F.silu(gate) * up)
