@@ -12,6 +12,7 @@ autoregressive decoding through the same code: the baseline every speedup is mea
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
+On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`) and pads the batch
 to a power of two (`batch_bucket`), so requests joining and leaving reuse a handful of graphs.
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
@@ -183,8 +184,9 @@ class SpecEngine:
         if fast_path and reason:
             raise ValueError(f"fast_path=True but {reason}")
         use_fast = fast_path is not False and reason is None
-        # CPU: the wide projections of target and drafter through oneDNN on packed weight copies (`cpu_linear.py`;
-        # None = when all are packable and the copies stay small)
+        # CPU: the target's wide projections and the drafter's read-out through oneDNN on packed weight copies
+        # (`cpu_linear.py`; None = when all are packable and the copies stay small; the drafter's read-out is one
+        # more copy of the lm_head)
         packable = (packable_weights(self.target.model) if use_fast else []) + [self.target.lm_head.weight]
         if pack_weights is None:
             pack_weights = bool(packable) and pack_by_default(packable)

@@ -3,7 +3,8 @@
 On CPU torch sends a dense matmul to MKL, whose small-M GEMMs are slow on some processors. On the AMD EPYC our
 benchmarks run on, a 16-row fp32 projection 256 -> 8192 (a 16-token verify's lm_head on the default pair) takes
 ~1.7 ms through MKL and ~0.35 ms through oneDNN with the weight reordered once into oneDNN's blocked layout; the
-MLP's 256 <-> 768 projections 1.2-1.6x, q/k/v fused into one 256 -> 512 projection 1.4x. Speculative decoding is full of such GEMMs (16 positions per row).
+MLP's 256 <-> 768 projections gain 1.2-1.6x, q/k/v fused into one 256 -> 512 projection 1.4x. Speculative
+decoding is full of such GEMMs (16 positions per row).
 
 `PackedLinear(weight, bias)` computes `F.linear(x, weight, bias)` through `torch.ops.mkldnn._linear_pointwise` on
 the packed copy, wrapped as a custom op so `torch.compile` keeps it as one opaque call. `packed_linear(module)`
@@ -49,7 +50,8 @@ def require_packable(weights: list[torch.Tensor]) -> None:
 
 def pack_by_default(weights: list[torch.Tensor]) -> bool:
     """Whether packed copies of `weights` are a good default: all packable and their copies within budget."""
-    return all(can_pack(w) for w in weights) and sum(w.numel() * w.element_size() for w in weights) <= AUTO_PACK_BUDGET_BYTES
+    size = sum(w.numel() * w.element_size() for w in weights)
+    return all(can_pack(w) for w in weights) and size <= AUTO_PACK_BUDGET_BYTES
 
 
 class PackedLinear(nn.Module):
