@@ -23,13 +23,20 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 
 def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype and --compile (also used by `dflash bench`)."""
+    """--device, --dtype, --draft-dtype, --compile and --pack-weights (also used by `dflash bench`)."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--draft-dtype", default="auto",
                    help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
     p.add_argument("--compile", action="store_true",
                    help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
+    p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
+                   help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
+                        "copies stay under 2 GiB)")
+
+
+def pack_weights_arg(args) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[getattr(args, "pack_weights", "auto")]
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,8 +93,11 @@ def run_generate(args) -> int:
         return 2
     params = _sampling_params(args, tokenizer)
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
-    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
-    baseline_engine = SpecEngine(target, None, tokenizer, compile=args.compile) if args.compare else None
+    pack = pack_weights_arg(args)
+    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack)
+    baseline_engine = None
+    if args.compare:
+        baseline_engine = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
     if args.compare:  # warm both up so that neither pays first-call costs inside the timed run
         for e in (engine, baseline_engine):
             e.generate([prompt_ids], SamplingParams(max_new_tokens=4))

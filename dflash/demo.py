@@ -27,7 +27,7 @@ def load_heldout_prompts(n: int | None = None) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from dflash.cli import apply_threads, histogram_lines
+    from dflash.cli import apply_threads, histogram_lines, pack_weights_arg
     from dflash.engine import RequestStats, SamplingParams, SpecEngine
     from dflash.loading import load_pair
 
@@ -37,8 +37,9 @@ def run(args) -> int:
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=eos,
                             seed=0 if args.temperature > 0 else None)
-    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
-    plain = SpecEngine(target, None, tokenizer, compile=args.compile)
+    pack = pack_weights_arg(args)
+    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack)
+    plain = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     print(f"dflash demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "
           f"{drafter.num_parameters() / 1e6:.1f}M params, block {spec.block_size}, {len(prompts)} held-out prompts, "

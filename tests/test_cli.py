@@ -40,3 +40,16 @@ def test_bad_arguments_give_clear_errors(pair, capsys):
     code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "nope"), "--prompt", "x",
                  "--device", "cpu"])
     assert code == 2 and "no such directory" in capsys.readouterr().err
+
+
+def test_pack_weights_flag(pair, capsys):
+    outputs = {}
+    for mode in ("on", "off"):
+        code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--prompt",
+                     "def add(a, b):", "--max-new-tokens", "24", "--json", "--device", "cpu", "--pack-weights", mode])
+        assert code == 0
+        outputs[mode] = json.loads(capsys.readouterr().out)["text"]
+    assert outputs["on"] == outputs["off"]
+    code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--prompt", "x",
+                 "--device", "cpu", "--dtype", "float16", "--pack-weights", "on"])
+    assert code == 2 and "pack_weights=True needs fp32 or bf16 weights" in capsys.readouterr().err

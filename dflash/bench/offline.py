@@ -44,6 +44,7 @@ class BenchConfig:
     dtype: str | None = "auto"
     draft_dtype: str | None = "auto"
     compile: bool = False
+    pack_weights: bool | None = None  # None: the engine's choice (packed on CPU when small)
     cache_dir: str | None = None
     warmup: bool = True
 
@@ -68,11 +69,13 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     names = ["ar"] + [n for n in names if n != "ar"]
     for name in names:
         if name == "ar":
-            methods.append(EngineMethod("ar", target, None, tokenizer, params, compile=cfg.compile))
+            methods.append(EngineMethod("ar", target, None, tokenizer, params, compile=cfg.compile,
+                                        pack_weights=cfg.pack_weights))
         elif name == "dflash":
             if drafter is None:
                 raise ValueError("method dflash needs a drafter (--draft)")
-            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile))
+            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile,
+                                        cfg.pack_weights))
         elif name == "hf-dflash":
             from dflash.model.hf_export import transformers_dflash_available
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from dflash.cli import add_model_args
+from dflash.cli import add_model_args, pack_weights_arg
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,7 +70,8 @@ def build_engine(args):
         model, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
-    engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size, compile=args.compile)
+    engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size, compile=args.compile,
+                        pack_weights=pack_weights_arg(args))
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
 
