@@ -23,7 +23,7 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 
 def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype, --compile and --pack-weights (also used by `dflash bench`)."""
+    """--device, --dtype, --draft-dtype, --compile, --pack-weights and --min-tau (also used by `dflash bench`)."""
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--draft-dtype", default="auto",
@@ -33,6 +33,10 @@ def add_device_args(p) -> None:
     p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
                    help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
                         "copies stay under 2 GiB)")
+    p.add_argument("--min-tau", type=float, default=None,
+                   help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
+                        "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
+                        "small CPU model; default: always draft)")
 
 
 def pack_weights_arg(args) -> bool | None:
@@ -94,7 +98,8 @@ def run_generate(args) -> int:
     params = _sampling_params(args, tokenizer)
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
     pack = pack_weights_arg(args)
-    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack)
+    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack,
+                        min_tau=args.min_tau)
     baseline_engine = None
     if args.compare:
         baseline_engine = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)

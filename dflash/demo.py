@@ -38,7 +38,8 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=eos,
                             seed=0 if args.temperature > 0 else None)
     pack = pack_weights_arg(args)
-    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack)
+    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack,
+                      min_tau=args.min_tau)
     plain = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     print(f"dflash demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "

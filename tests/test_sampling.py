@@ -121,14 +121,17 @@ SETTINGS = [
 ]
 
 
-CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2), ("soft", 0), ("soft", 1), ("ar", 2)]
+CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2), ("dflash-fallback", 1), ("soft", 0),
+         ("soft", 1), ("ar", 2)]
 
 
 @pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting):
     params = SETTINGS[setting]
     if method.startswith("dflash"):
-        engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None)
+        # fallback: every draft loses against min_tau, so one-token steps follow the first draft
+        engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None,
+                            min_tau=100.0 if "fallback" in method else None)
     elif method == "soft":
         engine = SpecEngine(target, block_size=3, proposer=SoftProposer())
     else:

@@ -171,7 +171,8 @@ def run_bench(args, extra_methods=None, console=None) -> int:
                               prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                               max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, compile=args.compile,
-                              pack_weights=pack_weights_arg(args), cache_dir=args.cache_dir)
+                              pack_weights=pack_weights_arg(args), min_tau=args.min_tau,
+                              cache_dir=args.cache_dir)
             if cfg.target is None:
                 from dflash.loading import default_pair_paths
 

@@ -63,10 +63,10 @@ class EngineMethod(Method):
     """`ar` or `dflash`: our engine, batch 1."""
 
     def __init__(self, name: str, target, drafter, tokenizer, params: SamplingParams, block_size: int | None = None,
-                 compile: bool = False, pack_weights: bool | None = None):
+                 compile: bool = False, pack_weights: bool | None = None, min_tau: float | None = None):
         self.name = name
         self.engine = SpecEngine(target, drafter, tokenizer, block_size=block_size, compile=compile,
-                                 pack_weights=pack_weights)
+                                 pack_weights=pack_weights, min_tau=min_tau)
         self.params = params
         self.max_draft = self.engine.block_size - 1
         self.device = self.engine.target.device

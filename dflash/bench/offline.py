@@ -45,6 +45,7 @@ class BenchConfig:
     draft_dtype: str | None = "auto"
     compile: bool = False
     pack_weights: bool | None = None  # None: the engine's choice (packed on CPU when small)
+    min_tau: float | None = None  # dflash: fall back to one-token steps below this acceptance length
     cache_dir: str | None = None
     warmup: bool = True
 
@@ -75,7 +76,7 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
             if drafter is None:
                 raise ValueError("method dflash needs a drafter (--draft)")
             methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile,
-                                        cfg.pack_weights))
+                                        cfg.pack_weights, cfg.min_tau))
         elif name == "hf-dflash":
             from dflash.model.hf_export import transformers_dflash_available
 

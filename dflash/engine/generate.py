@@ -9,6 +9,10 @@ One cycle for a batch of rows (DFLASH.md section 1):
            transformers path). The features of the kept slots become the drafter's next context.
 Finished rows leave the batch at once (their cache rows are dropped). Block size 1 with `NoProposer` is plain
 autoregressive decoding through the same code: the baseline every speedup is measured against.
+`min_tau`: a batch whose drafts keep fewer tokens per cycle than that takes one-token steps (no draft, same
+verifier; their target features queue up for the drafter) for 8, then 16, 32 ... 128 steps between probes, so a
+drafter that does not fit the traffic (other domains, high temperatures) costs little more than plain decoding.
+The decision depends on acceptance only, so it is deterministic (seeded sampling stays reproducible).
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
@@ -42,6 +46,7 @@ from dflash.model.fast_target import FastTarget, fast_path_unsupported, packable
 from dflash.model.target import TargetModel, validate_pair
 
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
+MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per `min_tau` fallback, doubling while drafts keep losing
 
 
 def next_power_of_two(n: int) -> int:
@@ -62,6 +67,7 @@ class RequestStats:
     prompt_tokens: int
     output_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # one-token steps without a draft (`min_tau` fallback); not in the acceptance figures
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
@@ -106,6 +112,7 @@ class RequestStats:
             "num_drafts": self.num_drafts,
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_lengths": list(self.acceptance_lengths),
+            "plain_steps": self.plain_steps,
             "acceptance_histogram": self.histogram,
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "time_to_first_token_s": round(self.time_to_first_token, 6),
@@ -175,7 +182,12 @@ class SpecEngine:
         fast_path: bool | None = None,
         compile: bool = False,
         pack_weights: bool | None = None,
+        min_tau: float | None = None,
     ):
+        if min_tau is not None and not (isinstance(min_tau, (int, float)) and min_tau >= 1.0):
+            raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {min_tau!r}")
+        # a batch whose acceptance length falls below min_tau decodes plain steps for a while, then probes again
+        self.min_tau = min_tau
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -248,10 +260,15 @@ class SpecEngine:
         if self.verify_step is None:
             return []
         buckets = sorted({batch_bucket(n) for n in range(1, max_batch_size + 1)})
-        params = SamplingParams(max_new_tokens=self.block_size + 1)  # at least one full cycle
+        params = SamplingParams(max_new_tokens=self.block_size + 2)  # at least one full cycle after a plain step
         prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
         for rows in buckets:
-            self.generate([prompt] * rows, params)
+            batch = self.open_batch()
+            self.add(batch, [prompt] * rows, params)
+            if self.min_tau is not None:
+                batch.plain_steps_left = 1  # the one-token step's graphs too
+            while batch.rows:
+                self.step(batch)
         return buckets
 
     # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
@@ -362,25 +379,28 @@ class SpecEngine:
     def _cycle(self, state: "Batch") -> None:
         rows, dev, prof = state.rows, self.target.device, self.profiler
         prof.start()
+        draft = state.plain_steps_left == 0  # else a one-token step (the `min_tau` fallback): no draft
+        width = self.block_size if draft else 1
         n, padded = len(rows), state.kv.num_rows  # padded > n: the rows past n are padding (`batch_bucket`)
         bonus = torch.tensor([r.bonus for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
-        positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
+        positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
         context_len = max(r.n_cached for r in rows)
-        context = (state.features, state.feature_positions, state.feature_valid)
-        if state.features is not None and padded > n:  # padding rows' features are invalid: never read
-            context = tuple(zero_pad(t, padded, 0, at_end=True) for t in context)
-        drafts, draft_probs = self.proposer.propose(
-            state.proposer_state,
-            ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
-                          state.capacity, context_len),
-            self.block_size,
-        )
-        drafts = zero_pad(drafts, padded, 0, at_end=True)  # a method that only drafts for the live rows
+        drafts, draft_probs = bonus.new_zeros(padded, 0), None
+        if draft:
+            context = (state.features, state.feature_positions, state.feature_valid)
+            if state.features is not None and padded > n:  # padding rows' features are invalid: never read
+                context = tuple(zero_pad(t, padded, 0, at_end=True) for t in context)
+            drafts, draft_probs = self.proposer.propose(
+                state.proposer_state,
+                ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
+                              state.capacity, context_len),
+                self.block_size,
+            )
+            drafts = zero_pad(drafts, padded, 0, at_end=True)  # a method that only drafts for the live rows
         block = torch.cat([bonus[:, None], drafts], dim=1)
         prof.mark("draft")
-        logits, features = state.kv.verify(block, positions, self.proposer.needs_features,
-                                           context_len + self.block_size)
+        logits, features = state.kv.verify(block, positions, self.proposer.needs_features, context_len + width)
         if padded > n:
             block, positions, logits, drafts = block[:n], positions[:n], logits[:n], drafts[:n]
             features = features[:n] if features is not None else None
@@ -390,20 +410,23 @@ class SpecEngine:
         prof.mark("accept")
 
         kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
-        width = int(kept.max())
-        kept_valid = torch.arange(self.block_size, device=dev)[None] < kept[:, None]
-        state.kv.keep(kept, width, kept_valid[:, :width])
+        kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
+        state.kv.keep(kept, int(kept.max()), kept_valid[:, :int(kept.max())])
         if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
-            state.features = features
-            state.feature_positions = positions
-            state.feature_valid = kept_valid
+            state.add_features(features, positions, kept_valid, after_draft=draft)
         accepted = verdict.num_accepted.tolist()
-        block_list = block.tolist()
-        for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block_list):
-            r.stats.acceptance_lengths.append(a + 1)
+        for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block.tolist()):
+            if draft:
+                r.stats.acceptance_lengths.append(a + 1)
+            else:
+                r.stats.plain_steps += 1
             r.n_cached += a + 1
             r.bonus = nxt
             self._commit(r, blk[1:1 + a] + [nxt])
+        if not draft:
+            state.plain_steps_left -= 1
+        elif self.min_tau is not None and self.block_size > 1:
+            state.plan_drafting(sum(accepted) / n + 1, self.min_tau)
         self._drop_finished(state)
         prof.mark("overhead")
 
@@ -496,6 +519,34 @@ class Batch:
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
     capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
     bucketed: bool = False  # caches hold batch_bucket(len(rows)) rows; those past the live rows are padding
+    # the `min_tau` fallback: one-token steps left before the next draft, how many the next fallback takes
+    # (doubling while drafting keeps losing), and the acceptance length the last drafts reached
+    plain_steps_left: int = 0
+    plain_run: int = MIN_PLAIN_RUN
+    recent_tau: float | None = None
+
+    def add_features(self, features, positions, valid, after_draft: bool) -> None:
+        """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
+        one-token steps (no draft) append theirs, so the drafter later sees every committed position."""
+        if after_draft or self.features is None:
+            self.features, self.feature_positions, self.feature_valid = features, positions, valid
+        else:
+            self.features = torch.cat([self.features, features], dim=1)
+            self.feature_positions = torch.cat([self.feature_positions, positions], dim=1)
+            self.feature_valid = torch.cat([self.feature_valid, valid], dim=1)
+
+    def plan_drafting(self, tau: float, min_tau: float) -> None:
+        """After a drafting cycle whose rows kept `tau` tokens on average: drafts that keep fewer than `min_tau`
+        tokens per cycle (over the last two drafting cycles, or the probe alone after a fallback) switch the batch
+        to one-token steps for `plain_run` steps, then it drafts again."""
+        probe = self.recent_tau is None
+        self.recent_tau = tau if probe else (self.recent_tau + tau) / 2
+        if self.recent_tau >= min_tau:
+            self.plain_run = MIN_PLAIN_RUN
+            return
+        self.plain_steps_left = self.plain_run
+        self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
+        self.recent_tau = None  # the next draft is a probe, judged alone
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]
@@ -526,6 +577,7 @@ class Batch:
             return
         live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
+        self.plain_steps_left, self.plain_run, self.recent_tau = 0, MIN_PLAIN_RUN, None  # new rows: draft again
         pad = self._padding(len(self.rows))
         if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)

@@ -71,7 +71,7 @@ def build_engine(args):
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
     engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size, compile=args.compile,
-                        pack_weights=pack_weights_arg(args))
+                        pack_weights=pack_weights_arg(args), min_tau=args.min_tau)
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
 
