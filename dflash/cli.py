@@ -126,8 +126,9 @@ def run_generate(args) -> int:
     if not args.stream:
         print(args.prompt + result.text)
     s = result.stats
+    plain = f", {s.plain_steps} one-token steps" if s.plain_steps else ""
     print(f"\n-- {s.output_tokens} tokens, finish={result.finish_reason}, tau={s.tau:.2f} "
-          f"(block {s.block_size}), {s.tokens_per_second:.1f} tok/s, ttft {1000 * s.time_to_first_token:.1f} ms")
+          f"(block {s.block_size}{plain}), {s.tokens_per_second:.1f} tok/s, ttft {1000 * s.time_to_first_token:.1f} ms")
     if s.num_drafts:
         print("acceptance length histogram:")
         print("\n".join(histogram_lines(s.histogram)))

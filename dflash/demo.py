@@ -64,6 +64,7 @@ def run(args) -> int:
         identical = ours.token_ids == base.token_ids
         all_identical &= identical or args.temperature > 0
         merged.acceptance_lengths += ours.stats.acceptance_lengths
+        merged.plain_steps += ours.stats.plain_steps
         rows.append({"prompt": text, "output": ours.text, "tokens": len(ours.token_ids), "tau": ours.stats.tau,
                      "dflash_s": t1 - t0, "ar_s": t2 - t1, "identical_to_target_greedy": identical})
         if i < args.show:
@@ -73,7 +74,8 @@ def run(args) -> int:
     tps = {k: n / s if s > 0 else 0.0 for k, (n, s) in total.items()}
     speedup = tps["dflash"] / tps["ar"] if tps["ar"] else 0.0
     print("\n=== summary ===")
-    print(f"tau (mean acceptance length, bonus included): {merged.tau:.2f} over {merged.num_drafts} cycles")
+    print(f"tau (mean acceptance length, bonus included): {merged.tau:.2f} over {merged.num_drafts} cycles"
+          + (f" (+ {merged.plain_steps} one-token steps, --min-tau)" if merged.plain_steps else ""))
     print("acceptance length histogram:")
     print("\n".join(histogram_lines(merged.histogram)))
     print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in merged.per_position_acceptance))

@@ -1,5 +1,5 @@
 """The `min_tau` fallback: a batch whose drafts keep fewer than `min_tau` tokens per cycle decodes one-token
-steps for a while (8, 16, 32 ... steps), then probes with a draft. Still lossless, the drafter still sees every
+steps for a while (8, 16, 32 ... steps between probing drafts). Still lossless, the drafter still sees every
 committed position, compiled steps do not recompile after warm-up."""
 
 import pytest
@@ -24,10 +24,10 @@ def test_fallback_is_lossless_and_probes_with_growing_gaps(arch, fast_path):
     assert [r.token_ids for r in results] == expected
     for r in results:
         assert sum(r.stats.acceptance_lengths) + r.stats.plain_steps == len(r.token_ids) - 1  # + prefill's token
-    # without a stop: drafts at cycles 1, 10, 27, 60 (gaps of 8, 16, 32 one-token steps), 4-5 for 100 tokens
+    # without a stop: 3 drafts to judge, then probes after 8, 16, 32 one-token steps: 5-7 drafts for 100 tokens
     alone = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=100))[0]
     assert alone.token_ids == greedy_reference(target, PROMPTS[0], 100)
-    assert 3 <= alone.stats.num_drafts <= 5 and alone.stats.plain_steps >= 60, alone.stats
+    assert 5 <= alone.stats.num_drafts <= 7 and alone.stats.plain_steps >= 60, alone.stats
     never = SpecEngine(target, drafter, fast_path=fast_path, min_tau=1.0).generate(PROMPTS, params)
     assert [r.token_ids for r in never] == expected and all(r.stats.plain_steps == 0 for r in never)
 

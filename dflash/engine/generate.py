@@ -9,8 +9,9 @@ One cycle for a batch of rows (DFLASH.md section 1):
            transformers path). The features of the kept slots become the drafter's next context.
 Finished rows leave the batch at once (their cache rows are dropped). Block size 1 with `NoProposer` is plain
 autoregressive decoding through the same code: the baseline every speedup is measured against.
-`min_tau`: a batch whose drafts keep fewer tokens per cycle than that takes one-token steps (no draft, same
-verifier; their target features queue up for the drafter) for 8, then 16, 32 ... 128 steps between probes, so a
+`min_tau`: a batch whose drafts keep fewer tokens per cycle than that (smoothed over the last few drafts) takes
+one-token steps (no draft, same verifier; their target features queue up for the drafter), then probes with one
+draft, falling back for 8, then 16, 32 ... 128 steps while probes keep losing, so a
 drafter that does not fit the traffic (other domains, high temperatures) costs little more than plain decoding.
 The decision depends on acceptance only, so it is deterministic (seeded sampling stays reproducible).
 
@@ -46,7 +47,8 @@ from dflash.model.fast_target import FastTarget, fast_path_unsupported, packable
 from dflash.model.target import TargetModel, validate_pair
 
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
-MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per `min_tau` fallback, doubling while drafts keep losing
+MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per `min_tau` fallback, doubling while probes keep losing
+MIN_DRAFTS_TO_JUDGE = 3  # drafting cycles (since the start or a won probe) before `min_tau` may fall back
 
 
 def next_power_of_two(n: int) -> int:
@@ -520,10 +522,12 @@ class Batch:
     capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
     bucketed: bool = False  # caches hold batch_bucket(len(rows)) rows; those past the live rows are padding
     # the `min_tau` fallback: one-token steps left before the next draft, how many the next fallback takes
-    # (doubling while drafting keeps losing), and the acceptance length the last drafts reached
+    # (doubling while probes keep losing), the smoothed acceptance length of recent drafts and how many there were
     plain_steps_left: int = 0
     plain_run: int = MIN_PLAIN_RUN
-    recent_tau: float | None = None
+    recent_tau: float = 0.0
+    recent_drafts: int = 0
+    probing: bool = False
 
     def add_features(self, features, positions, valid, after_draft: bool) -> None:
         """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
@@ -536,17 +540,22 @@ class Batch:
             self.feature_valid = torch.cat([self.feature_valid, valid], dim=1)
 
     def plan_drafting(self, tau: float, min_tau: float) -> None:
-        """After a drafting cycle whose rows kept `tau` tokens on average: drafts that keep fewer than `min_tau`
-        tokens per cycle (over the last two drafting cycles, or the probe alone after a fallback) switch the batch
-        to one-token steps for `plain_run` steps, then it drafts again."""
-        probe = self.recent_tau is None
-        self.recent_tau = tau if probe else (self.recent_tau + tau) / 2
-        if self.recent_tau >= min_tau:
-            self.plain_run = MIN_PLAIN_RUN
-            return
-        self.plain_steps_left = self.plain_run
-        self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
-        self.recent_tau = None  # the next draft is a probe, judged alone
+        """After a drafting cycle whose rows kept `tau` tokens on average. While drafting, the batch falls back to
+        one-token steps once the smoothed acceptance length of MIN_DRAFTS_TO_JUDGE drafts is below `min_tau`; after
+        `plain_run` such steps one draft probes: kept on if it reaches `min_tau`, else the next fallback is twice
+        as long (up to MAX_PLAIN_RUN)."""
+        if self.probing:
+            self.probing = False
+            if tau >= min_tau:
+                self.plain_run, self.recent_tau, self.recent_drafts = MIN_PLAIN_RUN, tau, 1
+                return
+            self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
+        else:
+            self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
+            self.recent_drafts += 1
+            if self.recent_drafts < MIN_DRAFTS_TO_JUDGE or self.recent_tau >= min_tau:
+                return
+        self.plain_steps_left, self.probing = self.plain_run, True
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.rows = [self.rows[i] for i in idx.tolist()]
@@ -577,7 +586,8 @@ class Batch:
             return
         live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
-        self.plain_steps_left, self.plain_run, self.recent_tau = 0, MIN_PLAIN_RUN, None  # new rows: draft again
+        # new rows: draft again, judged afresh
+        self.plain_steps_left, self.plain_run, self.recent_drafts, self.probing = 0, MIN_PLAIN_RUN, 0, False
         pad = self._padding(len(self.rows))
         if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)
