@@ -11,8 +11,8 @@ Finished rows leave the batch at once (their cache rows are dropped). Block size
 autoregressive decoding through the same code: the baseline every speedup is measured against.
 `min_tau`: a batch whose drafts keep fewer tokens per cycle than that (smoothed over the last few drafts) takes
 one-token steps (no draft, same verifier; their target features queue up for the drafter), then probes with one
-draft, falling back for 8, then 16, 32 ... 128 steps while probes keep losing, so a
-drafter that does not fit the traffic (other domains, high temperatures) costs little more than plain decoding.
+draft, falling back for 8, then 16, 32 ... 128 steps while probes keep losing, so a drafter that does not fit
+the traffic (other domains, high temperatures) costs little more than plain decoding.
 The decision depends on acceptance only, so it is deterministic (seeded sampling stays reproducible).
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
@@ -412,8 +412,9 @@ class SpecEngine:
         prof.mark("accept")
 
         kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
+        kept_width = int(kept.max())
         kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
-        state.kv.keep(kept, int(kept.max()), kept_valid[:, :int(kept.max())])
+        state.kv.keep(kept, kept_width, kept_valid[:, :kept_width])
         if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
             state.add_features(features, positions, kept_valid, after_draft=draft)
         accepted = verdict.num_accepted.tolist()
@@ -577,6 +578,8 @@ class Batch:
         """Append `other`'s rows (freshly prefilled by the same engine, unpadded) below ours."""
         if not other.rows:
             return
+        # new rows: draft again, judged afresh
+        self.plain_steps_left, self.plain_run, self.recent_drafts, self.probing = 0, MIN_PLAIN_RUN, 0, False
         if not self.rows:
             self.rows, self.kv = other.rows, other.kv
             self.features, self.feature_positions, self.feature_valid = (
@@ -586,8 +589,6 @@ class Batch:
             return
         live, self.rows = len(self.rows), self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
-        # new rows: draft again, judged afresh
-        self.plain_steps_left, self.plain_run, self.recent_drafts, self.probing = 0, MIN_PLAIN_RUN, 0, False
         pad = self._padding(len(self.rows))
         if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
             self.kv.merge(other.kv, keep=live, pad=pad)
