@@ -203,7 +203,7 @@ class SpecEngine:
         # more copy of the lm_head)
         packable = (packable_weights(self.target.model) if use_fast else []) + [self.target.lm_head.weight]
         if pack_weights is None:
-            pack_weights = bool(packable) and pack_by_default(packable)
+            pack_weights = pack_by_default(packable)
         elif pack_weights:
             require_packable(packable)
         self.pack_weights = pack_weights
