@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$VENV/bin/dflash" demo "$@"
+exec "$VENV/bin/flashdraft" demo "$@"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test command: sets up ./.venv (CPU torch 2.13 + dflash with all its extras) and runs the suite.
+# The test command: sets up ./.venv (CPU torch 2.13 + flashdraft with all its extras) and runs the suite.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DFLASH_EXTRAS="${DFLASH_EXTRAS:-dev,train,serve,bench}" source "$ROOT/scripts/setup_env.sh"
+FLASHDRAFT_EXTRAS="${FLASHDRAFT_EXTRAS:-dev,train,serve,bench}" source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 set +e
 "$PY" -m pytest -q -p no:cacheprovider tests "$@"

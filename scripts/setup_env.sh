@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) and installs dflash into it. Sourced by run_main.sh and run_tests.sh.
+# Creates ./.venv (once) and installs flashdraft into it. Sourced by run_main.sh and run_tests.sh.
 # torch is pinned first to the CPU build so that the package's range resolves without pulling CUDA wheels.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${DFLASH_VENV:-$ROOT/.venv}"
-EXTRAS="${DFLASH_EXTRAS-}"
+VENV="${FLASHDRAFT_VENV:-$ROOT/.venv}"
+EXTRAS="${FLASHDRAFT_EXTRAS-}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi

@@ -1,4 +1,4 @@
-"""`dflash bench` end to end on tiny models (CPU, float64): every in-process method, server mode against live
+"""`flashdraft bench` end to end on tiny models (CPU, float64): every in-process method, server mode against live
 local servers, the losslessness check (passes on greedy; a deliberately wrong method is reported), datasets,
 Prometheus parsing and the hf-assisted draft-model trainer."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash import SpecEngine
-from dflash.bench.cli import build_parser, main, run_bench
-from dflash.bench.datasets import DatasetUnavailable, Prompt, load_prompts
-from dflash.bench.methods import EngineMethod, Method, RunOutput
-from dflash.bench.metrics import from_counters
-from dflash.bench.server import counter_delta, parse_servers, parse_spec_metrics
+from flashdraft import SpecEngine
+from flashdraft.bench.cli import build_parser, main, run_bench
+from flashdraft.bench.datasets import DatasetUnavailable, Prompt, load_prompts
+from flashdraft.bench.methods import EngineMethod, Method, RunOutput
+from flashdraft.bench.metrics import from_counters
+from flashdraft.bench.server import counter_delta, parse_servers, parse_spec_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bench_server import MiniServer  # noqa: E402
@@ -93,7 +93,7 @@ class WrongMethod(Method):
     name = "broken"
 
     def __init__(self, target, tokenizer):
-        self.inner = EngineMethod("broken", target, None, tokenizer, __import__("dflash").SamplingParams())
+        self.inner = EngineMethod("broken", target, None, tokenizer, __import__("flashdraft").SamplingParams())
         self.calls = 0
 
     def run(self, prompt_ids, max_new_tokens):
@@ -105,7 +105,7 @@ class WrongMethod(Method):
 
 
 def test_mismatch_is_reported_loudly(pair, tmp_path):
-    from dflash.loading import load_target
+    from flashdraft.loading import load_target
 
     target, tok = load_target(pair / "target", "cpu", "float64")
     args = build_parser().parse_args(_args(pair, tmp_path, "--methods", "ar,dflash", "--strict"))
@@ -131,7 +131,7 @@ def test_mismatch_is_reported_loudly(pair, tmp_path):
 
 
 def _engine(pair, with_drafter):
-    from dflash.loading import load_pair
+    from flashdraft.loading import load_pair
 
     target, tok, drafter = load_pair(pair / "target", pair / "drafter" if with_drafter else None, "cpu", "float64")
     return SpecEngine(target, drafter, tok), tok
@@ -164,7 +164,7 @@ def test_server_mode_sweep_against_live_servers(pair, tmp_path, capsys):
     assert len(d1["per_position_acceptance"]) == 3 and sum(d1["acceptance_histogram"]) == d1["num_drafts"]
     total = sum(lv["num_drafts"] for lv in res["servers"]["dflash"]["levels"])
     assert 0 < total < served  # the warm-up request is not counted in any level
-    ar1 = res["servers"]["ar"]["levels"][0]  # no spec counters: the per-response `dflash.tau` (plain decoding: 1)
+    ar1 = res["servers"]["ar"]["levels"][0]  # no spec counters: the per-response `flashdraft.tau` (plain decoding: 1)
     assert ar1["acceptance_source"] == "response" and ar1["tau"] == 1.0
     assert (out / "throughput_concurrency.png").stat().st_size > 1000
     assert (out / "acceptance_histogram.png").is_file()
@@ -176,10 +176,10 @@ def test_server_mode_against_dflash_serve(pair, tmp_path):
     pytest.importorskip("uvicorn")
     pytest.importorskip("prometheus_client")
     try:
-        from dflash.serve import create_app
-        from dflash.serve.app import ServeConfig
+        from flashdraft.serve import create_app
+        from flashdraft.serve.app import ServeConfig
     except ImportError:
-        pytest.skip("dflash.serve is not available")
+        pytest.skip("flashdraft.serve is not available")
     import socket
     import threading
     import time
@@ -260,7 +260,7 @@ def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):
 
 
 def test_train_assistant_on_regenerated_shards(pair, tmp_path):
-    from dflash.bench.assistant import main as assistant_main
+    from flashdraft.bench.assistant import main as assistant_main
 
     regen = tmp_path / "regen"
     regen.mkdir()
@@ -299,8 +299,8 @@ def test_sampling_skips_the_equality_check_and_parser_mounts(pair, tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["losslessness"]["checked"] is False and res["datasets"]["prompts"]["methods"]["dflash"]["mismatches"] \
         is None
-    parser = argparse.ArgumentParser(prog="dflash")
-    from dflash.bench.cli import add_bench_parser
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    from flashdraft.bench.cli import add_bench_parser
 
     add_bench_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--methods", "ar,dflash", "--concurrency", "1,8"])

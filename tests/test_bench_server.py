@@ -11,7 +11,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from dflash import SamplingParams
+from flashdraft import SamplingParams
 
 
 class MiniServer:

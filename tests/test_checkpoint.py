@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash import (
+from flashdraft import (
     CheckpointError,
     DFlashDraftModel,
     PairMismatchError,

@@ -1,10 +1,10 @@
-"""`dflash generate` end to end on a tiny target + drafter saved to disk with the project's tokenizer."""
+"""`flashdraft generate` end to end on a tiny target + drafter saved to disk with the project's tokenizer."""
 
 import json
 
 import pytest
 
-from dflash.cli import main
+from flashdraft.cli import main
 from tiny import save_text_pair
 
 @pytest.fixture(scope="module")

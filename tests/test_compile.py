@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.engine import SamplingParams, SpecEngine
-from dflash.engine.compiled import compile_unavailable
-from dflash.engine.generate import batch_bucket
+from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.compiled import compile_unavailable
+from flashdraft.engine.generate import batch_bucket
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,

@@ -1,4 +1,4 @@
-"""oneDNN projections on packed weights (`dflash/model/cpu_linear.py`): same results as `F.linear`, eager and
+"""oneDNN projections on packed weights (`flashdraft/model/cpu_linear.py`): same results as `F.linear`, eager and
 compiled, and the engine's choice of when to pack."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash import SpecEngine
-from dflash.model import cpu_linear
-from dflash.model.cpu_linear import PackedLinear, can_pack, pack_by_default, packed_concat, packed_linear
+from flashdraft import SpecEngine
+from flashdraft.model import cpu_linear
+from flashdraft.model.cpu_linear import PackedLinear, can_pack, pack_by_default, packed_concat, packed_linear
 from tiny import make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="torch built without oneDNN")

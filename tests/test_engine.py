@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash import SamplingParams, SpecEngine
+from flashdraft import SamplingParams, SpecEngine
 from tiny import OracleProposer, greedy_reference, load_tokenizer, make_drafter, make_target
 
 
@@ -140,7 +140,7 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
 
 
 def test_caches_shrink_when_the_longest_request_leaves(monkeypatch):
-    import dflash.engine.generate as generate
+    import flashdraft.engine.generate as generate
 
     monkeypatch.setattr(generate, "MIN_CAPACITY", 16)
     target = make_target("qwen3")
@@ -162,8 +162,8 @@ def test_caches_shrink_when_the_longest_request_leaves(monkeypatch):
 
 def test_lower_precision_drafter_is_lossless_and_still_drafts_well():
     """A bf16 drafter for an fp32 target (the CPU default where bf16 is native): drafts only steer acceptance."""
-    from dflash.demo import load_heldout_prompts
-    from dflash.loading import load_pair, resolve_draft_dtype
+    from flashdraft.demo import load_heldout_prompts
+    from flashdraft.loading import load_pair, resolve_draft_dtype
 
     target, tok, drafter = load_pair(device="cpu", dtype="float32", draft_dtype="bfloat16")
     assert (target.dtype, drafter.dtype) == (torch.float32, torch.bfloat16)

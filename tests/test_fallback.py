@@ -5,8 +5,8 @@ committed position, compiled steps do not recompile after warm-up."""
 import pytest
 import torch
 
-from dflash.engine import SamplingParams, SpecEngine
-from dflash.engine.compiled import compile_unavailable
+from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.compiled import compile_unavailable
 from tiny import greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]

@@ -8,9 +8,9 @@ context and block, and during generation every block drafted by our engine equal
 import pytest
 import torch
 
-from dflash import SamplingParams, SpecEngine
-from dflash.engine.proposers import DFlashProposer
-from dflash.model.hf_export import to_transformers_assistant, transformers_dflash_available, transformers_dflash_generate
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.engine.proposers import DFlashProposer
+from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available, transformers_dflash_generate
 from tiny import greedy_reference, make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(not transformers_dflash_available(), reason="this transformers has no built-in DFlash")

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from dflash import SamplingParams, SpecEngine
+from flashdraft import SamplingParams, SpecEngine
 from tiny import ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200

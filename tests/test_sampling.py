@@ -15,9 +15,9 @@ from scipy.stats import chisquare
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import dflash.engine.generate as engine_module
-from dflash import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
-from dflash.engine import NoRowState, Verdict, target_probs, verify
+import flashdraft.engine.generate as engine_module
+from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
+from flashdraft.engine import NoRowState, Verdict, target_probs, verify
 
 VOCAB, MASK, N_TOKENS, N_SAMPLES = 8, 7, 3, 12000
 PROMPT = [1, 2, 3, 4]

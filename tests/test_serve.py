@@ -1,4 +1,4 @@
-"""`dflash serve` end to end: the real server (uvicorn in a thread, loopback port) with a tiny random target +
+"""`flashdraft serve` end to end: the real server (uvicorn in a thread, loopback port) with a tiny random target +
 DFlash drafter saved to disk with the project's tokenizer (float32), driven by the `openai` client and raw HTTP.
 
 Covered: completions / chat / streaming / include_usage / acceptance statistics through the openai client; 64
@@ -23,9 +23,9 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
-from dflash.loading import load_pair  # noqa: E402
-from dflash.serve.app import ServeConfig, create_app  # noqa: E402
+from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.loading import load_pair  # noqa: E402
+from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
 from tiny import save_text_pair  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -496,7 +496,7 @@ def test_graceful_shutdown_finishes_in_flight_streams(pair):
 
 
 def test_loadtest_script_against_live_server(server, tmp_path, capsys):
-    from dflash.serve.loadtest import main
+    from flashdraft.serve.loadtest import main
 
     out = tmp_path / "lt.json"
     assert main(["--url", server.url, "--concurrency", "1,4", "--requests", "4", "--max-tokens", "4",

@@ -14,11 +14,11 @@ pytest.importorskip("prometheus_client")
 
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target  # noqa: E402
 
-from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
-from dflash.serve import protocol  # noqa: E402
-from dflash.serve.cli import add_serve_parser, run_serve  # noqa: E402
-from dflash.serve.metrics import Metrics  # noqa: E402
-from dflash.serve.scheduler import Failure, Scheduler, SchedulerClosed  # noqa: E402
+from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.serve import protocol  # noqa: E402
+from flashdraft.serve.cli import add_serve_parser, run_serve  # noqa: E402
+from flashdraft.serve.metrics import Metrics  # noqa: E402
+from flashdraft.serve.scheduler import Failure, Scheduler, SchedulerClosed  # noqa: E402
 
 
 def _metric(metrics: Metrics, name: str, **labels) -> float:
@@ -141,7 +141,7 @@ def test_protocol_messages():
 
 
 def test_cli_parser_and_argument_errors():
-    parser = argparse.ArgumentParser(prog="dflash")
+    parser = argparse.ArgumentParser(prog="flashdraft")
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--port", "9000", "--max-batch-size", "4", "--no-draft",
                               "--served-model-name", "m", "--api-key", "k"])
@@ -152,6 +152,6 @@ def test_cli_parser_and_argument_errors():
         run_serve(bad)
     both = parser.parse_args(["serve", "--no-draft", "--draft", "x", "--target", "y"])
     with pytest.raises(ValueError, match="contradict"):
-        from dflash.serve.cli import build_engine
+        from flashdraft.serve.cli import build_engine
 
         build_engine(both)

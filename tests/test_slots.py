@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.model.slots import StaticKV
+from flashdraft.model.slots import StaticKV
 
 
 def make_kv(rows: int, capacity: int = 8, fill_from: int = 0) -> StaticKV:

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from dflash.train.cli import main
-from dflash.train.synthetic import tiny_target_config
-from dflash.train.trainer import check_export_config
+from flashdraft.train.cli import main
+from flashdraft.train.synthetic import tiny_target_config
+from flashdraft.train.trainer import check_export_config
 
 torch.set_num_threads(1)
-TOKENIZER = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+TOKENIZER = Path(__file__).resolve().parent.parent / "flashdraft" / "assets" / "default_pair" / "target"
 
 
 def test_cli_regenerate_then_train_uses_tokenizer_mask_token(tmp_path):
@@ -59,9 +59,9 @@ def test_train_without_mask_token_fails_clearly(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention training runs on GPU only)")
 def test_flex_training_on_gpu_matches_sdpa(tmp_path):
-    from dflash.train.synthetic import BOS, MASK, progression
-    from dflash.train.data import build_example
-    from dflash.train.trainer import TrainConfig, Trainer
+    from flashdraft.train.synthetic import BOS, MASK, progression
+    from flashdraft.train.data import build_example
+    from flashdraft.train.trainer import TrainConfig, Trainer
 
     examples = [build_example([BOS] + progression(i, 1, 5, 60), progression(i + 5, 1, 40, 60)) for i in range(8)]
     losses = {}

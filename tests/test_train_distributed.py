@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-from dflash.train.synthetic import BOS, MASK, progression, tiny_target_config
-from dflash.train.trainer import TrainConfig, Trainer
+from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config
+from flashdraft.train.trainer import TrainConfig, Trainer
 
 torch.set_num_threads(1)
 COMMON = ["--block-size", "4", "--num-draft-layers", "1", "--mask-token-id", str(MASK), "--num-anchors", "6",
@@ -40,9 +40,9 @@ def _cli(args, nproc=1, check=True):
         env.pop(k, None)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "dflash.train.cli", "train", *args]
+               "-m", "flashdraft.train.cli", "train", *args]
     else:
-        cmd = [sys.executable, "-m", "dflash.train.cli", "train", *args]
+        cmd = [sys.executable, "-m", "flashdraft.train.cli", "train", *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from dflash import DFlashDraftModel, SamplingParams, SpecEngine
-from dflash.train.data import build_example, encode_prompt, load_examples, record_to_example
-from dflash.train.evaluate import evaluate_tau
-from dflash.train.regenerate import regenerate, shard_path
-from dflash.train.synthetic import BOS, MASK, progression, tiny_target_config, train_tiny_target
-from dflash.train.trainer import REQUIRED_CONFIG_FIELDS, TrainConfig, Trainer, check_export_config
+from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
+from flashdraft.train.data import build_example, encode_prompt, load_examples, record_to_example
+from flashdraft.train.evaluate import evaluate_tau
+from flashdraft.train.regenerate import regenerate, shard_path
+from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config, train_tiny_target
+from flashdraft.train.trainer import REQUIRED_CONFIG_FIELDS, TrainConfig, Trainer, check_export_config
 
 torch.set_num_threads(1)
 MOD = 60
@@ -137,7 +137,7 @@ def test_feature_cache_matches_online_features(target, tmp_path):
 def test_data_records_and_chat_template():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "dflash", "assets",
+    tok = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "..", "flashdraft", "assets",
                                                      "default_pair", "target"))
     # plain prompt/response
     ex = record_to_example({"prompt": "hello", "response": " world"}, tok, eos_token_id=tok.eos_token_id)

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from dflash.model.drafter import DFlashDraftModel, make_draft_config
-from dflash.train.anchors import anchor_generator, build_blocks, candidate_anchors, pad_anchors, sample_anchors
-from dflash.train.loss import default_gamma, dflash_loss, gather_teacher_logits, position_weights, slot_weights
-from dflash.train.masks import dense_training_mask, flex_supported, flex_training_mask
-from dflash.train.synthetic import tiny_target_config
-from dflash.train.trainer import resolve_mask_token_id
+from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
+from flashdraft.train.anchors import anchor_generator, build_blocks, candidate_anchors, pad_anchors, sample_anchors
+from flashdraft.train.loss import default_gamma, dflash_loss, gather_teacher_logits, position_weights, slot_weights
+from flashdraft.train.masks import dense_training_mask, flex_supported, flex_training_mask
+from flashdraft.train.synthetic import tiny_target_config
+from flashdraft.train.trainer import resolve_mask_token_id
 
 torch.set_num_threads(1)
 

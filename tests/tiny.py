@@ -26,8 +26,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash import DFlashDraftModel, make_draft_config
-from dflash.engine import NoRowState
+from flashdraft import DFlashDraftModel, make_draft_config
+from flashdraft.engine import NoRowState
 
 VOCAB = 96
 MASK_ID = VOCAB - 1
@@ -104,7 +104,7 @@ class OracleProposer:
         return drafts.to(inp.bonus.device), None
 
 
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "dflash" / "assets" / "default_pair" / "target"
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "flashdraft" / "assets" / "default_pair" / "target"
 
 
 def load_tokenizer():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the shipped default drafter into dflash/assets/default_pair/drafter/ with dflash's own pipeline:
+# Builds the shipped default drafter into flashdraft/assets/default_pair/drafter/ with flashdraft's own pipeline:
 #   1. prompts     held-out prompts (shipped) and train prompts (starts of stdlib functions/classes)
 #   2. regenerate  the target's OWN greedy responses to the train prompts -> data/default_pair/regen/
 #   3. train       the DFlash drafter on them (random anchors, decayed loss), evaluating tau with the engine
@@ -7,7 +7,7 @@
 #                  block position dominates the step; 4000 steps x 8 sequences take ~80 min on 2 cores)
 #   4. export      the final checkpoint (reference format, bf16) into the package assets
 # Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
-# Usage: scripts/default_pair/build_drafter.sh [--force] [extra `dflash train` flags...]   (PY=python to choose)
+# Usage: scripts/default_pair/build_drafter.sh [--force] [extra `flashdraft train` flags...]   (PY=python to choose)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -17,17 +17,17 @@ EXTRA=()
 for a in "$@"; do
     if [ "$a" = "--force" ]; then FORCE=1; else EXTRA+=("$a"); fi
 done
-TARGET=dflash/assets/default_pair/target
+TARGET=flashdraft/assets/default_pair/target
 REGEN=data/default_pair/regen
 RUN=runs/default_drafter
-OUT=dflash/assets/default_pair/drafter
+OUT=flashdraft/assets/default_pair/drafter
 
 echo "== [1/4] prompts"
 "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64
 
 echo "== [2/4] regenerate responses with the target (greedy, 128 new tokens)"
 [ "$FORCE" = 1 ] && rm -rf "$REGEN"
-"$PY" -m dflash.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
+"$PY" -m flashdraft.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
     --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
 
 echo "== [3/4] train the drafter"
@@ -37,10 +37,10 @@ echo "== [3/4] train the drafter"
 for STEPS in 1500 4000; do
     RESUME=()
     [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
-    "$PY" -m dflash.cli train --target "$TARGET" --data "$REGEN" --output-dir "$RUN" \
+    "$PY" -m flashdraft.cli train --target "$TARGET" --data "$REGEN" --output-dir "$RUN" \
         --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
         --max-steps "$STEPS" --batch-size 8 --max-length 512 --num-anchors 32 --lr 6e-4 --seed 0 \
-        --eval-prompts dflash/assets/default_pair/heldout_prompts.jsonl --eval-limit 16 --eval-every 500 \
+        --eval-prompts flashdraft/assets/default_pair/heldout_prompts.jsonl --eval-limit 16 --eval-every 500 \
         --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
 done
 
@@ -48,7 +48,7 @@ echo "== [4/4] export"
 rm -rf "$OUT"
 "$PY" - "$RUN/final" "$OUT" <<'PY'
 import sys, torch
-from dflash import DFlashDraftModel
+from flashdraft import DFlashDraftModel
 DFlashDraftModel.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], dtype=torch.bfloat16)
 print("exported", sys.argv[2])
 PY

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the shipped default target into dflash/assets/default_pair/target/:
+# Builds the shipped default target into flashdraft/assets/default_pair/target/:
 #   1. corpus     (scripts/default_pair/corpus.py)     -> data/default_pair/corpus/   (seconds)
 #   2. tokenizer  (scripts/default_pair/tokenizer.py)  -> tokenizer.json + config     (seconds)
 #   3. target LM  (scripts/default_pair/train_target.py) -> model.safetensors, README.md card (~35 min on 2 CPU cores)

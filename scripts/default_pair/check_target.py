@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 from scripts.default_pair.corpus import heldout_prompts  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "dflash" / "assets" / "default_pair" / "target"
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "flashdraft" / "assets" / "default_pair" / "target"
 
 
 def main(argv=None) -> None:

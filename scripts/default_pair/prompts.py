@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 from corpus import heldout_prompts, train_prompts  # noqa: E402
 
-HELDOUT_OUT = ROOT / "dflash" / "assets" / "default_pair" / "heldout_prompts.jsonl"
+HELDOUT_OUT = ROOT / "flashdraft" / "assets" / "default_pair" / "heldout_prompts.jsonl"
 TRAIN_OUT = ROOT / "data" / "default_pair" / "train_prompts.jsonl"
 
 

@@ -2,7 +2,7 @@
 
 Trains a byte-level BPE (``tokenizers`` library, vocab 8192 including the special
 tokens) on the train split of the stdlib corpus and saves it as a transformers
-``PreTrainedTokenizerFast`` into ``dflash/assets/default_pair/target/``, so that
+``PreTrainedTokenizerFast`` into ``flashdraft/assets/default_pair/target/``, so that
 ``AutoTokenizer.from_pretrained(dir)`` works.
 
 Special tokens (fixed ids):
@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 from scripts.default_pair.corpus import load_corpus  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO_ROOT / "dflash" / "assets" / "default_pair" / "target"
+DEFAULT_OUT = REPO_ROOT / "flashdraft" / "assets" / "default_pair" / "target"
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
 SPECIALS = [EOS, MASK]

@@ -43,7 +43,7 @@ from scripts.default_pair.corpus import DEFAULT_OUT as CORPUS_DIR  # noqa: E402
 from scripts.default_pair.corpus import heldout_prompts, load_corpus  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = REPO_ROOT / "dflash" / "assets" / "default_pair" / "target"
+DEFAULT_OUT = REPO_ROOT / "flashdraft" / "assets" / "default_pair" / "target"
 
 
 # --------------------------------------------------------------------------- data
@@ -234,11 +234,11 @@ def _git_commit() -> str:
 def write_card(out: Path, stats: dict) -> None:
     m, c, t, tr = stats["corpus"], stats["config"], stats["tokenizer"], stats["training"]
     sample = stats.get("sample", {})
-    card = f"""# dflash default target: `stdlib-qwen3-{stats['params_m']:.1f}m`
+    card = f"""# flashdraft default target: `stdlib-qwen3-{stats['params_m']:.1f}m`
 
 A tiny **code-completion** causal LM (Qwen3 architecture) trained from scratch on the
 Python standard library. It is the *target* half of the default pair shipped with
-`dflash`: small enough to run on a CPU in tests and demos, trained enough to produce
+`flashdraft`: small enough to run on a CPU in tests and demos, trained enough to produce
 plausible Python so that a drafter has something real to predict.
 It is not a useful code assistant.
 
@@ -322,7 +322,7 @@ Greedy continuation of a held-out prompt (`{sample.get('path', '')}`, line {samp
 ```python
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-d = "dflash/assets/default_pair/target"
+d = "flashdraft/assets/default_pair/target"
 tok = AutoTokenizer.from_pretrained(d)
 model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
 ids = tok("def fibonacci(n):", return_tensors="pt").input_ids  # no trailing newline, see Prompts

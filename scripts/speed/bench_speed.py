@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from reference_style import reference_style_generate  # noqa: E402
 
-from dflash.engine import SamplingParams, SpecEngine  # noqa: E402
-from dflash.loading import load_pair  # noqa: E402
-from dflash.model.hf_export import to_transformers_assistant, transformers_dflash_available  # noqa: E402
+from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.loading import load_pair  # noqa: E402
+from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     if args.prompts:
         texts = [json.loads(line)["prompt"] for line in open(args.prompts) if line.strip()]
     else:
-        from dflash.demo import load_heldout_prompts
+        from flashdraft.demo import load_heldout_prompts
 
         texts = load_heldout_prompts()
     texts = texts[: args.num_prompts]

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.engine.compiled import compile_step
-from dflash.engine.proposers import DFlashProposer, ProposalInput
-from dflash.engine.target_kv import StaticTargetKV
-from dflash.model import DFlashDraftModel, TargetModel, default_target_layer_ids, make_draft_config
-from dflash.model.fast_target import FastTarget
+from flashdraft.engine.compiled import compile_step
+from flashdraft.engine.proposers import DFlashProposer, ProposalInput
+from flashdraft.engine.target_kv import StaticTargetKV
+from flashdraft.model import DFlashDraftModel, TargetModel, default_target_layer_ids, make_draft_config
+from flashdraft.model.fast_target import FastTarget
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -104,9 +104,9 @@ def measure(target: TargetModel, drafter: DFlashDraftModel, batch: int, context:
 
 def measure_tau(device: str, num_prompts: int) -> float:
     """Mean acceptance length of the shipped default pair on its held-out prompts (greedy, 128 new tokens)."""
-    from dflash.demo import load_heldout_prompts
-    from dflash.engine import SamplingParams, SpecEngine
-    from dflash.loading import load_pair
+    from flashdraft.demo import load_heldout_prompts
+    from flashdraft.engine import SamplingParams, SpecEngine
+    from flashdraft.loading import load_pair
 
     model, tok, drafter = load_pair(device=device, dtype="float32")
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(num_prompts)]

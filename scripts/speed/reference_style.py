@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from dflash.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter import DFlashDraftModel
 
 
 @torch.inference_mode()

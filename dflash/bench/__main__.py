@@ -1,5 +1,0 @@
-import sys
-
-from dflash.bench.cli import main
-
-sys.exit(main())

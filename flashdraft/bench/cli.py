@@ -1,0 +1,216 @@
+"""`flashdraft bench` (also `python -m flashdraft.bench`): argument parsing, progress bars, and writing the outputs.
+
+In-process mode (default) loads the target, drafter and assistant and runs the methods interleaved prompt by
+prompt (`offline.py`); server mode (`--server URL`, repeatable as `name=URL`) sweeps concurrency levels against
+OpenAI-compatible endpoints (`server.py`). Both write `results.json`, `results.md` and PNG plots to
+`--output-dir` and print a table. Exit codes: 0 ok, 1 a losslessness/output mismatch with `--strict`,
+2 bad arguments or unavailable data, 3 the default pair is not shipped.
+
+What this module does not know about: measuring (offline.py, server.py) and formatting (report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+from flashdraft.bench.methods import ALL_METHODS
+from flashdraft.cli import add_device_args, pack_weights_arg
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    m = p.add_argument_group("models (in-process mode)")
+    m.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair)")
+    m.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
+    m.add_argument("--assistant", default=None,
+                   help="small autoregressive draft model for hf-assisted (default: flashdraft/assets/default_pair/"
+                        "assistant with the default pair; train one with `python -m flashdraft.bench.assistant`)")
+    add_device_args(m)
+    m.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    m.add_argument("--methods", type=_csv, default=list(ALL_METHODS),
+                   help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all; ar always runs)")
+    m.add_argument("--num-assistant-tokens", type=int, default=5,
+                   help="hf-assisted: draft tokens per cycle, fixed (schedule constant, confidence threshold 0)")
+    m.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="prompt-lookup: draft tokens per cycle")
+    m.add_argument("--max-matching-ngram-size", type=int, default=2, help="prompt-lookup: longest n-gram matched")
+
+    d = p.add_argument_group("prompts and decoding")
+    d.add_argument("--dataset", type=_csv, default=["default"],
+                   help="comma-separated: default (the default pair's held-out code prompts), gsm8k, math500, "
+                        "humaneval, mbpp, mt-bench, or a .jsonl path with a 'prompt' or 'messages' field")
+    d.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each dataset (0 = all)")
+    d.add_argument("--cache-dir", default=None, help="dataset cache (default: ~/.cache/flashdraft/bench or "
+                                                     "$FLASHDRAFT_BENCH_CACHE)")
+    d.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template "
+                                                       "(server mode: use /v1/chat/completions)")
+    d.add_argument("--max-new-tokens", type=int, default=128)
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; enables the lossless check)")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed output lengths)")
+
+    s = p.add_argument_group("server mode")
+    s.add_argument("--server", action="append", default=[], metavar="[NAME=]URL",
+                   help="OpenAI-compatible base URL (repeatable; a server named 'ar' is the speedup baseline)")
+    s.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 32], help="levels, e.g. 1,4,16,32")
+    s.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    s.add_argument("--api", choices=["auto", "completions", "chat"], default="auto",
+                   help="auto: chat for 'messages' prompts or --chat, completions otherwise")
+    s.add_argument("--num-requests", type=int, default=None,
+                   help="requests per level (default: max(number of prompts, concurrency), prompts cycled)")
+    s.add_argument("--api-key", default=None)
+
+    o = p.add_argument_group("output")
+    o.add_argument("--output-dir", default="runs/bench", help="results.json, results.md and plots go here")
+    o.add_argument("--strict", action="store_true", help="exit 1 when a lossless method's greedy output differs")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmark DFlash against plain decoding and other speculative methods",
+                              description=__doc__.split("\n\n")[1])
+    configure_parser(p)
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def _environment(target=None, drafter=None, assistant=None) -> dict:
+    import torch
+    import transformers
+
+    import flashdraft
+
+    env = {"dflash": flashdraft.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "platform": platform.platform(), "torch_threads":
+           torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if target is not None:
+        env["device"] = str(target.device)
+        env["dtype"] = str(target.dtype).replace("torch.", "")
+        env["target_params"] = sum(p.numel() for p in target.parameters())
+        if target.device.type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(target.device)
+    if drafter is not None:
+        env["drafter_params"] = sum(p.numel() for p in drafter.parameters())
+    if assistant is not None:
+        env["assistant_params"] = sum(p.numel() for p in assistant.parameters())
+    return env
+
+
+def _progress(enabled: bool):
+    from contextlib import nullcontext
+
+    if not enabled:
+        return nullcontext(None)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+def run_bench(args, extra_methods=None, console=None) -> int:
+    """Run from parsed arguments. `extra_methods`: more `Method`s for in-process mode (tests)."""
+    from rich.console import Console
+
+    from flashdraft.bench import report
+    from flashdraft.bench.datasets import DatasetUnavailable, dataset_label, load_prompts
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: a table wide enough not to wrap
+            console = Console(width=max(console.width, 132))
+    out_dir = Path(args.output_dir)
+    num_prompts = args.num_prompts or None
+    try:
+        if args.server:
+            prompts = []
+            for spec in args.dataset:
+                prompts += load_prompts(spec, num_prompts, args.cache_dir)
+            if args.chat:
+                from flashdraft.bench.datasets import Prompt
+
+                prompts = [Prompt(messages=p.as_messages()) for p in prompts]
+            with _progress(not args.no_progress) as progress:
+                from flashdraft.bench.server import run_servers
+
+                results = run_servers(args.server, prompts, args.concurrency, model=args.model, api=args.api,
+                                      max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                                      num_requests=args.num_requests, api_key=args.api_key, progress=progress)
+            results["config"] = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+            results["datasets_used"] = [dataset_label(d) for d in args.dataset]
+            results["environment"] = _environment()
+        else:
+            from flashdraft.bench.offline import BenchConfig, load_models, run_offline
+
+            unknown = [m for m in args.methods if m not in ALL_METHODS]
+            if unknown:
+                raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+            cfg = BenchConfig(target=args.target, draft=args.draft, assistant=args.assistant, methods=args.methods,
+                              datasets=args.dataset, num_prompts=num_prompts, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              chat=args.chat, ignore_eos=args.ignore_eos, block_size=args.block_size,
+                              num_assistant_tokens=args.num_assistant_tokens,
+                              prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+                              max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
+                              dtype=args.dtype, draft_dtype=args.draft_dtype, compile=args.compile,
+                              pack_weights=pack_weights_arg(args), min_tau=args.min_tau,
+                              cache_dir=args.cache_dir)
+            if cfg.target is None:
+                from flashdraft.loading import default_pair_paths
+
+                default_pair_paths()  # DefaultPairMissing (exit 3) before any other complaint
+            datasets = {dataset_label(d): load_prompts(d, num_prompts, args.cache_dir) for d in cfg.datasets}
+            target, tokenizer, drafter, assistant = load_models(cfg)
+            with _progress(not args.no_progress) as progress:
+                results = run_offline(cfg, target, tokenizer, drafter, assistant, extra_methods=extra_methods,
+                                      progress=progress, datasets=datasets)
+            results["environment"] = _environment(target, drafter, assistant)
+    except DatasetUnavailable as exc:
+        print(f"flashdraft bench: {exc}", file=sys.stderr)
+        return 2
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.no_plots:
+        results["plots"] = [Path(p).name for p in report.write_plots(results, out_dir)]
+    failures = report.lossless_failures(results)
+    results["exit"] = {"strict": bool(args.strict), "lossless_failures": failures}
+    report.write_json(results, out_dir / "results.json")
+    report.write_markdown(results, out_dir / "results.md")
+    report.print_tables(results, console)
+    console.print(f"results: {out_dir / 'results.json'}, {out_dir / 'results.md'}"
+                  + (f", plots: {', '.join(results['plots'])}" if results.get("plots") else ""))
+    if failures and args.strict:
+        console.print("[bold red]--strict: exiting with status 1 (output mismatch)[/bold red]")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashdraft bench", description=__doc__.split("\n\n")[1])
+    configure_parser(parser)
+    parser.set_defaults(func=run_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashdraft.cli import run_command
+
+    return run_command(build_parser().parse_args(argv), prog="flashdraft bench")

@@ -1,0 +1,188 @@
+"""Benchmark prompts: the standard speculative-decoding sets, local JSONL files, and the default pair's held-out set.
+
+- `gsm8k`, `math500`, `humaneval`, `mbpp`, `mt-bench`: read once through `datasets` (needs the hub), then cached as
+  JSONL (`{"prompt": ...}` or `{"messages": [...]}` per line) under the cache dir; later runs (and offline machines
+  with a copied cache) read the cache. Offline and not cached: `DatasetUnavailable` with what to do.
+- a path to a `.jsonl` file: one object per line with a `prompt` (string) or `messages` (chat) field.
+- `default`: the shipped default pair's held-out code prompts (`flashdraft.demo.load_heldout_prompts`).
+
+Prompt wording follows the DFlash/EAGLE evaluation scripts: math sets ask for step-by-step reasoning and a boxed
+answer, code sets ask for a solution; mt-bench uses the first turn.
+
+What this module does not know about: tokenization and chat templates (`Prompt.encode` applies them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CACHE_DIR = Path(os.environ.get("FLASHDRAFT_BENCH_CACHE", Path.home() / ".cache" / "flashdraft" / "bench"))
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def _math(field):
+    return lambda r: r[field] + MATH_SUFFIX
+
+
+def _humaneval(r):
+    return ("Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+            f"{r['prompt']}\n```")
+
+
+def _mbpp(r):
+    tests = "\n".join(r.get("test_list") or [])
+    return f"{r['text']}\nYour code should pass these tests:\n{tests}" if tests else r["text"]
+
+
+def _mt_bench(r):
+    turns = r.get("prompt") or r.get("turns")
+    return turns[0] if isinstance(turns, list) else turns
+
+
+# name -> (hub id, config, split, record -> prompt text)
+BUILTIN = {
+    "gsm8k": ("openai/gsm8k", "main", "test", _math("question")),
+    "math500": ("HuggingFaceH4/MATH-500", None, "test", _math("problem")),
+    "humaneval": ("openai/openai_humaneval", None, "test", _humaneval),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test", _mbpp),
+    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", _mt_bench),
+}
+CHAT_DATASETS = {"gsm8k", "math500", "humaneval", "mbpp", "mt-bench"}  # instructions: meant for chat models
+
+
+class DatasetUnavailable(ValueError):
+    """A dataset is neither cached nor downloadable (offline): a user error, reported in one line."""
+
+
+@dataclass
+class Prompt:
+    text: str | None = None
+    messages: list[dict] | None = None
+
+    def as_messages(self) -> list[dict]:
+        return self.messages if self.messages is not None else [{"role": "user", "content": self.text}]
+
+    def encode(self, tokenizer, chat: bool) -> list[int]:
+        """Token ids: chat messages (or `chat=True`) through the chat template, plain text as is."""
+        if self.messages is not None or chat:
+            if getattr(tokenizer, "chat_template", None):
+                return list(tokenizer.apply_chat_template(self.as_messages(), add_generation_prompt=True,
+                                                          tokenize=True, return_dict=False))
+            if self.messages is not None:  # no template: "role: content" lines, as the training data does
+                text = "\n".join(f"{m['role']}: {m['content']}" for m in self.messages) + "\nassistant: "
+                return _plain(tokenizer, text)
+        return _plain(tokenizer, self.text)
+
+    def to_json(self) -> dict:
+        return {"messages": self.messages} if self.messages is not None else {"prompt": self.text}
+
+
+def _plain(tokenizer, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id]
+    return list(ids)
+
+
+def _record_to_prompt(rec: dict, where: str) -> Prompt:
+    if isinstance(rec.get("messages"), list) and rec["messages"]:
+        msgs = [dict(m) for m in rec["messages"]]
+        if msgs[-1].get("role") == "assistant":  # a full conversation: benchmark the last assistant turn
+            msgs = msgs[:-1]
+        if not msgs:
+            raise ValueError(f"{where}: 'messages' has no turn before the assistant's")
+        return Prompt(messages=msgs)
+    if isinstance(rec.get("prompt"), str):
+        return Prompt(text=rec["prompt"])
+    raise ValueError(f"{where}: each line needs a 'prompt' string or a 'messages' list (got keys {sorted(rec)})")
+
+
+def read_jsonl(path: str | Path) -> list[Prompt]:
+    path = Path(path)
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from exc
+            prompts.append(_record_to_prompt(rec, f"{path}:{n}"))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def cache_path(name: str, cache_dir: str | Path | None = None) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{name}.jsonl"
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached (a quick TCP connect), or None. Skipped behind a proxy: the proxy decides."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+    except OSError as exc:
+        return f"cannot connect to {url.hostname}: {exc}"
+    return None
+
+
+def download(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Fetch a built-in set through `datasets` and write its JSONL cache."""
+    hub, config, split, fmt = BUILTIN[name]
+    target = cache_path(name, cache_dir)
+    try:
+        offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0") or \
+            os.environ.get("HF_DATASETS_OFFLINE") not in (None, "", "0")
+        why = "offline mode (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)" if offline else _hub_unreachable()
+        if why:  # fail fast instead of datasets' retries with back-off
+            raise ConnectionError(why)
+        import datasets
+
+        ds = datasets.load_dataset(hub, config, split=split) if config else datasets.load_dataset(hub, split=split)
+        rows = [{"prompt": fmt(dict(r))} for r in ds]
+    except Exception as exc:  # offline, hub unreachable, datasets missing
+        raise DatasetUnavailable(
+            f"dataset '{name}' is not cached at {target} and could not be downloaded from the hub ({hub}): "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+            f"  - run once on a machine with internet (the cache is plain JSONL; copy it to {target}), or\n"
+            f"  - pass a local file: --dataset path.jsonl (one {{\"prompt\": ...}} or {{\"messages\": [...]}} per line)"
+        ) from exc
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, target)
+    return target
+
+
+def load_prompts(spec: str, num_prompts: int | None = None, cache_dir: str | Path | None = None) -> list[Prompt]:
+    """Prompts for a dataset name (`default`, a built-in name) or a JSONL path; the first `num_prompts`."""
+    if spec == "default":
+        from flashdraft.demo import load_heldout_prompts
+
+        prompts = [Prompt(text=t) for t in load_heldout_prompts()]
+    elif spec in BUILTIN:
+        path = cache_path(spec, cache_dir)
+        if not path.is_file():
+            path = download(spec, cache_dir)
+        prompts = read_jsonl(path)
+    elif Path(spec).is_file():
+        prompts = read_jsonl(spec)
+    else:
+        raise FileNotFoundError(f"unknown dataset {spec!r}: use default, {', '.join(BUILTIN)}, or a path to a .jsonl "
+                                "file")
+    return prompts[:num_prompts] if num_prompts else prompts
+
+
+def dataset_label(spec: str) -> str:
+    return spec if spec in BUILTIN or spec == "default" else Path(spec).stem

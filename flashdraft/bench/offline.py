@@ -1,0 +1,245 @@
+"""In-process benchmark: every method on the same prompts, interleaved prompt by prompt.
+
+For each prompt, each method runs once (the method order rotates from prompt to prompt) so machine drift and
+thermal or cache effects spread over all methods instead of biasing the ones that ran last. Every method gets one
+short untimed warm-up first. With greedy decoding, each lossless method's output is compared token for token with
+`ar`'s output for the same prompt (plain decoding through the same engine = the target's own greedy output).
+
+What this module does not know about: HTTP servers (`server.py`), tables and plots (`report.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from flashdraft.bench.datasets import dataset_label, load_prompts
+from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
+from flashdraft.bench.metrics import acceptance_summary, timing_summary
+from flashdraft.engine import SamplingParams
+from flashdraft.loading import DEFAULT_PAIR_DIR
+
+DEFAULT_ASSISTANT = DEFAULT_PAIR_DIR / "assistant"
+
+
+@dataclass
+class BenchConfig:
+    target: str | None = None
+    draft: str | None = None
+    assistant: str | None = None  # AR draft model for hf-assisted (default: the default pair's, when shipped)
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    datasets: list[str] = field(default_factory=lambda: ["default"])
+    num_prompts: int | None = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = 0
+    chat: bool = False
+    ignore_eos: bool = False
+    block_size: int | None = None
+    num_assistant_tokens: int = 5
+    prompt_lookup_num_tokens: int = 10
+    max_matching_ngram_size: int = 2
+    device: str | None = "auto"
+    dtype: str | None = "auto"
+    draft_dtype: str | None = "auto"
+    compile: bool = False
+    pack_weights: bool | None = None  # None: the engine's choice (packed on CPU when small)
+    min_tau: float | None = None  # dflash: fall back to one-token steps below this acceptance length
+    cache_dir: str | None = None
+    warmup: bool = True
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def sampling_params(cfg: BenchConfig, tokenizer) -> SamplingParams:
+    stops = ()
+    if not cfg.ignore_eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops = (int(tokenizer.eos_token_id),)
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          top_k=cfg.top_k, stop_token_ids=stops,
+                          seed=cfg.seed if cfg.temperature > 0 else None)
+
+
+def build_methods(names: list[str], target, tokenizer, drafter, params: SamplingParams, cfg: BenchConfig,
+                  assistant=None) -> tuple[list[Method], list[str]]:
+    """The requested methods (ar always first: it is the reference) and notes about any that had to be skipped."""
+    methods: list[Method] = []
+    notes = []
+    names = ["ar"] + [n for n in names if n != "ar"]
+    for name in names:
+        if name == "ar":
+            methods.append(EngineMethod("ar", target, None, tokenizer, params, compile=cfg.compile,
+                                        pack_weights=cfg.pack_weights))
+        elif name == "dflash":
+            if drafter is None:
+                raise ValueError("method dflash needs a drafter (--draft)")
+            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile,
+                                        cfg.pack_weights, cfg.min_tau))
+        elif name == "hf-dflash":
+            from flashdraft.model.hf_export import transformers_dflash_available
+
+            if drafter is None:
+                raise ValueError("method hf-dflash needs a drafter (--draft)")
+            if not transformers_dflash_available():
+                notes.append("hf-dflash skipped: this transformers has no built-in DFlash")
+                continue
+            if cfg.block_size not in (None, drafter.block_size):
+                notes.append(f"hf-dflash runs the drafter's own block size {drafter.block_size} "
+                             f"(transformers has no block-size override)")
+            methods.append(hf_dflash(target, drafter, tokenizer, params))
+        elif name == "hf-assisted":
+            if assistant is None:
+                notes.append("hf-assisted skipped: no assistant model (--assistant DIR; train one with "
+                             "`python -m flashdraft.bench.assistant`)")
+                continue
+            methods.append(hf_assisted(target, assistant, tokenizer, params, cfg.num_assistant_tokens))
+        elif name == "prompt-lookup":
+            methods.append(prompt_lookup(target, tokenizer, params, cfg.prompt_lookup_num_tokens,
+                                         cfg.max_matching_ngram_size))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+    return methods, notes
+
+
+def load_models(cfg: BenchConfig):
+    """(target, tokenizer, drafter, assistant) on one device; the assistant only when hf-assisted is requested."""
+    from flashdraft.loading import load_pair, resolve_device
+
+    target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype, cfg.draft_dtype)
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer; bench needs one to encode prompts")
+    assistant = None
+    if "hf-assisted" in cfg.methods:
+        path = cfg.assistant
+        if path is None and cfg.target is None and (DEFAULT_ASSISTANT / "config.json").is_file():
+            path = str(DEFAULT_ASSISTANT)
+        if path is not None:
+            from transformers import AutoModelForCausalLM
+
+            device = resolve_device(cfg.device)
+            assistant = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(device).eval()
+            if assistant.config.vocab_size != target.config.vocab_size:
+                raise ValueError(f"assistant vocab_size {assistant.config.vocab_size} != target vocab_size "
+                                 f"{target.config.vocab_size}: hf-assisted needs a draft model sharing the "
+                                 "target's tokenizer")
+    return target, tokenizer, drafter, assistant
+
+
+def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=None,
+                extra_methods: list[Method] | None = None, progress=None, datasets: dict | None = None) -> dict:
+    """Run the benchmark; returns the results dict (see report.py for its layout).
+
+    `extra_methods`: more `Method` objects to run alongside (e.g. in tests, a deliberately broken one).
+    `datasets`: {label: [Prompt]} to use instead of loading `cfg.datasets`.
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    params = sampling_params(cfg, tokenizer)
+    methods, notes = build_methods(cfg.methods, target, tokenizer, drafter, params, cfg, assistant)
+    methods += list(extra_methods or [])
+    if datasets is None:
+        datasets = {dataset_label(d): load_prompts(d, cfg.num_prompts, cfg.cache_dir) for d in cfg.datasets}
+    encoded = {label: [p.encode(tokenizer, cfg.chat) for p in prompts] for label, prompts in datasets.items()}
+    greedy = cfg.temperature == 0
+
+    if cfg.warmup:
+        first = next(iter(encoded.values()))[0]
+        for m in methods:
+            m.run(first, min(8, cfg.max_new_tokens))
+
+    total = sum(len(v) for v in encoded.values()) * len(methods)
+    task = progress.add_task("bench", total=total) if progress is not None else None
+    per_dataset = {}
+    for label, prompt_ids in encoded.items():
+        records = {m.name: [] for m in methods}
+        for i, ids in enumerate(prompt_ids):
+            order = methods[i % len(methods):] + methods[:i % len(methods)]  # rotate: no method always runs last
+            outputs = {}
+            for m in order:
+                if progress is not None:
+                    progress.update(task, description=f"{label} {i + 1}/{len(prompt_ids)} {m.name}")
+                out = m.run(ids, cfg.max_new_tokens)
+                outputs[m.name] = out
+                if progress is not None:
+                    progress.advance(task)
+            ref = outputs["ar"].token_ids
+            for m in methods:
+                out = outputs[m.name]
+                rec = {"index": i, "prompt_tokens": len(ids), "tokens": len(out.token_ids),
+                       "wall_s": round(out.wall_time, 6), "ttft_s": round(out.ttft, 6),
+                       "tau": round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 4)
+                       if out.acceptance_lengths else None,
+                       "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted}
+                if greedy and m.lossless and m.name != "ar":
+                    rec["identical_to_ar"] = out.token_ids == ref
+                    if not rec["identical_to_ar"]:
+                        n = min(len(ref), len(out.token_ids))
+                        rec["first_difference_at"] = next((j for j in range(n) if ref[j] != out.token_ids[j]), n)
+                if m.name in ("ar", "dflash") or (m.name != "ar" and not rec.get("identical_to_ar", True)):
+                    rec["text"] = out.text
+                records[m.name].append(rec)
+        per_dataset[label] = {"num_prompts": len(prompt_ids), "methods": _summaries(methods, records)}
+        for name, recs in records.items():
+            per_dataset[label]["methods"][name]["prompts"] = recs
+    summary = _overall(methods, per_dataset)
+    return {
+        "mode": "offline",
+        "config": cfg.to_json(),
+        "notes": notes,
+        "methods": [m.describe() for m in methods],
+        "datasets": per_dataset,
+        "summary": summary,
+        "losslessness": _lossless_verdict(methods, per_dataset, greedy),
+    }
+
+
+def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
+    out = {}
+    for m in methods:
+        recs = records[m.name]
+        lengths = [a for r in recs for a in r["acceptance_lengths"]]
+        drafted = [d for r in recs for d in r["drafted"]]
+        s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft)}
+        checked = [r for r in recs if "identical_to_ar" in r]
+        s["mismatches"] = sum(not r["identical_to_ar"] for r in checked) if checked else (0 if m.name == "ar" else None)
+        s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_ar"]]
+        out[m.name] = s
+    base = out.get("ar", {}).get("tokens_per_second")
+    for s in out.values():
+        s["speedup"] = round(s["tokens_per_second"] / base, 3) if base else None
+    return out
+
+
+def _overall(methods: list[Method], per_dataset: dict) -> dict:
+    """All datasets pooled, per method."""
+    out = {}
+    for m in methods:
+        recs = [r for d in per_dataset.values() for r in d["methods"][m.name]["prompts"]]
+        lengths = [a for r in recs for a in r["acceptance_lengths"]]
+        drafted = [d for r in recs for d in r["drafted"]]
+        mism = [d["methods"][m.name]["mismatches"] for d in per_dataset.values()]
+        out[m.name] = {"lossless": m.lossless, **timing_summary(recs),
+                       **acceptance_summary(lengths, drafted, m.max_draft),
+                       "mismatches": None if any(x is None for x in mism) else sum(mism),
+                       "num_prompts": len(recs)}
+    base = out.get("ar", {}).get("tokens_per_second")
+    for s in out.values():
+        s["speedup"] = round(s["tokens_per_second"] / base, 3) if base else None
+    return out
+
+
+def _lossless_verdict(methods: list[Method], per_dataset: dict, greedy: bool) -> dict:
+    if not greedy:
+        return {"checked": False, "reason": "sampling (temperature > 0): outputs are not comparable token for token",
+                "passed": None, "mismatches": {}}
+    mism = {}
+    for m in methods:
+        if m.lossless and m.name != "ar":
+            mism[m.name] = {label: d["methods"][m.name]["mismatched_prompts"] for label, d in per_dataset.items()}
+    passed = all(not idx for per in mism.values() for idx in per.values())
+    return {"checked": True, "passed": passed, "reference": "ar",
+            "mismatches": {name: sum(len(v) for v in per.values()) for name, per in mism.items()},
+            "mismatched_prompts": mism}

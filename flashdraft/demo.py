@@ -1,0 +1,91 @@
+"""The main job: speculative generation on the shipped default pair for held-out prompts, side by side with plain
+decoding through the same engine. Prints the generated code, tau, the acceptance histogram, the speedup measured
+in this run (methods interleaved prompt by prompt so machine drift cancels), and whether every output equals the
+target's own greedy output.
+
+What this module does not know about: other datasets and methods (that is `flashdraft bench`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from flashdraft.loading import DEFAULT_PAIR_DIR
+
+HELDOUT_PROMPTS = DEFAULT_PAIR_DIR / "heldout_prompts.jsonl"
+
+
+def load_heldout_prompts(n: int | None = None) -> list[str]:
+    if not HELDOUT_PROMPTS.is_file():
+        raise FileNotFoundError(f"{HELDOUT_PROMPTS} is missing (it ships with the default pair)")
+    prompts = [json.loads(line)["prompt"] for line in HELDOUT_PROMPTS.read_text().splitlines() if line.strip()]
+    return prompts[:n] if n else prompts
+
+
+def run(args) -> int:
+    import torch
+
+    from flashdraft.cli import apply_threads, histogram_lines, pack_weights_arg
+    from flashdraft.engine import RequestStats, SamplingParams, SpecEngine
+    from flashdraft.loading import load_pair
+
+    apply_threads(args)
+    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
+    prompts = load_heldout_prompts(args.num_prompts)
+    eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=eos,
+                            seed=0 if args.temperature > 0 else None)
+    pack = pack_weights_arg(args)
+    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack,
+                      min_tau=args.min_tau)
+    plain = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    print(f"flashdraft demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "
+          f"{drafter.num_parameters() / 1e6:.1f}M params, block {spec.block_size}, {len(prompts)} held-out prompts, "
+          f"device {target.device}, torch threads {torch.get_num_threads()}")
+    spec.generate(encoded[:1], SamplingParams(max_new_tokens=8))  # warm-up, not timed
+    plain.generate(encoded[:1], SamplingParams(max_new_tokens=8))
+
+    rows, total = [], {"dflash": [0, 0.0], "ar": [0, 0.0]}
+    merged = RequestStats(spec.block_size, 0)
+    all_identical = True
+    for i, (text, ids) in enumerate(zip(prompts, encoded)):
+        t0 = time.perf_counter()
+        ours = spec.generate([ids], params)[0]
+        t1 = time.perf_counter()
+        base = plain.generate([ids], params)[0]
+        t2 = time.perf_counter()
+        total["dflash"][0] += len(ours.token_ids)
+        total["dflash"][1] += t1 - t0
+        total["ar"][0] += len(base.token_ids)
+        total["ar"][1] += t2 - t1
+        identical = ours.token_ids == base.token_ids
+        all_identical &= identical or args.temperature > 0
+        merged.acceptance_lengths += ours.stats.acceptance_lengths
+        merged.plain_steps += ours.stats.plain_steps
+        rows.append({"prompt": text, "output": ours.text, "tokens": len(ours.token_ids), "tau": ours.stats.tau,
+                     "dflash_s": t1 - t0, "ar_s": t2 - t1, "identical_to_target_greedy": identical})
+        if i < args.show:
+            print(f"\n=== prompt {i + 1} ===\n{text}\033[1m{ours.text}\033[0m")
+            print(f"--- {len(ours.token_ids)} tokens, tau {ours.stats.tau:.2f}, identical to plain decoding: {identical}")
+
+    tps = {k: n / s if s > 0 else 0.0 for k, (n, s) in total.items()}
+    speedup = tps["dflash"] / tps["ar"] if tps["ar"] else 0.0
+    print("\n=== summary ===")
+    print(f"tau (mean acceptance length, bonus included): {merged.tau:.2f} over {merged.num_drafts} cycles"
+          + (f" (+ {merged.plain_steps} one-token steps, --min-tau)" if merged.plain_steps else ""))
+    print("acceptance length histogram:")
+    print("\n".join(histogram_lines(merged.histogram)))
+    print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in merged.per_position_acceptance))
+    print(f"dflash: {tps['dflash']:.1f} tok/s   plain decoding: {tps['ar']:.1f} tok/s   speedup: {speedup:.2f}x")
+    if args.temperature == 0:
+        verdict = "PASS" if all_identical else "FAIL"
+        print(f"losslessness: {verdict} - {sum(r['identical_to_target_greedy'] for r in rows)}/{len(rows)} outputs "
+              "equal the target's greedy output token for token")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"tau": merged.tau, "histogram": merged.histogram,
+                                               "per_position_acceptance": merged.per_position_acceptance,
+                                               "tokens_per_second": tps, "speedup": speedup, "prompts": rows}, indent=2))
+    return 0 if all_identical else 1

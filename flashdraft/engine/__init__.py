@@ -1,0 +1,20 @@
+"""The generation engine: `SpecEngine` (prefill + draft/verify cycles), the shared verifier, drafting methods."""
+
+from flashdraft.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
+from flashdraft.engine.proposers import DFlashProposer, NoProposer, NoRowState, ProposalInput
+from flashdraft.engine.verify import SamplingParams, Verdict, target_probs, verify
+
+__all__ = [
+    "DFlashProposer",
+    "GenerationResult",
+    "NoProposer",
+    "NoRowState",
+    "ProposalInput",
+    "RequestStats",
+    "SamplingParams",
+    "SpecEngine",
+    "StreamEvent",
+    "target_probs",
+    "Verdict",
+    "verify",
+]

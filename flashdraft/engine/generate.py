@@ -1,0 +1,621 @@
+"""The lossless generation engine: prefill, then cycles of draft -> verify -> accept -> commit.
+
+One cycle for a batch of rows (DFLASH.md section 1):
+1. draft   the proposer fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1);
+2. verify  the target runs once over the block with its KV cache, capturing the tapped layers' features;
+3. accept  the shared verifier returns per row the accepted count a and the next token;
+4. commit  tokens `d_1..d_a, next` are appended; the block slots `0..a` stay in the target cache, the rest are
+           rolled back (`target_kv.py`: a no-op on the static fast path, a crop plus masked holes on the generic
+           transformers path). The features of the kept slots become the drafter's next context.
+Finished rows leave the batch at once (their cache rows are dropped). Block size 1 with `NoProposer` is plain
+autoregressive decoding through the same code: the baseline every speedup is measured against.
+`min_tau`: a batch whose drafts keep fewer tokens per cycle than that (smoothed over the last few drafts) takes
+one-token steps (no draft, same verifier; their target features queue up for the drafter), then probes with one
+draft, falling back for 8, then 16, 32 ... 128 steps while probes keep losing, so a drafter that does not fit
+the traffic (other domains, high temperatures) costs little more than plain decoding.
+The decision depends on acceptance only, so it is deterministic (seeded sampling stays reproducible).
+
+Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
+transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
+On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
+`compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`) and pads the batch
+to a power of two (`batch_bucket`), so requests joining and leaving reuse a handful of graphs.
+Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
+(holes included) rather than tokens, so they are exact only while the context fits the window.
+
+What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
+HTTP, or continuous batching (the server drives `SpecEngine` one cycle at a time through the same functions).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flashdraft.engine.compiled import compile_step, compile_unavailable
+from flashdraft.engine.profile import CycleProfiler
+from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
+from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
+from flashdraft.engine.verify import SamplingParams, sample_tokens, verify
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.cpu_linear import pack_by_default, require_packable
+from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
+from flashdraft.model.target import TargetModel, validate_pair
+
+MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
+MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per `min_tau` fallback, doubling while probes keep losing
+MIN_DRAFTS_TO_JUDGE = 3  # drafting cycles (since the start or a won probe) before `min_tau` may fall back
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cache_capacity(positions: int) -> int:
+    """Cache size for rows needing `positions` slots: a power of two, so a server compiles one graph per size
+    class (6 from 256 to 8192) rather than one per length."""
+    return max(MIN_CAPACITY, next_power_of_two(positions))
+
+
+@dataclass
+class RequestStats:
+    """Acceptance and timing of one request. Acceptance length per cycle = accepted drafts + 1 (the bonus)."""
+
+    block_size: int
+    prompt_tokens: int
+    output_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    plain_steps: int = 0  # one-token steps without a draft (`min_tau` fallback); not in the acceptance figures
+    time_to_first_token: float = 0.0
+    decode_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length (vLLM's 'mean acceptance length' = 1 + accepted / drafts)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(a - 1 for a in self.acceptance_lengths)
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[i] = number of cycles whose acceptance length was i + 1 (1 .. block_size)."""
+        hist = [0] * self.block_size
+        for a in self.acceptance_lengths:
+            hist[a - 1] += 1
+        return hist
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Rate at which draft position i (1 .. block_size - 1) was accepted, over all cycles."""
+        n = len(self.acceptance_lengths)
+        return [sum(a > i for a in self.acceptance_lengths) / n if n else 0.0 for i in range(1, self.block_size)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        total = self.time_to_first_token + self.decode_time
+        return self.output_tokens / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "tau": round(self.tau, 4),
+            "num_drafts": self.num_drafts,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "plain_steps": self.plain_steps,
+            "acceptance_histogram": self.histogram,
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
+            "time_to_first_token_s": round(self.time_to_first_token, 6),
+            "decode_time_s": round(self.decode_time, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (stop token or string) or "length"
+    stats: RequestStats
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request after a cycle. `text` is the newly decodable text (None without a tokenizer)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stats: RequestStats
+    output: list[int] = field(default_factory=list)
+    n_cached: int = 0  # tokens of this row in the target cache = position of the bonus token
+    capacity: int = 0  # cache positions the row may need: prompt + max new tokens + one block, rounded up
+    bonus: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    emitted_tokens: int = 0
+    emitted_chars: int = 0
+    started: float = 0.0
+    reported: bool = False
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class SpecEngine:
+    """Speculative generation for a transformers target with a drafting method (DFlash by default).
+
+    engine = SpecEngine(target_model, drafter, tokenizer)
+    results = engine.generate([ids_a, ids_b], SamplingParams(max_new_tokens=64))
+    for event in engine.stream([ids], params): ...
+    """
+
+    def __init__(
+        self,
+        target: nn.Module | TargetModel,
+        drafter: DFlashDraftModel | None = None,
+        tokenizer=None,
+        block_size: int | None = None,
+        proposer=None,
+        profile: bool = False,
+        fast_path: bool | None = None,
+        compile: bool = False,
+        pack_weights: bool | None = None,
+        min_tau: float | None = None,
+    ):
+        if min_tau is not None and not (isinstance(min_tau, (int, float)) and min_tau >= 1.0):
+            raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {min_tau!r}")
+        # a batch whose acceptance length falls below min_tau decodes plain steps for a while, then probes again
+        self.min_tau = min_tau
+        self.target = target if isinstance(target, TargetModel) else TargetModel(target)
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
+        reason = fast_path_unsupported(self.target.model)
+        if fast_path and reason:
+            raise ValueError(f"fast_path=True but {reason}")
+        use_fast = fast_path is not False and reason is None
+        # CPU: the target's wide projections and the drafter's read-out through oneDNN on packed weight copies
+        # (`cpu_linear.py`; None = when all are packable and the copies stay small; the drafter's read-out is one
+        # more copy of the lm_head)
+        packable = (packable_weights(self.target.model) if use_fast else []) + [self.target.lm_head.weight]
+        if pack_weights is None:
+            pack_weights = pack_by_default(packable)
+        elif pack_weights:
+            require_packable(packable)
+        self.pack_weights = pack_weights
+        self.fast = FastTarget(self.target, pack_weights) if use_fast else None
+        if proposer is not None:
+            self.proposer = proposer
+        elif drafter is not None and (block_size is None or block_size > 1):
+            validate_pair(drafter, self.target)
+            self.target.set_layer_ids(drafter.target_layer_ids)
+            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_weights)
+        else:
+            self.proposer = NoProposer()
+        if isinstance(self.proposer, NoProposer):
+            self.block_size = 1
+        else:
+            self.block_size = int(block_size or getattr(drafter, "block_size", 16))
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        # compiled draft and verify steps (static shapes per block size; CUDA graphs on GPU)
+        self.verify_step = None
+        if compile:
+            why_not = compile_unavailable(self.target.device) or (
+                f"compile=True needs the fast target path, and {reason}" if self.fast is None else None)
+            if why_not:
+                raise ValueError(why_not)
+            self.verify_step = compile_step(self.fast.forward, self.target.device)
+        self.profiler = CycleProfiler(profile)
+        self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
+
+    # ---- public API -----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | torch.Tensor, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for event in self.stream(prompts, params):
+            if event.finished:
+                results[event.index] = event.result
+        return results  # type: ignore[return-value]
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]] | torch.Tensor, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StreamEvent]:
+        """Run the batch to completion, yielding each request's new tokens (and text) after every cycle."""
+        batch = self.open_batch()
+        yield from self.add(batch, prompts, params)
+        while batch.rows:
+            yield from self.step(batch)
+
+    def warmup(self, max_batch_size: int = 1) -> list[int]:
+        """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
+        generation per bucket, so that the first requests do not wait for the compiler. Covers the smallest
+        cache size; requests that need a larger cache compile theirs on first use. Returns the buckets warmed
+        ([] for an engine that is not compiled)."""
+        if self.verify_step is None:
+            return []
+        buckets = sorted({batch_bucket(n) for n in range(1, max_batch_size + 1)})
+        params = SamplingParams(max_new_tokens=self.block_size + 2)  # at least one full cycle after a plain step
+        prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
+        for rows in buckets:
+            batch = self.open_batch()
+            self.add(batch, [prompt] * rows, params)
+            if self.min_tau is not None:
+                batch.plain_steps_left = 1  # the one-token step's graphs too
+            while batch.rows:
+                self.step(batch)
+        return buckets
+
+    # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
+
+    def open_batch(self) -> "Batch":
+        """An empty live batch. Drive it with `add` (between cycles) and `step` (one cycle)."""
+        # compiled steps see the batch padded to a power of two (`batch_bucket`): few graphs, whatever the load
+        return Batch(proposer_state=self.proposer.new_batch_state(), bucketed=self.verify_step is not None)
+
+    @torch.inference_mode()
+    def add(
+        self, batch: "Batch", prompts: Sequence[Sequence[int]] | torch.Tensor,
+        params: SamplingParams | Sequence[SamplingParams] | None = None, request_ids: Sequence | None = None,
+    ) -> list[StreamEvent]:
+        """Prefill new requests and merge them into `batch`; returns their first-token events.
+
+        Events carry `index` = the request id given (default: the position in `prompts`).
+        """
+        rows = self._make_rows(prompts, params, request_ids)
+        incoming = self._prefill(rows)
+        batch.merge(incoming)
+        return list(self._events(rows))
+
+    @torch.inference_mode()
+    def step(self, batch: "Batch") -> list[StreamEvent]:
+        """One draft/verify cycle for every row of the batch; finished rows leave it."""
+        rows = list(batch.rows)
+        if rows:
+            self._cycle(batch)
+        return list(self._events(rows))
+
+    def cancel(self, batch: "Batch", request_id) -> bool:
+        """Drop a request from the batch now (e.g. its client went away), freeing its cache rows."""
+        for r in batch.rows:
+            if r.index == request_id:
+                r.finish_reason = "abort"
+                r.reported = True
+                self._drop_finished(batch)
+                return True
+        return False
+
+    # ---- setup ----------------------------------------------------------------------------------------------
+
+    def _make_rows(self, prompts, params, request_ids=None) -> list[_Row]:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist() if prompts.dim() == 2 else [prompts.tolist()]
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if request_ids is None:
+            request_ids = list(range(len(prompts)))
+        vocab = self.target.vocab_size
+        rows = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; give at least one token (e.g. a BOS token)")
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            if p.stop_strings and self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpecEngine")
+            if self.max_positions and len(prompt) + p.max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} exceed the "
+                    f"target's context of {self.max_positions} positions"
+                )
+            gen = None
+            if p.seed is not None:
+                gen = torch.Generator(device=self.target.device).manual_seed(int(p.seed))
+            rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt))))
+        return rows
+
+    def _prefill(self, rows: list[_Row]) -> "Batch":
+        start = time.perf_counter()
+        prompts = [r.prompt for r in rows]
+        capture = self.proposer.needs_features
+        for r in rows:
+            r.capacity = cache_capacity(len(r.prompt) + r.params.max_new_tokens + self.block_size)
+        capacity = max(r.capacity for r in rows)
+        if self.fast is not None:
+            kv, logits, features, positions, valid = StaticTargetKV.prefill(
+                self.fast, prompts, capture, capacity, self.verify_step)
+        else:
+            kv, logits, features, positions, valid = DynamicTargetKV.prefill(self.target, prompts, capture)
+        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows])
+        now = time.perf_counter()
+        if features is not None:  # padded prompt slots may hold garbage: zero them so no NaN reaches the drafter
+            features = features.masked_fill(~valid[..., None], 0.0)
+        state = Batch(rows=list(rows), kv=kv, features=features, feature_positions=positions, feature_valid=valid,
+                      proposer_state=self.proposer.new_batch_state(), capacity=capacity)
+        for r, token in zip(rows, first.tolist()):
+            r.n_cached = len(r.prompt)
+            r.bonus = token
+            r.started = start
+            r.stats.time_to_first_token = now - start
+            self._commit(r, [token])
+        self._drop_finished(state)
+        return state
+
+    # ---- one cycle ------------------------------------------------------------------------------------------
+
+    def _cycle(self, state: "Batch") -> None:
+        rows, dev, prof = state.rows, self.target.device, self.profiler
+        prof.start()
+        draft = state.plain_steps_left == 0  # else a one-token step (the `min_tau` fallback): no draft
+        width = self.block_size if draft else 1
+        n, padded = len(rows), state.kv.num_rows  # padded > n: the rows past n are padding (`batch_bucket`)
+        bonus = torch.tensor([r.bonus for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
+        n_cached = torch.tensor([r.n_cached for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
+        positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
+        context_len = max(r.n_cached for r in rows)
+        drafts, draft_probs = bonus.new_zeros(padded, 0), None
+        if draft:
+            context = (state.features, state.feature_positions, state.feature_valid)
+            if state.features is not None and padded > n:  # padding rows' features are invalid: never read
+                context = tuple(zero_pad(t, padded, 0, at_end=True) for t in context)
+            drafts, draft_probs = self.proposer.propose(
+                state.proposer_state,
+                ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
+                              state.capacity, context_len),
+                self.block_size,
+            )
+            drafts = zero_pad(drafts, padded, 0, at_end=True)  # a method that only drafts for the live rows
+        block = torch.cat([bonus[:, None], drafts], dim=1)
+        prof.mark("draft")
+        logits, features = state.kv.verify(block, positions, self.proposer.needs_features, context_len + width)
+        if padded > n:
+            block, positions, logits, drafts = block[:n], positions[:n], logits[:n], drafts[:n]
+            features = features[:n] if features is not None else None
+            draft_probs = draft_probs[:n] if draft_probs is not None else None
+        prof.mark("verify")
+        verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
+        prof.mark("accept")
+
+        kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
+        kept_width = int(kept.max())
+        kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
+        state.kv.keep(kept, kept_width, kept_valid[:, :kept_width])
+        if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
+            state.add_features(features, positions, kept_valid, after_draft=draft)
+        accepted = verdict.num_accepted.tolist()
+        for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block.tolist()):
+            if draft:
+                r.stats.acceptance_lengths.append(a + 1)
+            else:
+                r.stats.plain_steps += 1
+            r.n_cached += a + 1
+            r.bonus = nxt
+            self._commit(r, blk[1:1 + a] + [nxt])
+        if not draft:
+            state.plain_steps_left -= 1
+        elif self.min_tau is not None and self.block_size > 1:
+            state.plan_drafting(sum(accepted) / n + 1, self.min_tau)
+        self._drop_finished(state)
+        prof.mark("overhead")
+
+    def _commit(self, r: _Row, tokens: list[int]) -> None:
+        """Append tokens to a row's output, applying max_new_tokens, stop ids and stop strings."""
+        p = r.params
+        for t in tokens:
+            if len(r.output) >= p.max_new_tokens:
+                break
+            r.output.append(t)
+            if t in p.stop_token_ids:
+                r.finish_reason = "stop"
+                break
+        if r.finish_reason is None and len(r.output) >= p.max_new_tokens:
+            r.finish_reason = "length"
+        if self.tokenizer is not None:
+            self._update_text(r)
+        if r.finish_reason is not None:
+            r.stats.output_tokens = len(r.output)
+            r.stats.decode_time = time.perf_counter() - r.started - r.stats.time_to_first_token
+
+    def _update_text(self, r: _Row) -> None:
+        text = self.tokenizer.decode(r.output, skip_special_tokens=True)
+        stops = r.params.stop_strings
+        if stops:
+            longest = max(map(len, stops))
+            search_from = max(0, len(r.text) - longest)
+            hits = [(text.find(s, search_from), s) for s in stops]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, s = min(hits)
+                cut = pos + (len(s) if r.params.include_stop_str_in_output else 0)
+                # keep the fewest tokens whose text reaches the end of the stop string
+                need = pos + len(s)
+                for n_tok in range(1, len(r.output) + 1):
+                    if len(self.tokenizer.decode(r.output[:n_tok], skip_special_tokens=True)) >= need:
+                        del r.output[n_tok:]
+                        break
+                text = text[:cut]
+                r.finish_reason = "stop"
+        r.text = text
+
+    def _drop_finished(self, state: "Batch") -> None:
+        keep = [i for i, r in enumerate(state.rows) if r.finish_reason is None]
+        if len(keep) == len(state.rows):
+            return
+        if not keep:
+            state.rows = []  # the next merge adopts the incoming rows' caches wholesale
+            return
+        state.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
+
+    def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:
+        for r in rows:
+            finished = r.finish_reason is not None
+            if r.reported or (r.emitted_tokens == len(r.output) and not finished):
+                continue
+            new_tokens = r.output[r.emitted_tokens:]
+            r.emitted_tokens = len(r.output)
+            text_delta = None
+            if self.tokenizer is not None:
+                stable = len(r.text) if finished else _stable_text_length(r.text, r.params.stop_strings)
+                text_delta = r.text[r.emitted_chars:stable]
+                r.emitted_chars = max(r.emitted_chars, stable)
+            result = None
+            if finished:
+                r.reported = True
+                result = GenerationResult(list(r.output), r.text if self.tokenizer else None, r.finish_reason, r.stats)
+            yield StreamEvent(r.index, new_tokens, text_delta, finished, result)
+
+
+def _stable_text_length(text: str, stop_strings: tuple[str, ...]) -> int:
+    """How much of a growing text is final: hold back a partial UTF-8 character and a possible stop-string prefix."""
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    if stop_strings:
+        end = max(0, min(end, len(text) - (max(map(len, stop_strings)) - 1)))
+    return end
+
+
+@dataclass
+class Batch:
+    """The live state of a batch: its rows, the target KV cache and what the drafter has not seen yet."""
+
+    rows: list[_Row] = field(default_factory=list)
+    kv: DynamicTargetKV | StaticTargetKV | None = None
+    features: torch.Tensor | None = None  # target features of slots committed since the last draft
+    feature_positions: torch.Tensor | None = None
+    feature_valid: torch.Tensor | None = None
+    proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
+    capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
+    bucketed: bool = False  # caches hold batch_bucket(len(rows)) rows; those past the live rows are padding
+    # the `min_tau` fallback: one-token steps left before the next draft, how many the next fallback takes
+    # (doubling while probes keep losing), the smoothed acceptance length of recent drafts and how many there were
+    plain_steps_left: int = 0
+    plain_run: int = MIN_PLAIN_RUN
+    recent_tau: float = 0.0
+    recent_drafts: int = 0
+    probing: bool = False
+
+    def add_features(self, features, positions, valid, after_draft: bool) -> None:
+        """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
+        one-token steps (no draft) append theirs, so the drafter later sees every committed position."""
+        if after_draft or self.features is None:
+            self.features, self.feature_positions, self.feature_valid = features, positions, valid
+        else:
+            self.features = torch.cat([self.features, features], dim=1)
+            self.feature_positions = torch.cat([self.feature_positions, positions], dim=1)
+            self.feature_valid = torch.cat([self.feature_valid, valid], dim=1)
+
+    def plan_drafting(self, tau: float, min_tau: float) -> None:
+        """After a drafting cycle whose rows kept `tau` tokens on average. While drafting, the batch falls back to
+        one-token steps once the smoothed acceptance length of MIN_DRAFTS_TO_JUDGE drafts is below `min_tau`; after
+        `plain_run` such steps one draft probes: kept on if it reaches `min_tau`, else the next fallback is twice
+        as long (up to MAX_PLAIN_RUN)."""
+        if self.probing:
+            self.probing = False
+            if tau >= min_tau:
+                self.plain_run, self.recent_tau, self.recent_drafts = MIN_PLAIN_RUN, tau, 1
+                return
+            self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
+        else:
+            self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
+            self.recent_drafts += 1
+            if self.recent_drafts < MIN_DRAFTS_TO_JUDGE or self.recent_tau >= min_tau:
+                return
+        self.plain_steps_left, self.probing = self.plain_run, True
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        self.rows = [self.rows[i] for i in idx.tolist()]
+        if self.features is not None:  # per-cycle inputs hold the live rows only
+            self.features = self.features.index_select(0, idx)
+            self.feature_positions = self.feature_positions.index_select(0, idx)
+            self.feature_valid = self.feature_valid.index_select(0, idx)
+        if self.bucketed:  # padding rows copy a live row: their contents are never read
+            idx = torch.cat([idx, idx[:1].expand(self._padding(len(idx)))])
+        self.kv.select_rows(idx)
+        self.proposer_state.select_rows(idx)
+        needed = max(r.capacity for r in self.rows)
+        if needed < self.capacity:  # a long request left: the others stop paying for its cache
+            self.capacity = needed
+            self.kv.shrink(needed)
+            self.proposer_state.shrink(needed)
+
+    def merge(self, other: "Batch") -> None:
+        """Append `other`'s rows (freshly prefilled by the same engine, unpadded) below ours."""
+        if not other.rows:
+            return
+        # new rows: draft again, judged afresh
+        self.plain_steps_left, self.plain_run, self.recent_drafts, self.probing = 0, MIN_PLAIN_RUN, 0, False
+        if not self.rows:
+            self.rows, self.kv = other.rows, other.kv
+            self.features, self.feature_positions, self.feature_valid = (
+                other.features, other.feature_positions, other.feature_valid)
+            self.proposer_state, self.capacity = other.proposer_state, other.capacity
+            self._pad_to_bucket()
+            return
+        live, self.rows = len(self.rows), self.rows + other.rows
+        self.capacity = max(self.capacity, other.capacity)
+        pad = self._padding(len(self.rows))
+        if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
+            self.kv.merge(other.kv, keep=live, pad=pad)
+        else:
+            self.kv.merge(other.kv)
+        if self.features is not None:
+            width = max(self.features.shape[1], other.features.shape[1])
+            self.features = torch.cat([zero_pad(self.features, width, 1), zero_pad(other.features, width, 1)])
+            self.feature_positions = torch.cat([zero_pad(self.feature_positions, width, 1),
+                                                zero_pad(other.feature_positions, width, 1)])
+            self.feature_valid = torch.cat([zero_pad(self.feature_valid, width, 1),
+                                            zero_pad(other.feature_valid, width, 1)])
+        self.proposer_state.join_rows(live, len(other.rows) + pad)
+
+    def _padding(self, live: int) -> int:
+        """Padding rows the caches hold below `live` live rows."""
+        return batch_bucket(live) - live if self.bucketed else 0
+
+    def _pad_to_bucket(self) -> None:
+        live = len(self.rows)
+        pad = self._padding(live)
+        if pad > 0:
+            self.kv.join_rows(live, pad)
+            self.proposer_state.join_rows(live, pad)
+
+
+def batch_bucket(n: int) -> int:
+    """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
+    moves between 1 and N compiles about log2(N) graphs per step instead of N."""
+    return next_power_of_two(n)

@@ -1,0 +1,168 @@
+"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3) with a static KV cache.
+
+transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
+every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
+arithmetic over the model's OWN parameters (nothing is copied): embedding, pre-norm layers with grouped-query
+attention (+ q/k RMSNorm for Qwen3, q/k/v bias for Qwen2), RoPE from the model's own rotary module (so rope
+scaling variants match), SiLU-gated MLP, final norm, lm_head.
+
+The KV cache is static and per row: slot p of row r holds position p of that row. Writing a block scatters its
+K/V to the slots of its positions; a query at position p attends to slots 0..p. Rolling back after a rejection is
+therefore nothing at all - the next block overwrites the rejected slots - and rows of a batch never hold holes.
+
+What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
+fused projections, sliding windows shorter than the context, MoE): `fast_path_unsupported` names the reason and
+the engine keeps the generic transformers path for them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
+
+from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
+from flashdraft.model.slots import StaticKV
+from flashdraft.model.target import TargetModel
+
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def fast_path_unsupported(model) -> str | None:
+    """None if `FastTarget` reproduces this model's forward; otherwise why not."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAST_FAMILIES:
+        return f"model_type {model_type!r} is not one of {FAST_FAMILIES}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "unexpected module layout"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    if model_type == "mistral" and getattr(config, "sliding_window", None):
+        if config.sliding_window < config.max_position_embeddings:
+            return "sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        return "logit soft-capping"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act}"
+    attn = inner.layers[0].self_attn
+    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "fused attention projections"
+    if not all(isinstance(getattr(inner.layers[0].mlp, p, None), torch.nn.Linear)
+               for p in ("gate_proj", "up_proj", "down_proj")):
+        return "fused or non-linear MLP projections"
+    return None
+
+
+def packable_weights(model) -> list[torch.Tensor]:
+    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the MLPs."""
+    return [model.get_output_embeddings().weight] + [
+        getattr(module, p).weight for layer in model.model.layers
+        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for p in names]
+
+
+class FastTarget:
+    """Lean forward over a supported transformers model's own weights; see the module docstring."""
+
+    def __init__(self, target: TargetModel, pack_weights: bool | None = None):
+        reason = fast_path_unsupported(target.model)
+        if reason:
+            raise ValueError(f"no fast path for this model: {reason}")
+        self.target = target
+        inner = target.model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = target.model.get_output_embeddings()
+        # CPU: the lm_head, the fused q/k/v and gate/up projections and the down projections (the widest GEMMs
+        # of a verify) through oneDNN on packed copies; o_proj alone is as fast through MKL
+        self.packed_layers = None  # per layer: (q/k/v, gate/up, down)
+        if pack_weights is None:
+            pack_weights = pack_by_default(packable_weights(target.model))
+        elif pack_weights:
+            require_packable(packable_weights(target.model))
+        if pack_weights:
+            self.lm_head = packed_linear(self.lm_head)
+            self.packed_layers = [
+                (packed_concat([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                 packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
+                for layer in self.layers]
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        cfg = target.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+
+    def new_cache(self, batch: int, capacity: int) -> StaticKV:
+        return StaticKV(len(self.layers), batch, capacity, self.num_kv_heads, self.head_dim,
+                        self.target.dtype, self.target.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: StaticKV,
+        logit_index: torch.Tensor | None = None,
+        capture: bool = True,
+        key_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
+
+        Queries attend to cache slots [0, key_len) (all of them when None: static shapes for compiled steps);
+        the caller guarantees every position fits the cache and is < key_len.
+        """
+        b, q = input_ids.shape
+        key_len = key_len or kv.capacity
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+        taps = self.target.layer_ids if capture else []
+        captured = {}
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            qs, ks, vs = self._qkv(i, h)
+            qs = qs.view(b, q, self.num_heads, self.head_dim)
+            ks = ks.view(b, q, self.num_kv_heads, self.head_dim)
+            vs = vs.view(b, q, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):
+                qs, ks = attn.q_norm(qs), attn.k_norm(ks)
+            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
+            qs = qs * cos + rotate_half(qs) * sin
+            ks = ks * cos + rotate_half(ks) * sin
+            kv.write(i, positions, ks.transpose(1, 2), vs)
+            keys = kv.keys[i][:, :key_len].transpose(1, 2)
+            values = kv.values[i][:, :key_len].transpose(1, 2)
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+            x = x + self._mlp(i, layer.post_attention_layernorm(x))
+            if i in taps and i != last:
+                captured[i] = x
+        x = self.norm(x)
+        if last in taps:
+            captured[last] = x  # transformers' hidden_states[L] is after the final norm
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        logits = self.lm_head(x)
+        features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
+        return logits, features
+
+    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn = self.layers[i].self_attn
+        if self.packed_layers is None:
+            return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        kv_width = self.num_kv_heads * self.head_dim
+        return self.packed_layers[i][0](h).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        if self.packed_layers is None:
+            return self.layers[i].mlp(h)
+        _, gate_up, down = self.packed_layers[i]
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)

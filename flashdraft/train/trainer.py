@@ -1,0 +1,570 @@
+"""The DFlash training loop (DFLASH.md section 3): frozen target, online (or cached) features, many blocks per pass.
+
+Design:
+- The target is loaded once per rank, frozen; its input embedding and lm_head are used (frozen, not copied) to
+  embed blocks and read out logits. Only the drafter (layers, fc, norms) is optimised: AdamW, linear warmup
+  (`warmup_ratio`) then cosine to zero, grad-norm clip, gradient accumulation, bf16 autocast on CUDA.
+- Features: online by default (a no-grad target forward with layer hooks inside each micro-step); with
+  `feature_cache` they are computed once into safetensors shards (`features.py`) and read back.
+- Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation of the examples; global
+  step s takes the permutation slice [e*G, (e+1)*G) with G = world_size * batch_size * grad_accum, laid out as
+  [grad_accum, world_size, batch_size] (micro-step a of rank r takes its own slice). The last partial global batch
+  of an epoch is dropped. Anchors are seeded by (seed, epoch, example index). So the data position is the step
+  count: a resumed run continues with the next slice, and runs with the same global batch see the same examples
+  whatever the world size / accumulation split.
+- Exact large-batch gradients: before the backward passes of a step, every rank builds its micro-batches and the
+  sum of label weights is all-reduced; each micro-loss is normalised by that global sum (times the world size,
+  since DDP averages). Accumulation and DDP therefore give the gradient of the whole global batch at once.
+- Checkpoints (`output_dir/checkpoints/step-XXXXXXXX`) are written to a `.tmp` directory and renamed (atomic):
+  drafter weights (reference format), optimizer, scheduler, step, epoch, data position, RNG states per rank.
+  `resume=True` loads the newest complete one; the log is cut back to that step. The final drafter is exported
+  with `DFlashDraftModel.save_pretrained` to `output_dir/final` and its config is checked for every loader field.
+- Evaluation: tau and per-position acceptance on held-out prompts with the real `SpecEngine` (rank 0), at start,
+  every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
+
+What this module does not know about: drafters with sliding-window layers (one mask serves every layer, so they are
+refused), sequence packing, and multi-node launch details beyond what torchrun's environment provides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
+from flashdraft.model.target import TargetModel
+from flashdraft.train.anchors import anchor_generator, build_blocks, candidate_anchors, pad_anchors, sample_anchors
+from flashdraft.train.data import Example, load_examples, load_prompts
+from flashdraft.train.evaluate import evaluate_tau
+from flashdraft.train.features import FeatureCache, pad_batch, target_features
+from flashdraft.train.loss import dflash_loss, gather_teacher_logits, slot_weights
+from flashdraft.train.masks import resolve_attention, training_mask
+
+LOG_NAME = "train_log.jsonl"
+STATE_NAME = "trainer_state.pt"
+
+# Fields the reference loader, vLLM and SGLang read from a drafter's config.json (DFLASH.md section 2).
+REQUIRED_CONFIG_FIELDS = (
+    "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "vocab_size", "layer_types",
+    "sliding_window", "num_target_layers", "block_size", "dflash_config",
+)
+REQUIRED_DFLASH_FIELDS = ("mask_token_id", "target_layer_ids", "block_size")
+
+
+@dataclass
+class TrainConfig:
+    target: str | None = None  # path or hub id of the target (not needed when a model is passed to Trainer)
+    data: str | None = None  # JSONL file / shard directory / datasets name (see data.py)
+    output_dir: str = "runs/drafter"
+    block_size: int = 16
+    num_draft_layers: int = 5
+    target_layer_ids: list[int] | None = None
+    num_taps: int | None = None  # default: one tap per draft layer (the reference's choice)
+    mask_token_id: int | None = None  # default: the tokenizer's mask token
+    intermediate_size: int | None = None
+    epochs: int = 6
+    max_steps: int | None = None  # overrides epochs
+    batch_size: int = 1  # sequences per micro-batch per rank
+    grad_accum: int = 1
+    max_length: int = 3072
+    num_anchors: int = 512
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay; default from block size
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
+    seed: int = 0
+    attention: str = "auto"  # auto | sdpa | flex
+    feature_cache: str | None = None
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    eval_prompts: str | None = None
+    eval_limit: int = 64
+    eval_every: int = 0  # 0: only at start and end
+    eval_at_start: bool = True
+    eval_max_new_tokens: int = 64
+    log_every: int = 1
+    resume: bool = False
+    device: str | None = None
+    export_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
+    loss_chunk_size: int = 4096
+    progress: bool = True
+    crash_after_step: int | None = None  # testing only: hard-exit right after this step (simulates a kill)
+
+
+def resolve_mask_token_id(mask_token_id: int | None, tokenizer, vocab_size: int) -> int:
+    """The explicit id, else the tokenizer's mask token; errors clearly when neither exists or it is out of range."""
+    if mask_token_id is None:
+        tid = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
+        if tid is None and tokenizer is not None:
+            for name in ("<|mask|>", "<mask>", "[MASK]"):
+                cand = tokenizer.convert_tokens_to_ids(name) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+                if isinstance(cand, int) and cand != getattr(tokenizer, "unk_token_id", None):
+                    tid = cand
+                    break
+        if tid is None:
+            raise ValueError(
+                "no mask token: the target's tokenizer defines no mask token (e.g. <|mask|>). Pass --mask-token-id "
+                "with the id of a token that never appears in text (a reserved/unused special token below the "
+                f"target vocab size {vocab_size}); the drafter embeds it with the target's embedding.")
+        mask_token_id = tid
+    mask_token_id = int(mask_token_id)
+    if not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {vocab_size})")
+    return mask_token_id
+
+
+def check_export_config(directory: str | Path) -> list[str]:
+    """The loader fields missing from an exported drafter's config.json (empty list = complete)."""
+    cfg = json.loads((Path(directory) / "config.json").read_text())
+    missing = [k for k in REQUIRED_CONFIG_FIELDS if k not in cfg]
+    if "rope_theta" not in cfg and "rope_parameters" not in cfg:
+        missing.append("rope_theta|rope_parameters")
+    dcfg = cfg.get("dflash_config") or {}
+    missing += [f"dflash_config.{k}" for k in REQUIRED_DFLASH_FIELDS if k not in dcfg]
+    if cfg.get("architectures") != ["DFlashDraftModel"]:
+        missing.append("architectures=[DFlashDraftModel]")
+    return missing
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + int(epoch) + 1))
+
+
+def _cosine_lambda(total_steps: int, warmup_steps: int):
+    def fn(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+@dataclass
+class _Micro:
+    indices: list[int]
+    blocks: object
+    weights: torch.Tensor
+    valid: torch.Tensor
+    input_ids: torch.Tensor
+    tokens: int
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_dir: str | None
+    log_path: str
+    eval_start: dict | None = None
+    eval_end: dict | None = None
+    tokens_per_second: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """trainer = Trainer(TrainConfig(...)); result = trainer.train()
+
+    A target model / tokenizer / examples / eval prompts may be passed directly instead of paths (tests, notebooks).
+    """
+
+    def __init__(self, config: TrainConfig, target_model=None, tokenizer=None, examples: list[Example] | None = None,
+                 eval_prompts: list[list[int]] | None = None):
+        self.cfg = config
+        self._setup_distributed()
+        self.out = Path(config.output_dir)
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        if target_model is None:
+            if config.target is None:
+                raise ValueError("TrainConfig.target (path to the target model) is required")
+            from flashdraft.loading import load_target
+
+            target_model, loaded_tok = load_target(config.target, device=str(self.device))
+            tokenizer = tokenizer or loaded_tok
+        target_model = target_model.to(self.device).eval()
+        for p in target_model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        vocab = int(target_model.get_output_embeddings().weight.shape[0])
+        self.mask_token_id = resolve_mask_token_id(config.mask_token_id, tokenizer, vocab)
+
+        torch.manual_seed(config.seed)
+        draft_cfg = make_draft_config(
+            target_model.config, num_layers=config.num_draft_layers, block_size=config.block_size,
+            mask_token_id=self.mask_token_id, target_layer_ids=config.target_layer_ids, num_taps=config.num_taps,
+            intermediate_size=config.intermediate_size,
+        )
+        self.drafter = DFlashDraftModel(draft_cfg).to(self.device)
+        if any(t != "full_attention" for t in draft_cfg.layer_types):
+            raise ValueError("training drafters with sliding-window layers is not supported (one mask for all layers)")
+        self.drafter.train()
+        self.target = TargetModel(target_model, self.drafter.target_layer_ids)
+        self.is_causal = bool(getattr(draft_cfg, "is_causal", False) or False)
+
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        if examples is None:
+            if config.data is None:
+                raise ValueError("TrainConfig.data is required")
+            examples = load_examples(config.data, tokenizer, config.max_length, eos_token_id=eos)
+        else:
+            examples = [Example(e.input_ids[: config.max_length], e.loss_mask[: config.max_length]) for e in examples]
+        self.examples = [e for e in examples if candidate_anchors(e.loss_mask, config.block_size).numel() > 0]
+        if not self.examples:
+            raise ValueError(f"no example has a response long enough for a block of {config.block_size}")
+        if eval_prompts is None and config.eval_prompts:
+            eval_prompts = load_prompts(config.eval_prompts, tokenizer, limit=config.eval_limit)
+        self.eval_prompts = eval_prompts[: config.eval_limit] if eval_prompts else None
+        self.stop_ids = tuple(int(i) for i in ([eos] if isinstance(eos, int) else []))
+
+        self.global_batch = self.world_size * config.batch_size * config.grad_accum
+        self.steps_per_epoch = len(self.examples) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(self.examples)} usable examples are fewer than one global batch "
+                             f"({self.world_size} ranks x {config.batch_size} x {config.grad_accum} accumulation)")
+        self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
+        self.attention = resolve_attention(config.attention, self.device, need_backward=True)
+
+        self.model = self.drafter
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        warmup = int(math.ceil(config.warmup_ratio * self.total_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_lambda(self.total_steps, warmup))
+        self.step = 0
+        self.feature_cache = None
+        if config.feature_cache:
+            if config.distill_weight > 0:
+                raise ValueError("distillation needs target logits: use online features (no feature_cache)")
+            self.feature_cache = FeatureCache(config.feature_cache)
+            self.feature_cache.build(self.target, self.examples, self.rank, self.world_size, barrier=self._barrier)
+
+    # ---- distributed ----------------------------------------------------------------------------------------
+
+    def _setup_distributed(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if self.cfg.device:
+            self.device = torch.device(self.cfg.device)
+        elif torch.cuda.is_available():
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t
+
+    # ---- data -----------------------------------------------------------------------------------------------
+
+    def step_indices(self, step: int) -> tuple[int, int, torch.Tensor]:
+        """(epoch, step in epoch, [grad_accum, world_size, batch_size] example indices) of global step `step`."""
+        epoch, es = divmod(step, self.steps_per_epoch)
+        perm = epoch_permutation(self.cfg.seed, epoch, len(self.examples))
+        idx = perm[es * self.global_batch:(es + 1) * self.global_batch]
+        return epoch, es, idx.view(self.cfg.grad_accum, self.world_size, self.cfg.batch_size)
+
+    def _micro(self, indices: list[int], epoch: int) -> _Micro:
+        cfg = self.cfg
+        exs = [self.examples[i] for i in indices]
+        ids, valid = pad_batch([e.input_ids for e in exs])
+        loss_mask, _ = pad_batch([e.loss_mask for e in exs], False)
+        anchors = [sample_anchors(e.loss_mask, cfg.block_size, cfg.num_anchors, anchor_generator(cfg.seed, epoch, i))
+                   for e, i in zip(exs, indices)]
+        anchors, anchor_valid = pad_anchors(anchors)
+        blocks = build_blocks(ids, loss_mask, anchors, anchor_valid, cfg.block_size, self.mask_token_id)
+        weights = slot_weights(blocks.block_offset, blocks.label_valid, cfg.block_size, cfg.gamma)
+        return _Micro(list(indices), blocks, weights, valid, ids, int(valid.sum()))
+
+    def _features(self, micro: _Micro):
+        keep_logits = self.cfg.distill_weight > 0
+        if self.feature_cache is not None:
+            feats, _ = _pad_features([self.feature_cache.get(i) for i in micro.indices])
+            return feats.to(self.device), None
+        exs = [self.examples[i].input_ids for i in micro.indices]
+        feats, logits, _ = target_features(self.target, exs, keep_logits=keep_logits)
+        return feats, logits
+
+    # ---- one step -------------------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        epoch, es, layout = self.step_indices(step)
+        micros = [self._micro(layout[a, self.rank].tolist(), epoch) for a in range(cfg.grad_accum)]
+        local = torch.tensor([float(sum(m.weights.sum() for m in micros)), float(sum(m.tokens for m in micros))],
+                             dtype=torch.float64, device=self.device)
+        weight_sum, tokens = self._all_reduce(local).tolist()
+        normaliser = max(weight_sum, 1e-8) / self.world_size
+        stats = torch.zeros(1 + 2 * cfg.block_size, dtype=torch.float64, device=self.device)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        for a, m in enumerate(micros):
+            feats, tlogits = self._features(m)
+            blk = m.blocks
+            dev = self.device
+            ctx_valid = m.valid.to(dev)
+            mask = training_mask(self.attention, blk.anchors.to(dev), ctx_valid, cfg.block_size, self.is_causal)
+            ctx_pos = torch.arange(ctx_valid.shape[1], device=dev)[None].expand_as(ctx_valid)
+            sync = a == len(micros) - 1 or self.world_size == 1
+            ctx_mgr = self.model.no_sync() if not sync else _nullcontext()
+            with ctx_mgr, autocast:
+                noise = self.drafter.embed(blk.block_ids.to(dev), self.target.embedding_weight)
+                hidden = self.model(noise, blk.position_ids.to(dev), feats, ctx_pos, ctx_valid, mask)
+                teacher = gather_teacher_logits(tlogits, blk.position_ids.to(dev)) if tlogits is not None else None
+                out = dflash_loss(
+                    hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head), blk.labels.to(dev),
+                    m.weights.to(dev), blk.block_offset.to(dev), cfg.block_size, normaliser=normaliser,
+                    teacher_logits=teacher, distill_weight=cfg.distill_weight, temperature=cfg.distill_temperature,
+                    chunk_size=cfg.loss_chunk_size)
+            out.loss.backward()
+            stats[0] += out.weighted_sum.double()
+            stats[1:1 + cfg.block_size] += out.correct.double()
+            stats[1 + cfg.block_size:] += out.count.double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats = self._all_reduce(stats)
+        correct, count = stats[1:1 + cfg.block_size], stats[1 + cfg.block_size:]
+        acc = [round(float(c / n), 4) if n > 0 else None for c, n in zip(correct[1:], count[1:])]
+        return {"step": step + 1, "epoch": epoch, "epoch_step": es, "loss": float(stats[0]) / max(weight_sum, 1e-8),
+                "lr": lr, "grad_norm": float(grad_norm), "tokens": int(tokens), "label_weight": weight_sum,
+                "acc_per_position": acc, "samples": layout.flatten().tolist()}
+
+    # ---- loop -----------------------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        log_path = self.out / LOG_NAME
+        if cfg.resume:
+            self._resume()
+        elif self.rank == 0 and log_path.exists():
+            log_path.unlink()
+        result = TrainResult(steps=self.step, final_dir=None, log_path=str(log_path))
+        if self.rank == 0:
+            self._log({"event": "start", "step": self.step, "total_steps": self.total_steps,
+                       "steps_per_epoch": self.steps_per_epoch, "examples": len(self.examples),
+                       "world_size": self.world_size, "global_batch": self.global_batch, "attention": self.attention,
+                       "drafter_parameters": self.drafter.num_parameters(), "config": asdict(cfg)})
+        if cfg.eval_at_start and self.step == 0 and self.eval_prompts:
+            result.eval_start = self._evaluate()
+        bar = None
+        if cfg.progress and self.rank == 0:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        tok_time, tok_count = 0.0, 0
+        try:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                rec = self.train_step(self.step)
+                dt = time.perf_counter() - t0
+                self.step += 1
+                tok_time += dt
+                tok_count += rec["tokens"]
+                rec["tokens_per_s"] = rec["tokens"] / dt if dt > 0 else 0.0
+                rec["step_time_s"] = dt
+                result.losses.append(rec["loss"])
+                if self.rank == 0 and (self.step % cfg.log_every == 0 or self.step == self.total_steps):
+                    self._log(rec)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.2e}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                if self.step % cfg.save_every == 0 or self.step == self.total_steps:
+                    self.save_checkpoint()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step != self.total_steps and self.eval_prompts:
+                    ev = self._evaluate()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{ev['tau']:.2f}")
+                if cfg.crash_after_step is not None and self.step == cfg.crash_after_step:
+                    os._exit(75)  # simulated kill (testing): no cleanup, nothing flushed beyond this point
+        finally:
+            if bar is not None:
+                bar.close()
+        result.steps = self.step
+        result.tokens_per_second = tok_count / tok_time if tok_time > 0 else 0.0
+        result.final_dir = str(self.export())
+        if self.eval_prompts:
+            result.eval_end = self._evaluate()
+        if self.world_size > 1 and dist.is_initialized():
+            self._barrier()
+        return result
+
+    def _log(self, record: dict) -> None:
+        with open(self.out / LOG_NAME, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _evaluate(self) -> dict | None:
+        ev = None
+        if self.rank == 0:
+            ev = evaluate_tau(self.target, self.drafter, self.eval_prompts, self.cfg.eval_max_new_tokens,
+                              stop_token_ids=self.stop_ids)
+            # SpecEngine re-registers hooks; keep the training layer ids
+            self.target.set_layer_ids(self.drafter.target_layer_ids)
+            self._log({"event": "eval", "step": self.step, **ev})
+        self._barrier()
+        return ev
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        final = self.checkpoint_root / f"step-{self.step:08d}"
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(_rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
+        self._barrier()
+        if self.rank == 0:
+            self.drafter.save_pretrained(tmp / "drafter", dtype=torch.float32)
+            epoch, es = divmod(self.step, self.steps_per_epoch)
+            torch.save({
+                "step": self.step, "epoch": epoch, "epoch_step": es, "next_sample_position": es * self.global_batch,
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "world_size": self.world_size, "global_batch": self.global_batch,
+                "num_examples": len(self.examples), "total_steps": self.total_steps, "config": asdict(self.cfg),
+            }, tmp / STATE_NAME)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in self.list_checkpoints()[: -max(1, self.cfg.keep_checkpoints)]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        return final
+
+    def list_checkpoints(self) -> list[Path]:
+        if not self.checkpoint_root.exists():
+            return []
+        return sorted(p for p in self.checkpoint_root.iterdir() if p.is_dir() and p.name.startswith("step-")
+                      and not p.name.endswith(".tmp") and (p / STATE_NAME).exists())
+
+    def _resume(self) -> None:
+        ckpts = self.list_checkpoints()
+        if not ckpts:
+            if self.rank == 0:
+                (self.out / LOG_NAME).unlink(missing_ok=True)
+            self._barrier()
+            return
+        ckpt = ckpts[-1]
+        state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
+        if state["global_batch"] != self.global_batch or state["num_examples"] != len(self.examples):
+            raise ValueError(f"{ckpt}: saved with global batch {state['global_batch']} over {state['num_examples']} "
+                             f"examples; now {self.global_batch} over {len(self.examples)}: the data position would "
+                             "not carry over. Resume with the same data and global batch.")
+        from safetensors.torch import load_file
+
+        self.drafter.load_checkpoint_state(load_file(str(ckpt / "drafter" / "model.safetensors")), source=str(ckpt))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        rng = ckpt / f"rng-rank{self.rank:05d}.pt"
+        if rng.exists():
+            _set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
+        if self.rank == 0:
+            _truncate_log(self.out / LOG_NAME, self.step)
+            self._log({"event": "resume", "step": self.step, "checkpoint": str(ckpt)})
+        self._barrier()
+
+    def export(self) -> Path | None:
+        out = self.out / "final"
+        if self.rank == 0:
+            name = self.cfg.export_dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+            tmp = out.with_name("final.tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            self.drafter.save_pretrained(tmp, dtype=getattr(torch, name))
+            missing = check_export_config(tmp)
+            if missing:
+                raise RuntimeError(f"exported config.json lacks loader fields: {missing}")
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+            self._log({"event": "export", "step": self.step, "path": str(out)})
+        self._barrier()
+        return out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(f.shape[0] for f in feats)
+    out = feats[0].new_zeros(len(feats), t, feats[0].shape[1])
+    valid = torch.zeros(len(feats), t, dtype=torch.bool)
+    for i, f in enumerate(feats):
+        out[i, : f.shape[0]] = f
+        valid[i, : f.shape[0]] = True
+    return out, valid
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop log records from beyond `step` (they belong to work lost in the kill and redone after resume)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if rec.get("step", 0) <= step:
+            keep.append(json.dumps(rec))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in keep))
+    os.replace(tmp, path)
+
+
+def train(config: TrainConfig, **kwargs) -> TrainResult:
+    return Trainer(config, **kwargs).train()
