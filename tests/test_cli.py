@@ -25,12 +25,35 @@ def test_generate_json_with_comparison(pair, capsys):
     assert len(report["stats"]["acceptance_histogram"]) == 8
 
 
-def test_generate_stream_and_stop_string(pair, capsys):
+def _generate(pair, capsys, *extra):
     code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--prompt",
-                 "import os", "--max-new-tokens", "16", "--stream", "--device", "cpu"])
+                 "import os", "--max-new-tokens", "40", "--device", "cpu", *extra])
     assert code == 0
-    out = capsys.readouterr().out
-    assert "tau=" in out and "tok/s" in out
+    return capsys.readouterr().out
+
+
+def test_generate_stream_and_stop_string(pair, capsys):
+    full = json.loads(_generate(pair, capsys, "--json"))
+    assert full["finish_reason"] == "length"
+    text = full["text"]
+    # a stop string from the middle of the unstopped text: plain characters, so that no partial UTF-8 byte
+    # sequence or tokenizer artefact can make the stopped decode differ from the full one before it
+    start = next(k for k in range(len(text) // 3, len(text) - 3) if text[k:k + 3].isascii() and text[k:k + 3].isalnum())
+    stop = text[start:start + 3]
+    expected = text[: text.find(stop)]
+    assert 0 < len(expected) <= start and len(expected) + len(stop) < len(text)
+
+    out = _generate(pair, capsys, "--stream", "--stop", stop)
+    streamed, sep, summary = out.rpartition("\n\n-- ")
+    assert sep, out
+    assert streamed == expected  # everything before the stop string, the stop string itself not included
+    assert "finish=stop" in summary and "tau=" in summary and "tok/s" in summary
+
+    stopped = json.loads(_generate(pair, capsys, "--json", "--stop", stop))
+    assert stopped["text"] == streamed and stopped["finish_reason"] == "stop"
+    assert stopped["stats"]["output_tokens"] < full["stats"]["output_tokens"]
+    plain = _generate(pair, capsys, "--stop", stop)
+    assert plain.rpartition("\n\n-- ")[0] == "import os" + streamed
 
 
 def test_bad_arguments_give_clear_errors(pair, capsys):
