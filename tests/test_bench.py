@@ -265,9 +265,11 @@ def test_train_assistant_on_regenerated_shards(pair, tmp_path):
     regen = tmp_path / "regen"
     regen.mkdir()
     g = torch.Generator().manual_seed(0)
+    sequences = []
     with open(regen / "shard-00000.jsonl", "w") as f:
         for i in range(40):
             prompt = torch.randint(2, 50, (5,), generator=g).tolist()
+            sequences.append(prompt + (prompt * 4)[:17] + [0])
             f.write(json.dumps({"index": i, "prompt_ids": prompt, "response_ids": (prompt * 4)[:17] + [0]}) + "\n")
         f.write(json.dumps({"index": 40, "prompt_ids": [5], "response_ids": [], "finish_reason": "prompt_too_long"})
                 + "\n")
@@ -282,7 +284,21 @@ def test_train_assistant_on_regenerated_shards(pair, tmp_path):
     assert model.config.tie_word_embeddings
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["steps"] == 30 and summary["train_sequences"] == 39 and summary["heldout_sequences"] == 1
-    assert summary["final_loss"] < 9.0  # ln(8192) = 9.01 at random init: it learned something
+
+    def next_token_loss(m):  # every token after the first, as the trainer's default --loss-on all
+        x = torch.tensor(sequences)
+        with torch.no_grad():
+            logits = m.float()(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()).item()
+
+    torch.manual_seed(0)  # the trainer's seed: the same initial weights it started from
+    initial = next_token_loss(Qwen3ForCausalLM(model.config))
+    assert abs(initial - 9.01) < 0.3  # ln(8192): an untrained model is near uniform
+    trained = next_token_loss(model)
+    # the loss fell, by far more than an untrained (or not updated) model could show: measured 8.99 -> 4.70
+    assert trained < initial - 3.0, (initial, trained)
+    # the reported loss averages all 30 steps (including the first, near `initial`), so it sits between the two
+    assert trained < summary["final_loss"] < initial - 0.75, (initial, summary["final_loss"], trained)
     assert "hf-assisted" in (out / "README.md").read_text()
     # it plugs into the benchmark as the hf-assisted draft model
     args = _args(pair, tmp_path / "b", "--methods", "hf-assisted", "--num-prompts", "1")
