@@ -13,27 +13,98 @@ import sys
 from flashdraft.loading import DefaultPairMissing
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with errors on one line (`prog: error: ...`) instead of the usage block plus the error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---- argument types: every range check of the shared flags lives here -------------------------------------------
+
+def int_at_least(low: int, note: str = ""):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{note}, got {number}")
+        return number
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def float_in(low: float, high: float | None = None, low_open: bool = False, note: str = ""):
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        too_low = number <= low if low_open else number < low
+        if too_low or (high is not None and number > high) or number != number:
+            span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else (
+                f"> {low:g}" if low_open else f">= {low:g}")
+            raise argparse.ArgumentTypeError(f"must be {'in ' if high is not None else ''}{span}{note}, got {value}")
+        return number
+
+    parse.__name__ = "number"
+    return parse
+
+
+def device_arg(value: str) -> str:
+    """auto, cpu, cuda, cuda:N (mps): checked now, so a machine without CUDA is told so before any model loads."""
+    if value == "auto":
+        return value
+    from flashdraft.loading import resolve_device
+
+    try:
+        resolve_device(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def dtype_arg(value: str) -> str:
+    from flashdraft.loading import DTYPE_NAMES
+
+    if value != "auto" and value not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; use auto or one of {', '.join(DTYPE_NAMES)}")
+    return value
+
+
+positive_int = int_at_least(1)
+block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
+min_tau_arg = float_in(1.0, note=" (an acceptance length: 1 = never fall back)")
+temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
+top_p_arg = float_in(0.0, 1.0, low_open=True)
+
+
 def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's choice)") -> None:
     """--target/--draft, the device and precision flags, --block-size and --threads (generate, demo, serve)."""
-    p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair)")
+    p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair; "
+                                                  "with --target, pass --draft too)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
     add_device_args(p)
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--threads", type=int, default=None, help=threads_help)
+    p.add_argument("--block-size", type=block_size_arg, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--threads", type=positive_int, default=None, help=threads_help)
 
 
 def add_device_args(p) -> None:
     """--device, --dtype, --draft-dtype, --compile, --pack-weights and --min-tau (also used by `flashdraft bench`)."""
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--draft-dtype", default="auto",
+    p.add_argument("--device", type=device_arg, default="auto",
+                   help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", type=dtype_arg, default="auto",
+                   help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--draft-dtype", type=dtype_arg, default="auto",
                    help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
     p.add_argument("--compile", action="store_true",
                    help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
     p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
                    help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
                         "copies stay under 2 GiB)")
-    p.add_argument("--min-tau", type=float, default=None,
+    p.add_argument("--min-tau", type=min_tau_arg, default=None,
                    help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
                         "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
                         "small CPU model; default: always draft)")
@@ -44,10 +115,10 @@ def pack_weights_arg(args) -> bool | None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=top_p_arg, default=1.0)
+    p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -86,12 +157,90 @@ def apply_threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def load_models(args, no_draft_hint: str = " (or --no-draft for plain decoding)"):
+    """(target, tokenizer, drafter or None) for generate / demo: the shipped pair, or --target with --draft, or
+    --target / the shipped target with --no-draft. --target alone is refused: it used to mean plain decoding
+    silently, although the help promises speculative decoding."""
+    from flashdraft.loading import DEFAULT_TARGET, load_pair, load_target
+
+    no_draft = getattr(args, "no_draft", False)
+    if no_draft and args.draft:
+        raise ValueError("--no-draft and --draft contradict each other")
+    if args.target is not None and args.draft is None and not no_draft:
+        raise ValueError(f"--target needs --draft{no_draft_hint}")
+    if no_draft:
+        if args.target is None and not (DEFAULT_TARGET / "config.json").is_file():
+            raise DefaultPairMissing(f"no default model shipped yet: {DEFAULT_TARGET} is missing; pass --target")
+        model, tokenizer = load_target(args.target or DEFAULT_TARGET, args.device, args.dtype)
+        return model, tokenizer, None
+    return load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
+
+
+TARGET_GENERATE = "the target's own greedy generate (transformers, unpacked weights)"
+TIE_NOTE = ("floating-point near-ties between a multi-token verify and one-token steps can cause this; "
+            "see the README for the measured rate")
+
+
+def target_greedy_generate(target, prompt_ids: list[int], params) -> list[int]:
+    """The target's own greedy continuation: transformers' `generate(do_sample=False)` through the model's own
+    forward on its own (unpacked) weights, none of our fast path, caches or packed kernels. It runs under a clean
+    generation config (no penalties or other defaults from the checkpoint's generation_config.json) with our stop
+    ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops."""
+    import torch
+    from transformers import GenerationConfig
+
+    stops = list(params.stop_token_ids)
+    pad = stops[0] if stops else (target.config.pad_token_id if target.config.pad_token_id is not None else 0)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
+    saved = target.generation_config
+    target.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=stops or None,
+                                                pad_token_id=pad)
+    try:
+        with torch.inference_mode():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                                  max_new_tokens=params.max_new_tokens, eos_token_id=stops or None,
+                                  pad_token_id=pad)
+    finally:
+        target.generation_config = saved
+    tokens = out[0, len(prompt_ids):].tolist()
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
+def compare_with_target(target, prompt_ids: list[int], params, result) -> dict:
+    """Our greedy output against `target_greedy_generate`, token for token, up to the same stop.
+
+    An output cut by a stop string is compared with the same number of the target's tokens (transformers is not
+    asked to apply stop strings). Returns {"identical", "tokens", "target_tokens", "first_difference_at"}."""
+    ours = list(result.token_ids)
+    ref = target_greedy_generate(target, prompt_ids, params)
+    stopped_by_string = (result.finish_reason == "stop" and params.stop_strings
+                         and not (ours and ours[-1] in params.stop_token_ids))
+    if stopped_by_string:
+        ref = ref[:len(ours)]
+    identical = ours == ref
+    first = None
+    if not identical:
+        n = min(len(ours), len(ref))
+        first = next((j for j in range(n) if ours[j] != ref[j]), n)
+    return {"identical": identical, "tokens": len(ours), "target_tokens": len(ref), "first_difference_at": first,
+            "ours_at_difference": ours[first] if first is not None and first < len(ours) else None,
+            "target_at_difference": ref[first] if first is not None and first < len(ref) else None}
+
+
+def describe_difference(check: dict) -> str:
+    j = check["first_difference_at"]
+    return (f"first difference at token {j} (ours {check['ours_at_difference']}, target "
+            f"{check['target_at_difference']}; {check['tokens']} vs {check['target_tokens']} tokens)")
+
+
 def run_generate(args) -> int:
     from flashdraft.engine import SamplingParams, SpecEngine
-    from flashdraft.loading import load_pair
 
     apply_threads(args)
-    target, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
+    target, tokenizer, drafter = load_models(args)
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)
         return 2
@@ -115,14 +264,27 @@ def run_generate(args) -> int:
         result = engine.generate([prompt_ids], params)[0]
     report = {"prompt": args.prompt, "text": result.text, "finish_reason": result.finish_reason,
               "stats": result.stats.to_dict()}
+    check = None
     if args.compare:
+        # plain decoding through our own engine: only the speed ratio (same engine, same kernels)
         baseline = baseline_engine.generate([prompt_ids], params)[0]
-        report["baseline"] = {"tokens_per_second": round(baseline.stats.tokens_per_second, 3),
+        report["baseline"] = {"what": "plain decoding through the same engine (speed baseline)",
+                              "tokens_per_second": round(baseline.stats.tokens_per_second, 3),
                               "identical_output": baseline.token_ids == result.token_ids}
         report["speedup"] = round(result.stats.tokens_per_second / max(baseline.stats.tokens_per_second, 1e-9), 3)
+        # losslessness: against the target's own transformers generate, not against ourselves
+        if params.greedy:
+            check = compare_with_target(target, prompt_ids, params, result)
+            report["identical_to_target_generate"] = check["identical"]
+            report["target_generate"] = {"compared_with": TARGET_GENERATE, **check}
+        else:
+            report["identical_to_target_generate"] = None
+            report["target_generate"] = {"compared_with": TARGET_GENERATE,
+                                         "skipped": "sampling (temperature > 0): not comparable token for token"}
+    code = 1 if check is not None and not check["identical"] else 0
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return code
     if not args.stream:
         print(args.prompt + result.text)
     s = result.stats
@@ -134,13 +296,18 @@ def run_generate(args) -> int:
         print("\n".join(histogram_lines(s.histogram)))
     if args.compare:
         b = report["baseline"]
-        print(f"plain decoding: {b['tokens_per_second']:.1f} tok/s -> speedup {report['speedup']:.2f}x, "
-              f"identical output: {b['identical_output']}")
-    return 0
+        print(f"plain decoding (same engine): {b['tokens_per_second']:.1f} tok/s -> speedup {report['speedup']:.2f}x")
+        if check is None:
+            print(f"not compared with {TARGET_GENERATE}: sampling (temperature > 0)")
+        elif check["identical"]:
+            print(f"identical to {TARGET_GENERATE}: {check['tokens']}/{check['tokens']} tokens")
+        else:
+            print(f"DIFFER from {TARGET_GENERATE}: {describe_difference(check)}; {TIE_NOTE}")
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdraft", description="Lossless speculative decoding with DFlash drafters")
+    parser = ArgumentParser(prog="flashdraft", description="Lossless speculative decoding with DFlash drafters")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text with speculative decoding")
@@ -149,16 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--compare", action="store_true", help="also run plain decoding: speedup and equality check")
+    g.add_argument("--no-draft", action="store_true", help="plain decoding (no drafter); with --target")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain decoding through the same engine (speedup) and, greedy, the target's own "
+                        "transformers generate (equality check; exit 1 when they differ)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
     g.set_defaults(func=run_generate)
 
     d = sub.add_parser("demo", help="the main job: the shipped pair on held-out prompts, vs plain decoding")
     add_model_args(d)
-    d.add_argument("--num-prompts", type=int, default=8)
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--temperature", type=float, default=0.0)
-    d.add_argument("--show", type=int, default=2, help="print the generated code of this many prompts")
+    d.add_argument("--num-prompts", type=int_at_least(0, " (0 = all)"), default=8, help="0 = all")
+    d.add_argument("--max-new-tokens", type=positive_int, default=128)
+    d.add_argument("--temperature", type=temperature_arg, default=0.0)
+    d.add_argument("--show", type=int_at_least(0), default=2, help="print the generated code of this many prompts")
     d.add_argument("--json", default=None, help="also write the results to this JSON file")
     d.set_defaults(func=lambda a: __import__("flashdraft.demo", fromlist=["run"]).run(a))
 
@@ -178,15 +348,28 @@ def run_command(args, prog: str = "flashdraft") -> int:
     try:
         return int(args.func(args) or 0)
     except DefaultPairMissing as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
         return 3
     except (ValueError, FileNotFoundError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Parsed arguments, or the exit code argparse asked for (2 for a bad flag, 0 for --help)."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as exc:
+        return None, exc.code if isinstance(exc.code, int) else 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    args, code = parse_args(build_parser(), argv)
+    return code if args is None else run_command(args)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ What this module does not know about: quantisation and device maps (pass a prelo
 
 from __future__ import annotations
 
+import json
+import re
+import sys
 from pathlib import Path
 
 import torch
@@ -24,9 +27,30 @@ class DefaultPairMissing(FileNotFoundError):
 
 
 def resolve_device(device: str | None) -> str:
+    """'auto' -> cuda when available, else cpu. Anything else is checked: an unknown device, or CUDA / MPS on a
+    machine without them, is a ValueError naming the device (not a traceback from deep inside torch)."""
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine ({why}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r}: MPS is not available on this machine")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    return str(device)
+
+
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
@@ -34,24 +58,98 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
         return dtype
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(names)}")
-    return names[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
+    return DTYPE_NAMES[dtype]
+
+
+# a repository id on the hub: "name" or "org/name" (letters, digits, - _ .), never a path-looking string
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+# files any transformers tokenizer is loaded from; a local directory with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def check_model_path(path: str | Path, what: str = "target") -> Path | None:
+    """The local directory `path` names, or None when it is a hub id ("org/name") to be downloaded.
+
+    A path that does not exist and cannot be a hub id (it starts with / . ~, or has more than one /) is a
+    FileNotFoundError; an existing path that is not a model directory (a file, no config.json) a ValueError."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"--{what} {path}: is a file; a model is a directory with config.json")
+        if not (p / "config.json").is_file():
+            raise ValueError(f"--{what} {path}: no config.json; not a model directory")
+        return p
+    text = str(path)
+    if text.startswith(("/", ".", "~")) or not _HUB_ID.match(text):
+        raise FileNotFoundError(f"--{what} {path}: no such directory (and not a hub id of the form org/name)")
+    return None
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved with a model, or None when the model has none. A local directory without any tokenizer
+    file has none; a tokenizer that is present but cannot be loaded (corrupt tokenizer.json ...) is a ValueError."""
+    from transformers import AutoTokenizer
+
+    local = check_model_path(path)
+    if local is not None and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(local or path))
+    except Exception as exc:  # noqa: BLE001 - reported, not swallowed
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {_first_line(exc)})") from exc
 
 
 def load_target(path: str | Path, device: str | None = None, dtype: str | torch.dtype | None = None):
-    """A transformers causal LM in eval mode and its tokenizer (None if the checkpoint has none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A transformers causal LM in eval mode and its tokenizer (None if the checkpoint has none).
+
+    Refused with a one-line ValueError / FileNotFoundError: a path that is neither a model directory nor a hub id,
+    a DFlash drafter directory, a checkpoint that cannot be read (truncated safetensors, ...), and a checkpoint
+    missing weights that transformers would otherwise initialise at random."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     device = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, device)).to(device).eval()
+    torch_dtype = resolve_dtype(dtype, device)
+    local = check_model_path(path, "target")
+    if local is not None:
+        try:
+            config = json.loads((local / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}/config.json: cannot parse ({_first_line(exc)})") from exc
+        if isinstance(config, dict) and (config.get("dflash_config") or "DFlashDraftModel" in
+                                         (config.get("architectures") or [])):
+            raise ValueError(f"--target {path}: this is a DFlash drafter checkpoint, not a target model "
+                             "(pass it as --draft)")
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # missing weights are reported below, as one error
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # no carriage-return bars in logs (and errors stay one line)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception:
-        tokenizer = None
-    return model, tokenizer
+        model, info = AutoModelForCausalLM.from_pretrained(str(local or path), dtype=torch_dtype,
+                                                           output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - OSError, safetensors errors, size mismatches: one line, not swallowed
+        where = "" if local is not None else " (not a local directory; tried the hub)"
+        raise ValueError(f"--target {path}: cannot load the model{where}: "
+                         f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" ... ({len(missing)} in all)" if len(missing) > 4 else "")
+        raise ValueError(f"--target {path}: the checkpoint lacks weights the model needs ({shown}); refusing to "
+                         "run with randomly initialised ones")
+    model = model.to(device).eval()
+    return model, load_tokenizer(local or path)
 
 
 def default_pair_paths() -> tuple[Path, Path]:

@@ -388,16 +388,21 @@ class DFlashDraftModel(nn.Module):
         revision: str | None = None,
     ) -> "DFlashDraftModel":
         """Load a drafter from a local directory or a Hugging Face hub id (reference / vLLM / SGLang layout)."""
-        directory = _resolve_checkpoint_dir(path_or_hub_id, revision)
+        # the config is read and checked before any weight is (a target directory passed by mistake is refused
+        # without reading gigabytes; from the hub, only the JSON files are fetched until the config passes)
+        directory = _resolve_checkpoint_dir(path_or_hub_id, revision, weights=False)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
             raise CheckpointError(f"{directory}: no {CONFIG_NAME}; not a DFlash drafter checkpoint")
+        check_draft_config_file(config_path)
         try:
             config = Qwen3Config.from_pretrained(str(directory))
-        except Exception as exc:  # malformed JSON or fields
-            raise CheckpointError(f"{config_path}: cannot parse drafter config: {exc}") from exc
-        state = _load_safetensors(directory)
+        except Exception as exc:  # malformed fields
+            raise CheckpointError(f"{config_path}: cannot parse drafter config: {str(exc).splitlines()[0]}") from exc
         model = cls(config)
+        if not Path(path_or_hub_id).exists():
+            directory = _resolve_checkpoint_dir(path_or_hub_id, revision, weights=True)
+        state = _load_safetensors(directory)
         model.load_checkpoint_state(state, source=str(directory))
         model.to(device=device, dtype=dtype or _checkpoint_dtype(state))
         return model.eval()
@@ -450,7 +455,26 @@ class DFlashDraftModel(nn.Module):
         return [torch.tensor([r + res.token_ids], device=input_ids.device) for r, res in zip(rows, results)]
 
 
-def _resolve_checkpoint_dir(path_or_hub_id, revision=None) -> Path:
+def check_draft_config_file(config_path: Path) -> dict:
+    """The raw drafter config, refused (CheckpointError) unless it is JSON carrying the DFlash fields
+    (`dflash_config` with target_layer_ids and mask_token_id, or the older top-level fields)."""
+    try:
+        raw = json.loads(Path(config_path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{config_path}: cannot parse drafter config: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: a drafter config is a JSON object")
+    nested = raw.get("dflash_config") or {}
+    if not isinstance(nested, dict):
+        raise CheckpointError(f"{config_path}: dflash_config must be a JSON object")
+    missing = [k for k in ("target_layer_ids", "mask_token_id") if nested.get(k) is None and raw.get(k) is None]
+    if missing:
+        what = "no dflash_config" if not nested else f"dflash_config lacks {', '.join(missing)}"
+        raise CheckpointError(f"{config_path}: {what}; not a DFlash drafter checkpoint (a target model directory?)")
+    return raw
+
+
+def _resolve_checkpoint_dir(path_or_hub_id, revision=None, weights: bool = True) -> Path:
     path = Path(path_or_hub_id)
     if path.exists():
         if not path.is_dir():
@@ -461,10 +485,11 @@ def _resolve_checkpoint_dir(path_or_hub_id, revision=None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(path_or_hub_id), revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.md"]))
+        patterns = ["*.json", "*.md"] + (["*.safetensors"] if weights else [])
+        return Path(snapshot_download(str(path_or_hub_id), revision=revision, allow_patterns=patterns))
     except Exception as exc:
-        raise CheckpointError(f"{path_or_hub_id}: not a local directory and the hub download failed: {exc}") from exc
+        raise CheckpointError(f"{path_or_hub_id}: not a local directory and the hub download failed: "
+                              f"{type(exc).__name__}: {(str(exc).strip() or '?').splitlines()[0]}") from exc
 
 
 def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -478,7 +503,8 @@ def _load_safetensors(directory: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(file)))
         except Exception as exc:
-            raise CheckpointError(f"{file}: corrupt or truncated safetensors file: {exc}") from exc
+            raise CheckpointError(f"{file}: corrupt or truncated safetensors file: "
+                                  f"{(str(exc).strip() or type(exc).__name__).splitlines()[0]}") from exc
     return state
 
 
