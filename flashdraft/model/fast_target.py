@@ -10,6 +10,15 @@ The KV cache is static and per row: slot p of row r holds position p of that row
 K/V to the slots of its positions; a query at position p attends to slots 0..p. Rolling back after a rejection is
 therefore nothing at all - the next block overwrites the rejected slots - and rows of a batch never hold holes.
 
+`exact=True` makes the forward batch-invariant: every token's logits come out bit for bit the same whether it is
+computed alone (a one-token decoding step), inside a 16-token verify block, in a prefill, or next to other rows.
+GEMM kernels pick their blocking (and so the order in which a dot product is summed) by the number of rows, and
+attention kernels by the number of queries and keys, so a verify and a one-token step round differently in the
+last bits; at a near-tie of the top two logits that flips a greedy token. Exact mode runs every projection one
+token row at a time (the kernel a one-token step uses) and attends each query alone over exactly its own
+positions 0..p, the same calls whatever the block or batch. Speculative output is then bit-identical to plain
+decoding in exact mode, in any precision; it costs speed (BENCHMARKS.md, 'Exactness').
+
 What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
 fused projections, sliding windows shorter than the context, MoE): `fast_path_unsupported` names the reason and
 the engine keeps the generic transformers path for them.
@@ -66,7 +75,7 @@ def packable_weights(model) -> list[torch.Tensor]:
 class FastTarget:
     """Lean forward over a supported transformers model's own weights; see the module docstring."""
 
-    def __init__(self, target: TargetModel, pack_weights: bool | None = None):
+    def __init__(self, target: TargetModel, pack_weights: bool | None = None, exact: bool = False):
         reason = fast_path_unsupported(target.model)
         if reason:
             raise ValueError(f"no fast path for this model: {reason}")
@@ -90,6 +99,8 @@ class FastTarget:
                 (packed_concat([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                  packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
                 for layer in self.layers]
+        self.exact = exact
+        self.project = per_token if exact else _call  # how every projection is applied to [b, q, in] inputs
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         cfg = target.config
@@ -138,9 +149,13 @@ class FastTarget:
             kv.write(i, positions, ks.transpose(1, 2), vs)
             keys = kv.keys[i][:, :key_len].transpose(1, 2)
             values = kv.values[i][:, :key_len].transpose(1, 2)
-            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q, -1))
+            gqa = self.num_heads != self.num_kv_heads
+            if self.exact:
+                out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa)
+            else:
+                out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                     enable_gqa=gqa)
+            x = x + self.project(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
             x = x + self._mlp(i, layer.post_attention_layernorm(x))
             if i in taps and i != last:
                 captured[i] = x
@@ -149,20 +164,49 @@ class FastTarget:
             captured[last] = x  # transformers' hidden_states[L] is after the final norm
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        logits = self.lm_head(x)
+        logits = self.project(self.lm_head, x)
         features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
         return logits, features
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.layers[i].self_attn
         if self.packed_layers is None:
-            return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            return self.project(attn.q_proj, h), self.project(attn.k_proj, h), self.project(attn.v_proj, h)
         kv_width = self.num_kv_heads * self.head_dim
-        return self.packed_layers[i][0](h).split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        qkv = self.project(self.packed_layers[i][0], h)
+        return qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         if self.packed_layers is None:
-            return self.layers[i].mlp(h)
+            mlp = self.layers[i].mlp
+            if not self.exact:
+                return mlp(h)
+            return self.project(mlp.down_proj, mlp.act_fn(self.project(mlp.gate_proj, h)) * self.project(mlp.up_proj, h))
         _, gate_up, down = self.packed_layers[i]
-        gate, up = gate_up(h).chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+        gate, up = self.project(gate_up, h).chunk(2, dim=-1)
+        return self.project(down, F.silu(gate) * up)
+
+
+def _call(linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
+
+
+def per_token(linear, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` with each token row as its own one-row product: the result of a row does not depend on how
+    many rows share the call (see `exact` in the module docstring)."""
+    rows = x.reshape(-1, 1, x.shape[-1])
+    # each row in its own fresh buffer: a view's memory alignment can change how a kernel splits its sums
+    return torch.cat([linear(row.clone()) for row in rows]).reshape(*x.shape[:-1], -1)
+
+
+def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                      scale: float, gqa: bool) -> torch.Tensor:
+    """Causal attention [b, H, q, D] with each query alone over exactly the keys of its positions 0..p: the same
+    call for a position whether it is decoded alone, verified in a block or prefilled."""
+    out = torch.empty_like(qs)
+    for r, row_positions in enumerate(positions.tolist()):
+        for j, p in enumerate(row_positions):
+            out[r:r + 1, :, j:j + 1] = F.scaled_dot_product_attention(
+                qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, :p + 1], values[r:r + 1, :, :p + 1], scale=scale,
+                enable_gqa=gqa)
+    return out
