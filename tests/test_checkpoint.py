@@ -113,7 +113,7 @@ def test_save_pretrained_round_trip_keeps_reference_layout(tmp_path):
 
 
 def test_default_target_layer_ids_match_reference():
-    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, from DFLASH.md
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B: docs/design.md, 'Drafter architecture'
     assert default_target_layer_ids(24, 1) == [12]
     assert default_target_layer_ids(64, 2) == [1, 61]
     assert default_target_layer_ids(32, 5) == [1, 8, 15, 22, 29]

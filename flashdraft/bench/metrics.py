@@ -1,4 +1,4 @@
-"""Aggregation of per-request measurements into the numbers a benchmark reports (DFLASH.md section 5 conventions).
+"""Aggregation of per-request measurements into the numbers a benchmark reports (docs/design.md, 'Benchmark conventions').
 
 - tau (mean acceptance length) = mean over verification cycles that carried drafts of (accepted drafts + 1), i.e.
   vLLM's 1 + accepted / drafts. Cycles without drafts (prompt lookup found no n-gram, the last token) don't count.

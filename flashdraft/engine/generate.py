@@ -1,6 +1,6 @@
 """The lossless generation engine: prefill, then cycles of draft -> verify -> accept -> commit.
 
-One cycle for a batch of rows (DFLASH.md section 1):
+One cycle for a batch of rows (docs/design.md, 'Decode cycle'):
 1. draft   the proposer fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1);
 2. verify  the target runs once over the block with its KV cache, capturing the tapped layers' features;
 3. accept  the shared verifier returns per row the accepted count a and the next token;

@@ -1,6 +1,6 @@
 """The DFlash drafter: a small block-diffusion model that proposes a whole block of tokens in one forward pass.
 
-Design (DFLASH.md section 2):
+Design (docs/design.md, 'Drafter architecture'):
 - The context feature is the concatenation of the target's hidden states at `target_layer_ids`, fused by one
   projection (`fc`, no bias) and an RMSNorm (`hidden_norm`). It is injected into the keys/values of every layer:
   keys/values are `[proj(context); proj(block)]`, queries come from the block only.

@@ -1,4 +1,4 @@
-"""Training pipeline for DFlash drafters (DFLASH.md section 3): regenerate responses with the target, then train.
+"""Training pipeline for DFlash drafters (docs/design.md, 'Training'): regenerate responses with the target, then train.
 
 Modules: `data` (records -> tokenized examples), `regenerate` (the target's own responses, sharded/resumable),
 `anchors` + `masks` (random blocks and the sparse training mask), `loss` (decayed CE, optional distillation),

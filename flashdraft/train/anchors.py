@@ -1,4 +1,4 @@
-"""Anchor sampling and block construction for DFlash training (DFLASH.md section 3).
+"""Anchor sampling and block construction for DFlash training (docs/design.md, 'Training').
 
 Design:
 - Per sequence, up to `num_anchors` anchor positions are drawn uniformly WITHOUT replacement among the response

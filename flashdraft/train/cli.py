@@ -66,7 +66,7 @@ def run_regenerate(args) -> int:
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a DFlash drafter for a target model",
-                              description="Train a DFlash drafter (DFLASH.md section 3). Single process, or DDP "
+                              description="Train a DFlash drafter (docs/design.md, 'Training'). Single process, or DDP "
                                           "with torchrun --nproc-per-node N (gloo on CPU, nccl on GPU).")
     p.add_argument("--target", required=True, help="target model directory or hub id")
     p.add_argument("--data", required=True, help="regenerated shards dir, JSONL, or a datasets name")

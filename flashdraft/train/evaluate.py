@@ -1,9 +1,9 @@
 """Acceptance measured the way it is served: tau on held-out prompts with the real `SpecEngine`.
 
 `evaluate_tau` runs greedy speculative generation of the drafter against the target on the given prompts and
-aggregates over all draft cycles: tau (mean acceptance length, the bonus token counted, DFLASH.md section 1) and
-the per-position acceptance rate (vLLM's convention, section 5). Greedy output is the target's own, so this
-measures the drafter only.
+aggregates over all draft cycles: tau (mean acceptance length, the bonus token counted) and the per-position
+acceptance rate, as docs/design.md, 'Benchmark conventions' defines them (vLLM's conventions). Greedy output is
+the target's own, so this measures the drafter only.
 
 What this module does not know about: training state; it leaves the drafter in the train/eval mode it found.
 """

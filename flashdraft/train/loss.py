@@ -1,6 +1,6 @@
 """The DFlash training loss: position-decayed cross-entropy over block labels, optional soft-label distillation.
 
-Design (DFLASH.md section 3):
+Design (docs/design.md, 'Training'):
 - Block position k >= 1 gets weight `w_k = exp(-(k - 1) / gamma)` (early positions matter most: a draft is only
   accepted up to its first miss). Default gamma: 7 for B=16, 5 for B=10, 4 for B=8 (the paper's values); other
   block sizes interpolate linearly through those points (`gamma = (B + 5) / 3`, clamped to >= 1).

@@ -1,4 +1,4 @@
-"""The training attention mask: many blocks of one sequence in one drafter pass (DFLASH.md section 3).
+"""The training attention mask: many blocks of one sequence in one drafter pass (docs/design.md, 'Training').
 
 Layout (the drafter's explicit-mask convention): queries are the Q = N * B block slots of a row (N blocks of B),
 keys are `[T context slots ; the Q block slots]`. Context slot c holds the target features of position c.

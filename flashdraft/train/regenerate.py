@@ -1,4 +1,4 @@
-"""Regenerate responses with the target itself (DFLASH.md section 3: drafters train on the target's own outputs).
+"""Regenerate responses with the target itself: drafters train on the target's own outputs (docs/design.md, 'Training').
 
 Design:
 - Prompts (from `data.load_prompts`) are cut into shards of `shard_size`; shard i is written to

@@ -1,4 +1,4 @@
-"""The DFlash training loop (DFLASH.md section 3): frozen target, online (or cached) features, many blocks per pass.
+"""The DFlash training loop (docs/design.md, 'Training'): frozen target, online (or cached) features, many blocks per pass.
 
 Design:
 - The target is loaded once per rank, frozen; its input embedding and lm_head are used (frozen, not copied) to
@@ -52,7 +52,7 @@ from flashdraft.train.masks import resolve_attention, training_mask
 LOG_NAME = "train_log.jsonl"
 STATE_NAME = "trainer_state.pt"
 
-# Fields the reference loader, vLLM and SGLang read from a drafter's config.json (DFLASH.md section 2).
+# Fields the reference loader, vLLM and SGLang read from a drafter's config.json (docs/design.md, 'Checkpoint format').
 REQUIRED_CONFIG_FIELDS = (
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "rms_norm_eps", "max_position_embeddings", "vocab_size", "layer_types",
