@@ -65,6 +65,22 @@ def _log(path):
     return [json.loads(line) for line in open(path / "train_log.jsonl")]
 
 
+def _recomputed_losses(setup, out, weight_dirs):
+    """{k: loss of global step k+1} recomputed in one process from the weights saved after step k (weight_dirs[k];
+    None: the initial weights), independently of any log: anchors are a function of (seed, epoch, example), so the loss of a step
+    depends only on the weights it starts from. lr=0 and weights reloaded before every step: nothing trains here."""
+    trainer = Trainer(TrainConfig(target=str(setup / "target"), data=str(setup / "data.jsonl"), output_dir=str(out),
+                                  block_size=4, num_draft_layers=1, mask_token_id=MASK, num_anchors=6, lr=0.0,
+                                  progress=False, eval_at_start=False, max_length=40, seed=3, batch_size=4,
+                                  max_steps=100))
+    initial = {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
+    losses = {}
+    for step, d in weight_dirs.items():
+        trainer.drafter.load_checkpoint_state(initial if d is None else _weights(d), source=str(d))
+        losses[step] = trainer.train_step(step)["loss"]
+    return [losses[k] for k in sorted(losses)]
+
+
 def test_torchrun_two_processes_equal_one_process(setup, tmp_path):
     """Same global batch (4): 2 ranks x 2, 1 rank x 4, and 1 rank x 2 x 2 accumulation give the same training.
 
@@ -72,7 +88,7 @@ def test_torchrun_two_processes_equal_one_process(setup, tmp_path):
     gradients agree exactly in real arithmetic; what differs is float summation order (DDP's all-reduce of
     gradients, per-micro-batch padding), hence a small tolerance.
     """
-    steps = ["--max-steps", "5", "--save-every", "5"]
+    steps = ["--max-steps", "5", "--save-every", "1", "--keep-checkpoints", "5"]
     _cli([*COMMON, *steps, "--target", str(setup / "target"), "--data", str(setup / "data.jsonl"),
           "--output-dir", str(tmp_path / "ddp"), "--batch-size", "2"], nproc=2)
     single = _in_process(setup, tmp_path / "one", max_steps=5, save_every=5, batch_size=4)
@@ -93,6 +109,14 @@ def test_torchrun_two_processes_equal_one_process(setup, tmp_path):
         assert w.keys() == w_ddp.keys()
         for k in w:
             assert torch.allclose(w[k], w_ddp[k], atol=2e-5, rtol=1e-4), (run, k, (w[k] - w_ddp[k]).abs().max())
+    # the logged DDP losses are those its own saved weights give, recomputed here in one process from the
+    # checkpoints of steps 0 (initial) .. 4 (and they change from step to step: the weights moved)
+    ckpt = tmp_path / "ddp" / "checkpoints"
+    recomputed = _recomputed_losses(setup, tmp_path / "re", {0: None, **{k: ckpt / f"step-{k:08d}" / "drafter"
+                                                                         for k in range(1, 5)}})
+    assert torch.allclose(torch.tensor(recomputed), torch.tensor([r["loss"] for r in ddp_log]), atol=1e-4), \
+        (recomputed, [r["loss"] for r in ddp_log])
+    assert max(recomputed) - min(recomputed) > 1e-3
     init = _in_process(setup, tmp_path / "zero", max_steps=1, save_every=1, batch_size=4, lr=0.0)
     w0 = _weights(tmp_path / "zero" / "final")
     assert any((w0[k] - w_ddp[k]).abs().max() > 1e-3 for k in w0), "training must have moved the weights"
@@ -116,10 +140,21 @@ def test_kill_then_resume_continues_without_repeating_data(setup, tmp_path):
     steps = [r for r in log if "loss" in r]
     resume = [r for r in log if r.get("event") == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 6
-    # the curve continues: every step once, the first 6 from before the kill, 7.. recomputed identically
+    # the curve continues: every step once; the lines of steps 1-6 are kept from before the kill (they precede the
+    # resume event), the lines of 7.. were written after it by the resumed process
     assert [r["step"] for r in steps] == list(range(1, 11))
-    for old, new in zip(before, steps[:8]):
+    at_resume = log.index(resume[0])
+    assert [r["step"] for r in log[:at_resume] if "loss" in r] == list(range(1, 7))
+    assert [r["step"] for r in log[at_resume:] if "loss" in r] == list(range(7, 11))
+    assert steps[:6] == before[:6]
+    # steps 7 and 8 ran twice, before the kill and after the resume: recomputed, not copied, they agree
+    for old, new in zip(before[6:8], steps[6:8]):
         assert abs(old["loss"] - new["loss"]) < 1e-6 and old["samples"] == new["samples"]
+        assert abs(old["grad_norm"] - new["grad_norm"]) < 1e-5
+    # the resumed losses are those the resumed run's own saved weights give, recomputed in a separate process
+    # (checkpoints 9 and 10 were written after the resume; step 10's loss comes from step 9's weights)
+    recomputed, = _recomputed_losses(setup, tmp_path / "re", {9: out / "checkpoints" / "step-00000009" / "drafter"})
+    assert abs(recomputed - steps[9]["loss"]) < 1e-5, (recomputed, steps[9]["loss"])
     # no data position repeated: 6 steps per epoch (24 examples / 4); within an epoch every example once
     positions = [(r["epoch"], r["epoch_step"]) for r in steps]
     assert len(set(positions)) == len(positions) == 10
