@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 
 from flashdraft.bench.methods import ALL_METHODS
-from flashdraft.cli import add_device_args, pack_weights_arg
+from flashdraft.cli import (ArgumentParser, add_device_args, block_size_arg, int_at_least, pack_weights_arg, parse_args,
+                            positive_int, temperature_arg, top_p_arg)
+
+DRAFTER_METHODS = ("dflash", "hf-dflash")  # the methods that need --draft
 
 
 def _csv(value: str) -> list[str]:
@@ -27,40 +30,50 @@ def _csv(value: str) -> list[str]:
 
 def _ints(value: str) -> list[int]:
     try:
-        return [int(v) for v in _csv(value)]
+        numbers = [int(v) for v in _csv(value)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {value!r}")
+    return numbers
 
 
 def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m = p.add_argument_group("models (in-process mode)")
     m.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair)")
     m.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
+    m.add_argument("--no-draft", action="store_true",
+                   help="no drafter: run only the methods that need none (ar, hf-assisted, prompt-lookup)")
     m.add_argument("--assistant", default=None,
                    help="small autoregressive draft model for hf-assisted (default: flashdraft/assets/default_pair/"
                         "assistant with the default pair; train one with `python -m flashdraft.bench.assistant`)")
     add_device_args(m)
-    m.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the drafter's)")
+    m.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(ALL_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all; ar always runs)")
-    m.add_argument("--num-assistant-tokens", type=int, default=5,
+    m.add_argument("--num-assistant-tokens", type=positive_int, default=5,
                    help="hf-assisted: draft tokens per cycle, fixed (schedule constant, confidence threshold 0)")
-    m.add_argument("--prompt-lookup-num-tokens", type=int, default=10, help="prompt-lookup: draft tokens per cycle")
-    m.add_argument("--max-matching-ngram-size", type=int, default=2, help="prompt-lookup: longest n-gram matched")
+    m.add_argument("--prompt-lookup-num-tokens", type=positive_int, default=10,
+                   help="prompt-lookup: draft tokens per cycle")
+    m.add_argument("--max-matching-ngram-size", type=positive_int, default=2,
+                   help="prompt-lookup: longest n-gram matched")
 
     d = p.add_argument_group("prompts and decoding")
     d.add_argument("--dataset", type=_csv, default=["default"],
                    help="comma-separated: default (the default pair's held-out code prompts), gsm8k, math500, "
                         "humaneval, mbpp, mt-bench, or a .jsonl path with a 'prompt' or 'messages' field")
-    d.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each dataset (0 = all)")
+    d.add_argument("--num-prompts", type=int_at_least(0, " (0 = all)"), default=8,
+                   help="first N prompts of each dataset (0 = all)")
     d.add_argument("--cache-dir", default=None, help="dataset cache (default: ~/.cache/flashdraft/bench or "
                                                      "$FLASHDRAFT_BENCH_CACHE)")
     d.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template "
                                                        "(server mode: use /v1/chat/completions)")
-    d.add_argument("--max-new-tokens", type=int, default=128)
-    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default; enables the lossless check)")
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--top-k", type=int, default=0)
+    d.add_argument("--max-new-tokens", type=positive_int, default=128)
+    d.add_argument("--temperature", type=temperature_arg, default=0.0,
+                   help="0 = greedy (default; enables the lossless check)")
+    d.add_argument("--top-p", type=top_p_arg, default=1.0)
+    d.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed output lengths)")
 
@@ -71,7 +84,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     s.add_argument("--api", choices=["auto", "completions", "chat"], default="auto",
                    help="auto: chat for 'messages' prompts or --chat, completions otherwise")
-    s.add_argument("--num-requests", type=int, default=None,
+    s.add_argument("--num-requests", type=positive_int, default=None,
                    help="requests per level (default: max(number of prompts, concurrency), prompts cycled)")
     s.add_argument("--api-key", default=None)
 
@@ -125,12 +138,44 @@ def _progress(enabled: bool):
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 
+def check_optional_imports(args) -> None:
+    """Fail before any model work when an optional dependency this run needs is missing (plots, server mode),
+    with one line naming the extra, instead of losing a finished run at the end."""
+    import importlib.util
+
+    needed = [] if args.no_plots else [("matplotlib", "the plots (or pass --no-plots)")]
+    if args.server:
+        needed.append(("httpx", "server mode"))
+    for module, purpose in needed:
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"{module} is not installed; it is needed for {purpose}: pip install 'flashdraft[bench]'")
+
+
+def _methods_for(args) -> list[str]:
+    """--methods, checked against --target / --draft / --no-draft before anything loads."""
+    unknown = [m for m in args.methods if m not in ALL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+    no_draft = getattr(args, "no_draft", False)
+    if no_draft and args.draft:
+        raise ValueError("--no-draft and --draft contradict each other")
+    if no_draft:
+        return [m for m in args.methods if m not in DRAFTER_METHODS]
+    needing = [m for m in args.methods if m in DRAFTER_METHODS]
+    if args.target is not None and args.draft is None and needing:
+        raise ValueError(f"--target needs --draft for {', '.join(needing)} (or --no-draft to run only the methods "
+                         "without a drafter: ar, hf-assisted, prompt-lookup)")
+    return list(args.methods)
+
+
 def run_bench(args, extra_methods=None, console=None) -> int:
     """Run from parsed arguments. `extra_methods`: more `Method`s for in-process mode (tests)."""
     from rich.console import Console
 
     from flashdraft.bench import report
     from flashdraft.bench.datasets import DatasetUnavailable, dataset_label, load_prompts
+
+    check_optional_imports(args)
 
     if console is None:
         console = Console()
@@ -160,10 +205,8 @@ def run_bench(args, extra_methods=None, console=None) -> int:
         else:
             from flashdraft.bench.offline import BenchConfig, load_models, run_offline
 
-            unknown = [m for m in args.methods if m not in ALL_METHODS]
-            if unknown:
-                raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
-            cfg = BenchConfig(target=args.target, draft=args.draft, assistant=args.assistant, methods=args.methods,
+            methods = _methods_for(args)
+            cfg = BenchConfig(target=args.target, draft=args.draft, assistant=args.assistant, methods=methods,
                               datasets=args.dataset, num_prompts=num_prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               chat=args.chat, ignore_eos=args.ignore_eos, block_size=args.block_size,
@@ -188,12 +231,14 @@ def run_bench(args, extra_methods=None, console=None) -> int:
         return 2
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not args.no_plots:
-        results["plots"] = [Path(p).name for p in report.write_plots(results, out_dir)]
     failures = report.lossless_failures(results)
     results["exit"] = {"strict": bool(args.strict), "lossless_failures": failures}
+    # the numbers first: whatever happens while plotting, a run of minutes is not lost
     report.write_json(results, out_dir / "results.json")
     report.write_markdown(results, out_dir / "results.md")
+    if not args.no_plots:
+        results["plots"] = [Path(p).name for p in report.write_plots(results, out_dir)]
+        report.write_json(results, out_dir / "results.json")  # again, now listing the plots
     report.print_tables(results, console)
     console.print(f"results: {out_dir / 'results.json'}, {out_dir / 'results.md'}"
                   + (f", plots: {', '.join(results['plots'])}" if results.get("plots") else ""))
@@ -204,7 +249,7 @@ def run_bench(args, extra_methods=None, console=None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashdraft bench", description=__doc__.split("\n\n")[1])
+    parser = ArgumentParser(prog="flashdraft bench", description=__doc__.split("\n\n")[1])
     configure_parser(parser)
     parser.set_defaults(func=run_bench)
     return parser
@@ -213,4 +258,5 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from flashdraft.cli import run_command
 
-    return run_command(build_parser().parse_args(argv), prog="flashdraft bench")
+    args, code = parse_args(build_parser(), argv)
+    return code if args is None else run_command(args, prog="flashdraft bench")

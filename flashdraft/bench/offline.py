@@ -3,7 +3,8 @@
 For each prompt, each method runs once (the method order rotates from prompt to prompt) so machine drift and
 thermal or cache effects spread over all methods instead of biasing the ones that ran last. Every method gets one
 short untimed warm-up first. With greedy decoding, each lossless method's output is compared token for token with
-`ar`'s output for the same prompt (plain decoding through the same engine = the target's own greedy output).
+`ar`'s output for the same prompt (plain decoding through our engine; that it equals the target's own transformers
+`generate` is what `flashdraft demo` and `flashdraft generate --compare` check).
 
 What this module does not know about: HTTP servers (`server.py`), tables and plots (`report.py`).
 """
@@ -105,9 +106,15 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
 
 def load_models(cfg: BenchConfig):
     """(target, tokenizer, drafter, assistant) on one device; the assistant only when hf-assisted is requested."""
-    from flashdraft.loading import load_pair, resolve_device
+    from flashdraft.loading import DEFAULT_TARGET, DefaultPairMissing, load_pair, load_target, resolve_device
 
-    target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype, cfg.draft_dtype)
+    if any(m in ("dflash", "hf-dflash") for m in cfg.methods):
+        target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype, cfg.draft_dtype)
+    else:  # no method drafts with a drafter: do not load one
+        if cfg.target is None and not (DEFAULT_TARGET / "config.json").is_file():
+            raise DefaultPairMissing(f"no default model shipped yet: {DEFAULT_TARGET} is missing; pass --target")
+        target, tokenizer = load_target(cfg.target or DEFAULT_TARGET, cfg.device, cfg.dtype)
+        drafter = None
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; bench needs one to encode prompts")
     assistant = None
