@@ -242,6 +242,7 @@ def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):
     ps = load_prompts(str(pair / "prompts.jsonl"))
     assert ps[0] == Prompt(text=PROMPTS[0]) and ps[3].messages[0]["role"] == "user"
     tok = load_tokenizer()
+    tok.chat_template = None  # a tokenizer without a template: messages fall back to "role: content" lines
     assert ps[3].encode(tok, chat=False)[:2] == tok("user: Write", add_special_tokens=False)["input_ids"][:2]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

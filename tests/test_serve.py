@@ -44,8 +44,7 @@ def pair(tmp_path_factory):
 def make_engine(pair, drafter=True, chat=True) -> SpecEngine:
     """A fresh engine (own model copies: engines are single-threaded and hook their target's layers)."""
     target, tokenizer, draft = load_pair(pair / "target", pair / "drafter" if drafter else None, "cpu", "float32")
-    if chat:
-        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATE if chat else None  # chat=False: a tokenizer without a template
     return SpecEngine(target, draft, tokenizer)
 
 
