@@ -1,11 +1,12 @@
-"""Side-by-side speed of one checkpoint: our engine, plain decoding, transformers' built-in DFlash and the
-reference-style loop, interleaved prompt by prompt (batch 1, greedy), plus a per-phase profile of our cycle.
+"""Side-by-side speed of one checkpoint: our engine, plain decoding and transformers' built-in DFlash, interleaved
+prompt by prompt (batch 1, greedy), plus a per-phase profile of our cycle. Against z-lab's own `dflash` package
+(the peer itself, in a side venv): scripts/speed/bench_zlab.py.
 
     python scripts/speed/bench_speed.py                      # the shipped default pair, held-out prompts
     python scripts/speed/bench_speed.py --target T --draft D --prompts prompts.jsonl --max-new-tokens 256
 
 Methods: our engine (eager, and compiled with --compile), plain decoding through our engine (block size 1, eager
-and compiled), transformers' own `generate`, the reference-style loop and transformers' built-in DFlash. Prints a
+and compiled), transformers' own `generate` and transformers' built-in DFlash. Prints a
 markdown table (tokens/s, ratios to plain decoding and to transformers' DFlash, whether outputs equal plain
 decoding) and the per-phase cycle profile, and writes --json. Every method must produce identical greedy outputs.
 """
@@ -20,12 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from reference_style import reference_style_generate  # noqa: E402
-
-from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
-from flashdraft.loading import load_pair  # noqa: E402
-from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available  # noqa: E402
+from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.loading import load_pair
+from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available
 
 
 def main(argv=None) -> int:
@@ -81,11 +79,6 @@ def main(argv=None) -> int:
                               do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
         return out[0, len(ids):].tolist()
 
-    def run_reference(ids):
-        out = reference_style_generate(drafter, target, torch.tensor([ids], device=target.device),
-                                       args.max_new_tokens, [eos] if eos is not None else None, block)
-        return out[0, len(ids):].tolist()
-
     def run_hf(ids):
         out = target.generate(torch.tensor([ids], device=target.device), assistant_model=assistant,
                               speculation_type="dflash", max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -94,7 +87,6 @@ def main(argv=None) -> int:
 
     methods = {name: engine_runner(name) for name in engines}
     methods["transformers generate"] = run_hf_plain
-    methods["reference-style loop"] = run_reference
     if assistant is not None:
         methods["transformers DFlash"] = run_hf
     for fn in methods.values():  # warm-up (compiled steps: the first call compiles)
