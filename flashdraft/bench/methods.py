@@ -58,6 +58,9 @@ class Method:
     def describe(self) -> dict:
         return {"name": self.name, "lossless": self.lossless, "max_draft_tokens": self.max_draft}
 
+    def close(self) -> None:
+        """Release what the method holds on the target (hooks, packed weight copies); idempotent."""
+
 
 class EngineMethod(Method):
     """`ar` or `flashdraft`: our engine, batch 1."""
@@ -80,6 +83,9 @@ class EngineMethod(Method):
         lengths = list(res.stats.acceptance_lengths) if self.max_draft else []
         return RunOutput(list(res.token_ids), wall, res.stats.time_to_first_token, lengths,
                          [self.max_draft] * len(lengths), res.text)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class _FirstTokenTimer:

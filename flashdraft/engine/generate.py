@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from flashdraft.engine.compiled import compile_step, compile_unavailable
+from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
@@ -154,9 +155,8 @@ class _Row:
     capacity: int = 0  # cache positions the row may need: prompt + max new tokens + one block, rounded up
     bonus: int = 0
     finish_reason: str | None = None
-    text: str = ""
+    detok: IncrementalText | None = None  # the output's text (with a tokenizer), decoded incrementally
     emitted_tokens: int = 0
-    emitted_chars: int = 0
     started: float = 0.0
     reported: bool = False
 
@@ -171,6 +171,7 @@ class SpecEngine:
     engine = SpecEngine(target_model, drafter, tokenizer)
     results = engine.generate([ids_a, ids_b], SamplingParams(max_new_tokens=64))
     for event in engine.stream([ids], params): ...
+    engine.close()  # or `with SpecEngine(...) as engine:`; takes the engine's capture hooks off the target
     """
 
     def __init__(
@@ -190,6 +191,11 @@ class SpecEngine:
             raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {min_tau!r}")
         # a batch whose acceptance length falls below min_tau decodes plain steps for a while, then probes again
         self.min_tau = min_tau
+        self._closed = False
+        # a module gets a TargetModel of this engine's own, whose hooks `close` removes; a TargetModel passed in
+        # (shared, e.g. the trainer's) gets back the layer ids it had
+        self._owns_target = not isinstance(target, TargetModel)
+        self._restore_layer_ids: list[int] | None = None
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -212,6 +218,8 @@ class SpecEngine:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
             validate_pair(drafter, self.target)
+            if not self._owns_target:
+                self._restore_layer_ids = list(self.target.layer_ids)
             self.target.set_layer_ids(drafter.target_layer_ids)
             self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_weights)
         else:
@@ -232,6 +240,41 @@ class SpecEngine:
             self.verify_step = compile_step(self.fast.forward, self.target.device)
         self.profiler = CycleProfiler(profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Take the forward hooks this engine put on the target off it (a shared `TargetModel` gets back the
+        layer ids it had) and drop what the engine built: packed weight copies, compiled steps, the drafting
+        method. Idempotent; afterwards the engine refuses to run. Engines built per evaluation must be closed,
+        or their hooks pile up on the target."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_target:
+            self.target.remove_hooks()
+        elif self._restore_layer_ids is not None:
+            self.target.set_layer_ids(self._restore_layer_ids)
+        self.fast = self.verify_step = self.proposer = None
+
+    def __enter__(self) -> "SpecEngine":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        # an engine dropped without close(): its own TargetModel's hooks go with it (never a shared one's ids)
+        try:
+            if not getattr(self, "_closed", True) and self._owns_target:
+                self.target.remove_hooks()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this SpecEngine was closed (close() or the end of its `with` block); build a new one")
 
     # ---- public API -----------------------------------------------------------------------------------------
 
@@ -259,6 +302,7 @@ class SpecEngine:
         generation per bucket, so that the first requests do not wait for the compiler. Covers the smallest
         cache size; requests that need a larger cache compile theirs on first use. Returns the buckets warmed
         ([] for an engine that is not compiled)."""
+        self._check_open()
         if self.verify_step is None:
             return []
         buckets = sorted({batch_bucket(n) for n in range(1, max_batch_size + 1)})
@@ -277,6 +321,7 @@ class SpecEngine:
 
     def open_batch(self) -> "Batch":
         """An empty live batch. Drive it with `add` (between cycles) and `step` (one cycle)."""
+        self._check_open()
         # compiled steps see the batch padded to a power of two (`batch_bucket`): few graphs, whatever the load
         return Batch(proposer_state=self.proposer.new_batch_state(), bucketed=self.verify_step is not None)
 
@@ -289,6 +334,7 @@ class SpecEngine:
 
         Events carry `index` = the request id given (default: the position in `prompts`).
         """
+        self._check_open()
         rows = self._make_rows(prompts, params, request_ids)
         incoming = self._prefill(rows)
         batch.merge(incoming)
@@ -297,6 +343,7 @@ class SpecEngine:
     @torch.inference_mode()
     def step(self, batch: "Batch") -> list[StreamEvent]:
         """One draft/verify cycle for every row of the batch; finished rows leave it."""
+        self._check_open()
         rows = list(batch.rows)
         if rows:
             self._cycle(batch)
@@ -452,25 +499,14 @@ class SpecEngine:
             r.stats.decode_time = time.perf_counter() - r.started - r.stats.time_to_first_token
 
     def _update_text(self, r: _Row) -> None:
-        text = self.tokenizer.decode(r.output, skip_special_tokens=True)
-        stops = r.params.stop_strings
-        if stops:
-            longest = max(map(len, stops))
-            search_from = max(0, len(r.text) - longest)
-            hits = [(text.find(s, search_from), s) for s in stops]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, s = min(hits)
-                cut = pos + (len(s) if r.params.include_stop_str_in_output else 0)
-                # keep the fewest tokens whose text reaches the end of the stop string
-                need = pos + len(s)
-                for n_tok in range(1, len(r.output) + 1):
-                    if len(self.tokenizer.decode(r.output[:n_tok], skip_special_tokens=True)) >= need:
-                        del r.output[n_tok:]
-                        break
-                text = text[:cut]
-                r.finish_reason = "stop"
-        r.text = text
+        """Decode the new tokens (`detokenize.py`: bounded work per cycle) and apply stop strings: the text is cut
+        at the first one and the output keeps the fewest tokens whose text holds all of it."""
+        if r.detok is None:
+            r.detok = IncrementalText(self.tokenizer, r.params.stop_strings, r.params.include_stop_str_in_output)
+        keep = r.detok.update(r.output, final=r.finish_reason is not None)
+        if keep is not None:
+            del r.output[keep:]
+            r.finish_reason = "stop"
 
     def _drop_finished(self, state: "Batch") -> None:
         keep = [i for i, r in enumerate(state.rows) if r.finish_reason is None]
@@ -489,25 +525,14 @@ class SpecEngine:
             new_tokens = r.output[r.emitted_tokens:]
             r.emitted_tokens = len(r.output)
             text_delta = None
-            if self.tokenizer is not None:
-                stable = len(r.text) if finished else _stable_text_length(r.text, r.params.stop_strings)
-                text_delta = r.text[r.emitted_chars:stable]
-                r.emitted_chars = max(r.emitted_chars, stable)
+            if r.detok is not None:  # held back: an incomplete character, a possible stop-string prefix
+                text_delta = r.detok.delta(finished)
             result = None
             if finished:
                 r.reported = True
-                result = GenerationResult(list(r.output), r.text if self.tokenizer else None, r.finish_reason, r.stats)
+                result = GenerationResult(list(r.output), r.detok.text if r.detok is not None else None,
+                                          r.finish_reason, r.stats)
             yield StreamEvent(r.index, new_tokens, text_delta, finished, result)
-
-
-def _stable_text_length(text: str, stop_strings: tuple[str, ...]) -> int:
-    """How much of a growing text is final: hold back a partial UTF-8 character and a possible stop-string prefix."""
-    end = len(text)
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    if stop_strings:
-        end = max(0, min(end, len(text) - (max(map(len, stop_strings)) - 1)))
-    return end
 
 
 @dataclass

@@ -445,11 +445,11 @@ class DFlashDraftModel(nn.Module):
         """Drop-in for the reference: returns `[1, prompt + generated]` token ids (generation ends after a stop id)."""
         from flashdraft.engine import SamplingParams, SpecEngine
 
-        engine = SpecEngine(target, self)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 stop_token_ids=tuple(stop_token_ids or ()))
         rows = [ids for ids in input_ids.tolist()]
-        results = engine.generate(rows, params)
+        with SpecEngine(target, self) as engine:  # one engine per call: its hooks come off the target after it
+            results = engine.generate(rows, params)
         if len(results) == 1:
             return torch.tensor([rows[0] + results[0].token_ids], dtype=torch.long, device=input_ids.device)
         return [torch.tensor([r + res.token_ids], device=input_ids.device) for r, res in zip(rows, results)]

@@ -85,9 +85,8 @@ class TargetModel:
         return self.embedding_weight.dtype
 
     def set_layer_ids(self, layer_ids: list[int]) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Tap these layers (the hooks of the previous ones are removed first)."""
+        self.remove_hooks()
         self.layer_ids = [int(i) for i in layer_ids]
         for layer_id in self.layer_ids:
             if not 0 <= layer_id < self.num_layers:
@@ -98,6 +97,13 @@ class TargetModel:
             final_norm = find_final_norm(self.model) if layer_id == self.num_layers - 1 else None
             module = final_norm if final_norm is not None else self.layers[layer_id]
             self._hooks.append(module.register_forward_hook(self._capture_hook(layer_id)))
+
+    def remove_hooks(self) -> None:
+        """Take every capture hook off the model and tap no layer (`set_layer_ids` taps again)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.layer_ids = []
 
     def _capture_hook(self, layer_id: int):
         def hook(_module, _inputs, output):

@@ -23,12 +23,14 @@ def evaluate_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int 
     lengths: list[int] = []
     out_tokens = 0
     try:
-        engine = SpecEngine(target, drafter)
-        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
-        for start in range(0, len(prompts), batch_size):
-            for res in engine.generate(prompts[start:start + batch_size], params):
-                lengths.extend(res.stats.acceptance_lengths)
-                out_tokens += len(res.token_ids)
+        # closed at the end: an evaluation every few hundred steps must not pile hooks up on the target (a shared
+        # `TargetModel`, as the trainer's, gets its layer ids back)
+        with SpecEngine(target, drafter) as engine:
+            params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+            for start in range(0, len(prompts), batch_size):
+                for res in engine.generate(prompts[start:start + batch_size], params):
+                    lengths.extend(res.stats.acceptance_lengths)
+                    out_tokens += len(res.token_ids)
     finally:
         drafter.train(was_training)
     block = int(drafter.block_size)

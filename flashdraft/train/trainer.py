@@ -424,10 +424,9 @@ class Trainer:
     def _evaluate(self) -> dict | None:
         ev = None
         if self.rank == 0:
+            # its engine is closed at the end, which gives our TargetModel its layer ids (and hooks) back
             ev = evaluate_tau(self.target, self.drafter, self.eval_prompts, self.cfg.eval_max_new_tokens,
                               stop_token_ids=self.stop_ids)
-            # SpecEngine re-registers hooks; keep the training layer ids
-            self.target.set_layer_ids(self.drafter.target_layer_ids)
             self._log({"event": "eval", "step": self.step, **ev})
         self._barrier()
         return ev
