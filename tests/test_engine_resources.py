@@ -123,7 +123,8 @@ def full_reference(tok, tokens, stops=(), include_stop=False):
         return text, len(tokens), False
     pos, s = min(hits)
     need = text[:pos + len(s)]
-    keep = next(n for n in range(1, len(tokens) + 1) if tok.decode(tokens[:n], skip_special_tokens=True).startswith(need))
+    keep = next(n for n in range(1, len(tokens) + 1)
+                if tok.decode(tokens[:n], skip_special_tokens=True).startswith(need))
     return text[:pos + (len(s) if include_stop else 0)], keep, True
 
 

@@ -144,7 +144,8 @@ class IncrementalText:
         end): bisect the boundaries, then decode token by token within the one piece that holds that character."""
         if need <= self.committed:
             k = bisect_left(self.mark_chars, need)  # mark_chars[k] >= need > mark_chars[k - 1]
-            lo, hi, lo_chars, segment = self.mark_tokens[k - 1], self.mark_tokens[k], self.mark_chars[k - 1], self.pieces[k - 1]
+            lo, hi = self.mark_tokens[k - 1], self.mark_tokens[k]
+            lo_chars, segment = self.mark_chars[k - 1], self.pieces[k - 1]
         else:
             lo, hi, lo_chars, segment = self.mark_tokens[-1], len(tokens), self.committed, self.tail
         want = segment[:need - lo_chars]
