@@ -4,7 +4,12 @@ A tiny-vocabulary target lets us enumerate the exact joint distribution of the f
 (temperature, top-k and top-p applied as the target's sampler applies them). The engine's empirical distribution
 over 12,000 seeded generations must pass a chi-square goodness-of-fit test at p > 0.001 and be within total
 variation no larger than 1.5x that of an exact sample of the same size plus 0.01, with one-hot drafts (DFlash's argmax), with soft drafts (residual path), and for plain decoding.
-A deliberately broken verifier (accept every draft) must fail the same test, so the test has power.
+Beyond the third token (later cycles, where the drafter's context and the caches have been rolled forward), 2,000
+of the generations run to 10 tokens and every position is checked on its own: the tokens seen at position j must
+fit the target's exact distribution given each sample's own prefix (expected counts = the sum over samples of
+p(. | prompt + sample[:j]), computed by one full forward of the target), chi-square with a Bonferroni threshold.
+A deliberately broken verifier (accept every draft), and one that is broken only from the second cycle on, must
+fail these tests, so they have power.
 """
 
 import itertools
@@ -20,6 +25,7 @@ from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_
 from flashdraft.engine import NoRowState, Verdict, target_probs, verify
 
 VOCAB, MASK, N_TOKENS, N_SAMPLES = 8, 7, 3, 12000
+N_LONG, N_LONG_SAMPLES = 10, 2000  # per-position checks: this many tokens for the first this many generations
 PROMPT = [1, 2, 3, 4]
 P_MIN = 1e-3
 
@@ -41,27 +47,60 @@ def drafter(target):
     return DFlashDraftModel(make_draft_config(target.config, num_layers=1, block_size=4, mask_token_id=MASK)).double().eval()
 
 
-def exact_distribution(model, params):
-    dist = {}
+def conditional_probs(model, params, sequences):
+    """[n, len, VOCAB]: the target's sampling distribution for token j of each sequence given the prompt and the
+    sequence's tokens before j (one causal forward over prompt + sequence)."""
+    x = torch.tensor([PROMPT + list(s) for s in sequences])
     with torch.no_grad():
-        for seq in itertools.product(range(VOCAB), repeat=N_TOKENS):
-            prob = 1.0
-            for j in range(N_TOKENS):
-                logits = model(torch.tensor([PROMPT + list(seq[:j])])).logits[0, -1]
-                prob *= float(target_probs(logits, params.temperature, params.top_p, params.top_k)[seq[j]])
-            dist[seq] = prob
-    return dist
+        logits = model(x).logits[:, len(PROMPT) - 1:-1]
+    return target_probs(logits, params.temperature, params.top_p, params.top_k).double()
 
 
-def empirical(engine, params, n=N_SAMPLES, batch=2000):
-    counts = {}
+def exact_distribution(model, params):
+    seqs = list(itertools.product(range(VOCAB), repeat=N_TOKENS))
+    probs = conditional_probs(model, params, seqs)
+    joint = probs.gather(-1, torch.tensor(seqs)[..., None])[..., 0].prod(-1)
+    return dict(zip(seqs, joint.tolist()))
+
+
+def empirical(engine, params, n=N_SAMPLES, batch=2000, n_long=0):
+    """Counts of the first N_TOKENS tokens over n seeded generations, and the full N_LONG-token outputs of the
+    first n_long of them (which run to N_LONG tokens; their first N_TOKENS count like the others')."""
+    counts, long = {}, []
     for start in range(0, n, batch):
-        ps = [SamplingParams(max_new_tokens=N_TOKENS, temperature=params.temperature, top_p=params.top_p,
+        tokens = N_LONG if start < n_long else N_TOKENS
+        ps = [SamplingParams(max_new_tokens=tokens, temperature=params.temperature, top_p=params.top_p,
                              top_k=params.top_k, seed=start + i) for i in range(batch)]
         for res in engine.generate([PROMPT] * batch, ps):
-            key = tuple(res.token_ids)
+            assert len(res.token_ids) == tokens
+            key = tuple(res.token_ids[:N_TOKENS])
             counts[key] = counts.get(key, 0) + 1
-    return counts
+            if tokens == N_LONG:
+                long.append(res.token_ids)
+    return counts, long
+
+
+def per_position_pvalues(model, params, samples):
+    """Chi-square p-value of each position j: observed token counts at j against the sum over samples of the
+    target's exact distribution given that sample's own prefix (bins with expected count < 5 pooled)."""
+    probs = conditional_probs(model, params, samples)
+    tokens = torch.tensor(samples)
+    pvalues = []
+    for j in range(tokens.shape[1]):
+        observed = torch.bincount(tokens[:, j], minlength=VOCAB).double()
+        expected = probs[:, j].sum(0)
+        big = expected >= 5
+        obs, exp = observed[big].tolist(), expected[big].tolist()
+        rest_o, rest_e = float(observed[~big].sum()), float(expected[~big].sum())
+        if rest_e > 0:
+            obs.append(rest_o)
+            exp.append(rest_e)
+        elif rest_o > 0:  # a token the target cannot sample at all
+            pvalues.append(0.0)
+            continue
+        exp = [e * sum(obs) / sum(exp) for e in exp]
+        pvalues.append(float(chisquare(obs, exp).pvalue))
+    return pvalues
 
 
 def fit(exact, counts):
@@ -138,12 +177,15 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
     else:
         engine = SpecEngine(target)
     exact = exact_distribution(target, params)
-    counts = empirical(engine, params)
+    counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
     p_value, tv = fit(exact, counts)
     tv_floor = null_total_variation(exact, N_SAMPLES)
     assert p_value > P_MIN and tv < 1.5 * tv_floor + 0.01, (
         f"{method} {params}: chi-square p={p_value:.2e}, TV={tv:.4f} (exact-sample TV {tv_floor:.4f})"
     )
+    assert len(long) == N_LONG_SAMPLES
+    pvalues = per_position_pvalues(target, params, long)
+    assert min(pvalues) > P_MIN / N_LONG, f"{method} {params}: per-position p-values {[f'{p:.1e}' for p in pvalues]}"
 
 
 def test_broken_verifier_is_detected(target, drafter, monkeypatch):
@@ -156,8 +198,30 @@ def test_broken_verifier_is_detected(target, drafter, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify", accept_all)
     params = SETTINGS[0]
-    p_value, tv = fit(exact_distribution(target, params), empirical(SpecEngine(target, drafter), params, n=4000))
+    counts, long = empirical(SpecEngine(target, drafter), params, n=4000, n_long=N_LONG_SAMPLES)
+    p_value, tv = fit(exact_distribution(target, params), counts)
     assert p_value < P_MIN, f"broken verifier passed: p={p_value:.2e}, TV={tv:.4f}"
+    assert min(per_position_pvalues(target, params, long)) < P_MIN / N_LONG
+
+
+def test_verifier_broken_after_the_first_cycle_is_detected_per_position(target, drafter, monkeypatch):
+    """A verifier that is right in the first cycle and accepts every draft afterwards: the per-position check
+    must flag the positions the later cycles commit."""
+    calls = []
+
+    def accept_all_later(target_logits, draft_tokens, params, generators=None, draft_probs=None):
+        verdict = verify(target_logits, draft_tokens, params, generators, draft_probs)
+        calls.append(None)
+        if len(calls) == 1:
+            return verdict
+        return Verdict(torch.full_like(verdict.num_accepted, draft_tokens.shape[1]), verdict.next_tokens)
+
+    monkeypatch.setattr(engine_module, "verify", accept_all_later)
+    params = SETTINGS[0]
+    _, long = empirical(SpecEngine(target, drafter), params, n=N_LONG_SAMPLES, n_long=N_LONG_SAMPLES)
+    assert len(calls) > 1
+    pvalues = per_position_pvalues(target, params, long)
+    assert min(pvalues[N_TOKENS:]) < P_MIN / N_LONG, pvalues
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.9, 4, 0.8)])
