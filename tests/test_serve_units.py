@@ -155,3 +155,12 @@ def test_cli_parser_and_argument_errors():
         from flashdraft.serve.cli import build_engine
 
         build_engine(both)
+
+
+def test_serve_target_without_draft_is_refused_not_silently_plain():
+    from flashdraft.serve.cli import build_engine
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(ValueError, match="--target needs --draft"):
+        build_engine(parser.parse_args(["serve", "--target", "/nonexistent/model"]))

@@ -60,6 +60,8 @@ def build_engine(args):
 
     if args.no_draft and args.draft:
         raise ValueError("--no-draft and --draft contradict each other")
+    if args.target and not args.draft and not args.no_draft:
+        raise ValueError("--target needs --draft (or --no-draft for plain decoding)")
     target_path = args.target or DEFAULT_TARGET
     if args.no_draft:
         if args.target is None and not (DEFAULT_TARGET / "config.json").is_file():
