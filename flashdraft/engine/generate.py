@@ -186,6 +186,7 @@ class SpecEngine:
         compile: bool = False,
         pack_weights: bool | None = None,
         min_tau: float | None = None,
+        exact: bool = False,
     ):
         if min_tau is not None and not (isinstance(min_tau, (int, float)) and min_tau >= 1.0):
             raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {min_tau!r}")
@@ -213,7 +214,14 @@ class SpecEngine:
         elif pack_weights:
             require_packable(packable)
         self.pack_weights = pack_weights
-        self.fast = FastTarget(self.target, pack_weights) if use_fast else None
+        # exact: a batch-invariant target forward, so drafting never changes a single bit of the output
+        if exact and not use_fast:
+            raise ValueError(f"exact=True needs the fast target path (Llama/Mistral/Qwen2/Qwen3), and "
+                             f"{reason or 'fast_path=False was asked for'}")
+        if exact and compile:
+            raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+        self.exact = exact
+        self.fast = FastTarget(self.target, pack_weights, exact=exact) if use_fast else None
         if proposer is not None:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
