@@ -160,14 +160,93 @@ def test_data_records_and_chat_template():
     assert ex.loss_mask.tolist() == [False, False, True]
 
 
-def test_distillation_and_long_prompts(target, tmp_path):
+def _mixture_by_hand(logits, labels, weights, teacher, alpha, temperature, normaliser):
+    """sum_slots w * ((1 - alpha) * CE(label) + alpha * T^2 * KL(softmax(teacher / T) || softmax(logits / T))) /
+    normaliser, written out from the definitions (float64)."""
+    logits, teacher, w = logits.double(), teacher.double(), weights.double()
+    log_z = logits.exp().sum(-1).log()
+    ce = log_z - logits.gather(-1, labels[..., None])[..., 0]
+    p_t = (teacher / temperature).exp() / (teacher / temperature).exp().sum(-1, keepdim=True)
+    p_d = (logits / temperature).exp() / (logits / temperature).exp().sum(-1, keepdim=True)
+    kl = (p_t * (p_t.log() - p_d.log())).sum(-1) * temperature ** 2
+    return float(((1 - alpha) * ce + alpha * kl).mul(w).sum() / normaliser), float(kl.mul(w).sum())
+
+
+def test_distillation_and_long_prompts(target, tmp_path, monkeypatch):
+    import flashdraft.train.trainer as trainer_module
+
+    calls = []
+    real_loss = trainer_module.dflash_loss
+
+    def recording_loss(hidden, logits_fn, labels, weights, *args, **kw):
+        out = real_loss(hidden, logits_fn, labels, weights, *args, **kw)
+        sel = weights > 0
+        with torch.no_grad():  # the drafter's logits for the labelled slots, with the weights of this step
+            logits = logits_fn(hidden[sel]).float()
+        calls.append(dict(kw, logits=logits, labels=labels[sel], weights=weights[sel], loss=float(out.loss.detach()),
+                          teacher=kw["teacher_logits"][sel].float()))
+        return out
+
+    monkeypatch.setattr(trainer_module, "dflash_loss", recording_loss)
     examples = [build_example([BOS] + progression(i, 1, 5, MOD), progression(i + 5, 1, 20, MOD)) for i in range(8)]
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=1, mask_token_id=MASK,
-                      max_steps=2, batch_size=4, num_anchors=8, progress=False, distill_weight=0.5)
+                      max_steps=2, batch_size=4, num_anchors=8, progress=False, distill_weight=0.3,
+                      distill_temperature=2.0)
     res = Trainer(cfg, target_model=target, examples=examples).train()
-    assert len(res.losses) == 2 and all(l == l and l > 0 for l in res.losses)
+    assert len(res.losses) == 2 and len(calls) == 2
+    for c, logged in zip(calls, res.losses):
+        assert c["distill_weight"] == 0.3 and c["temperature"] == 2.0
+        # the teacher is the target's prediction of each slot's label (this target continues progressions): the
+        # logits at position p - 1, not p (that would predict the token after the label)
+        agree = (c["teacher"].argmax(-1) == c["labels"]).float().mean()
+        assert agree > 0.9, float(agree)
+        want, kl = _mixture_by_hand(c["logits"], c["labels"], c["weights"], c["teacher"], 0.3, 2.0, c["normaliser"])
+        assert kl > 0.1  # an untrained drafter disagrees with the teacher: the KL term is really in the loss
+        assert abs(c["loss"] - want) < 1e-4 * max(1.0, want), (c["loss"], want)
+        assert abs(logged - want) < 1e-4 * max(1.0, want), (logged, want)  # the loss the trainer reports
     # regeneration stops at the target's context (256 positions) instead of failing
     long = [[BOS] + progression(0, 1, 250, MOD), [BOS] + progression(0, 1, 300, MOD)]
     (path,) = regenerate(target, long, tmp_path / "regen", max_new_tokens=20, progress=False, stop_ids=[])
     recs = [json.loads(line) for line in open(path)]
     assert len(recs[0]["response_ids"]) == 5 and recs[1]["finish_reason"] == "prompt_too_long"
+
+
+def test_distillation_loss_is_the_documented_mixture_and_pulls_toward_the_teacher():
+    from flashdraft.train.loss import dflash_loss
+
+    g = torch.Generator().manual_seed(0)
+    b, q, v, block = 2, 8, 7, 4
+    student = torch.randn(b, q, v, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(b, q, v, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(v, (b, q), generator=g)
+    offset = torch.arange(block).repeat(q // block)[None].expand(b, q)
+    weights = torch.where(offset > 0, torch.rand(b, q, generator=g, dtype=torch.float64) + 0.5, torch.zeros(()))
+    identity = lambda h: h  # noqa: E731  (the "hidden states" are the student's logits)
+    for alpha, temp in ((0.3, 1.0), (0.5, 2.0), (1.0, 0.5)):
+        out = dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=teacher,
+                          distill_weight=alpha, temperature=temp)
+        sel = weights > 0
+        want, _ = _mixture_by_hand(student[sel].detach(), labels[sel], weights[sel], teacher[sel], alpha, temp,
+                                   float(weights.sum()))
+        assert abs(float(out.loss) - want) < 1e-5, (alpha, temp, float(out.loss), want)
+    # teacher == student: the KL term vanishes, pure distillation is exactly 0 and the mixture is (1 - alpha) * CE
+    same = student.detach().clone()
+    assert abs(float(dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
+                                 distill_weight=1.0, temperature=2.0).loss)) < 1e-6
+    ce = float(dflash_loss(student, identity, labels, weights, offset, block).loss)
+    mixed = float(dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
+                              distill_weight=0.25).loss)
+    assert abs(mixed - 0.75 * ce) < 1e-6
+    # pure distillation, T = 1: the gradient on the student's logits is w * (p_student - p_teacher) / sum(w), so a
+    # gradient step moves the student's distribution toward the teacher's (KL strictly decreases at every slot)
+    out = dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=teacher, distill_weight=1.0)
+    (grad,) = torch.autograd.grad(out.loss, student)
+    p_s, p_t = torch.softmax(student.detach(), -1), torch.softmax(teacher, -1)
+    assert torch.allclose(grad, weights[..., None] * (p_s - p_t) / weights.sum(), atol=1e-6)
+    stepped = student.detach() - 0.5 * grad / grad.abs().max()
+
+    def kl(s):
+        return (p_t * (p_t.log() - torch.log_softmax(s, -1))).sum(-1)
+
+    sel = weights > 0
+    assert bool((kl(stepped)[sel] < kl(student.detach())[sel]).all())
