@@ -1,6 +1,6 @@
 """flashdraft: lossless speculative decoding with block-diffusion (DFlash) drafters for Hugging Face models."""
 
-from flashdraft.engine import GenerationResult, RequestStats, SamplingParams, SpecEngine
+from flashdraft.engine import EngineConfig, GenerationResult, RequestStats, SamplingParams, SpecEngine
 from flashdraft.model import (
     CheckpointError,
     DFlashDraftModel,
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "DFlashDraftModel",
+    "EngineConfig",
     "GenerationResult",
     "PairMismatchError",
     "RequestStats",

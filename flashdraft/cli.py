@@ -10,108 +10,10 @@ import argparse
 import json
 import sys
 
-from flashdraft.loading import DefaultPairMissing
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with errors on one line (`prog: error: ...`) instead of the usage block plus the error."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-# ---- argument types: every range check of the shared flags lives here -------------------------------------------
-
-def int_at_least(low: int, note: str = ""):
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{note}, got {number}")
-        return number
-
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
-def float_in(low: float, high: float | None = None, low_open: bool = False, note: str = ""):
-    def parse(value: str) -> float:
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        too_low = number <= low if low_open else number < low
-        if too_low or (high is not None and number > high) or number != number:
-            span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else (
-                f"> {low:g}" if low_open else f">= {low:g}")
-            raise argparse.ArgumentTypeError(f"must be {'in ' if high is not None else ''}{span}{note}, got {value}")
-        return number
-
-    parse.__name__ = "number"
-    return parse
-
-
-def device_arg(value: str) -> str:
-    """auto, cpu, cuda, cuda:N (mps): checked now, so a machine without CUDA is told so before any model loads."""
-    if value == "auto":
-        return value
-    from flashdraft.loading import resolve_device
-
-    try:
-        resolve_device(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def dtype_arg(value: str) -> str:
-    from flashdraft.loading import DTYPE_NAMES
-
-    if value != "auto" and value not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; use auto or one of {', '.join(DTYPE_NAMES)}")
-    return value
-
-
-positive_int = int_at_least(1)
-block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
-min_tau_arg = float_in(1.0, note=" (an acceptance length: 1 = never fall back)")
-temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
-top_p_arg = float_in(0.0, 1.0, low_open=True)
-
-
-def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's choice)") -> None:
-    """--target/--draft, the device and precision flags, --block-size and --threads (generate, demo, serve)."""
-    p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair; "
-                                                  "with --target, pass --draft too)")
-    p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
-    add_device_args(p)
-    p.add_argument("--block-size", type=block_size_arg, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument("--threads", type=positive_int, default=None, help=threads_help)
-
-
-def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype, --compile, --pack-weights and --min-tau (also used by `flashdraft bench`)."""
-    p.add_argument("--device", type=device_arg, default="auto",
-                   help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", type=dtype_arg, default="auto",
-                   help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--draft-dtype", type=dtype_arg, default="auto",
-                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
-    p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
-                   help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
-                        "copies stay under 2 GiB)")
-    p.add_argument("--min-tau", type=min_tau_arg, default=None,
-                   help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
-                        "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
-                        "small CPU model; default: always draft)")
-
-
-def pack_weights_arg(args) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[getattr(args, "pack_weights", "auto")]
+from flashdraft.args import (ArgumentParser, add_model_args, apply_threads, engine_from_args, histogram_lines,
+                             int_at_least, load_models, parse_args, positive_int, run_command, temperature_arg,
+                             top_p_arg)
+from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -143,101 +45,8 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     return ids
 
 
-def histogram_lines(histogram: list[int], width: int = 40) -> list[str]:
-    total = max(1, sum(histogram))
-    peak = max(1, max(histogram))
-    return [f"{i + 1:>3} | {'#' * round(width * c / peak):<{width}} {c:>5} ({100 * c / total:4.1f}%)"
-            for i, c in enumerate(histogram)]
-
-
-def apply_threads(args) -> None:
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def load_models(args, no_draft_hint: str = " (or --no-draft for plain decoding)"):
-    """(target, tokenizer, drafter or None) for generate / demo: the shipped pair, or --target with --draft, or
-    --target / the shipped target with --no-draft. --target alone is refused: it used to mean plain decoding
-    silently, although the help promises speculative decoding."""
-    from flashdraft.loading import DEFAULT_TARGET, load_pair, load_target
-
-    no_draft = getattr(args, "no_draft", False)
-    if no_draft and args.draft:
-        raise ValueError("--no-draft and --draft contradict each other")
-    if args.target is not None and args.draft is None and not no_draft:
-        raise ValueError(f"--target needs --draft{no_draft_hint}")
-    if no_draft:
-        if args.target is None and not (DEFAULT_TARGET / "config.json").is_file():
-            raise DefaultPairMissing(f"no default model shipped yet: {DEFAULT_TARGET} is missing; pass --target")
-        model, tokenizer = load_target(args.target or DEFAULT_TARGET, args.device, args.dtype)
-        return model, tokenizer, None
-    return load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
-
-
-TARGET_GENERATE = "the target's own greedy generate (transformers, unpacked weights)"
-TIE_NOTE = ("floating-point near-ties between a multi-token verify and one-token steps can cause this; "
-            "see the README for the measured rate")
-
-
-def target_greedy_generate(target, prompt_ids: list[int], params) -> list[int]:
-    """The target's own greedy continuation: transformers' `generate(do_sample=False)` through the model's own
-    forward on its own (unpacked) weights, none of our fast path, caches or packed kernels. It runs under a clean
-    generation config (no penalties or other defaults from the checkpoint's generation_config.json) with our stop
-    ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops."""
-    import torch
-    from transformers import GenerationConfig
-
-    stops = list(params.stop_token_ids)
-    pad = stops[0] if stops else (target.config.pad_token_id if target.config.pad_token_id is not None else 0)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
-    saved = target.generation_config
-    target.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=stops or None,
-                                                pad_token_id=pad)
-    try:
-        with torch.inference_mode():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                                  max_new_tokens=params.max_new_tokens, eos_token_id=stops or None,
-                                  pad_token_id=pad)
-    finally:
-        target.generation_config = saved
-    tokens = out[0, len(prompt_ids):].tolist()
-    for i, t in enumerate(tokens):
-        if t in stops:
-            return tokens[:i + 1]
-    return tokens
-
-
-def compare_with_target(target, prompt_ids: list[int], params, result) -> dict:
-    """Our greedy output against `target_greedy_generate`, token for token, up to the same stop.
-
-    An output cut by a stop string is compared with the same number of the target's tokens (transformers is not
-    asked to apply stop strings). Returns {"identical", "tokens", "target_tokens", "first_difference_at"}."""
-    ours = list(result.token_ids)
-    ref = target_greedy_generate(target, prompt_ids, params)
-    stopped_by_string = (result.finish_reason == "stop" and params.stop_strings
-                         and not (ours and ours[-1] in params.stop_token_ids))
-    if stopped_by_string:
-        ref = ref[:len(ours)]
-    identical = ours == ref
-    first = None
-    if not identical:
-        n = min(len(ours), len(ref))
-        first = next((j for j in range(n) if ours[j] != ref[j]), n)
-    return {"identical": identical, "tokens": len(ours), "target_tokens": len(ref), "first_difference_at": first,
-            "ours_at_difference": ours[first] if first is not None and first < len(ours) else None,
-            "target_at_difference": ref[first] if first is not None and first < len(ref) else None}
-
-
-def describe_difference(check: dict) -> str:
-    j = check["first_difference_at"]
-    return (f"first difference at token {j} (ours {check['ours_at_difference']}, target "
-            f"{check['target_at_difference']}; {check['tokens']} vs {check['target_tokens']} tokens)")
-
-
 def run_generate(args) -> int:
-    from flashdraft.engine import SamplingParams, SpecEngine
+    from flashdraft.engine import SamplingParams
 
     apply_threads(args)
     target, tokenizer, drafter = load_models(args)
@@ -246,12 +55,8 @@ def run_generate(args) -> int:
         return 2
     params = _sampling_params(args, tokenizer)
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
-    pack = pack_weights_arg(args)
-    engine = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack,
-                        min_tau=args.min_tau)
-    baseline_engine = None
-    if args.compare:
-        baseline_engine = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
+    engine = engine_from_args(args, target, drafter, tokenizer)
+    baseline_engine = engine_from_args(args, target, drafter, tokenizer, plain=True) if args.compare else None
     if args.compare:  # warm both up so that neither pays first-call costs inside the timed run
         for e in (engine, baseline_engine):
             e.generate([prompt_ids], SamplingParams(max_new_tokens=4))
@@ -341,30 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_regenerate_parser(sub)
     add_train_parser(sub)
     return parser
-
-
-def run_command(args, prog: str = "flashdraft") -> int:
-    """Run a parsed subcommand; user errors print one line (exit 2), a missing default pair exits 3."""
-    try:
-        return int(args.func(args) or 0)
-    except DefaultPairMissing as exc:
-        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """Parsed arguments, or the exit code argparse asked for (2 for a bad flag, 0 for --help)."""
-    try:
-        return parser.parse_args(argv), None
-    except SystemExit as exc:
-        return None, exc.code if isinstance(exc.code, int) else 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,9 +28,9 @@ def load_heldout_prompts(n: int | None = None) -> list[str]:
 def run(args) -> int:
     import torch
 
-    from flashdraft.cli import (TARGET_GENERATE, TIE_NOTE, apply_threads, compare_with_target, describe_difference,
-                                histogram_lines, load_models, pack_weights_arg)
-    from flashdraft.engine import RequestStats, SamplingParams, SpecEngine
+    from flashdraft.args import apply_threads, engine_from_args, histogram_lines, load_models
+    from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
+    from flashdraft.engine import RequestStats, SamplingParams
 
     apply_threads(args)
     prompts = load_heldout_prompts(args.num_prompts)
@@ -40,10 +40,8 @@ def run(args) -> int:
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop_token_ids=eos,
                             seed=0 if args.temperature > 0 else None)
-    pack = pack_weights_arg(args)
-    spec = SpecEngine(target, drafter, tokenizer, block_size=args.block_size, compile=args.compile, pack_weights=pack,
-                      min_tau=args.min_tau)
-    plain = SpecEngine(target, None, tokenizer, compile=args.compile, pack_weights=pack)
+    spec = engine_from_args(args, target, drafter, tokenizer)
+    plain = engine_from_args(args, target, drafter, tokenizer, plain=True)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     print(f"flashdraft demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "
           f"{drafter.num_parameters() / 1e6:.1f}M params, block {spec.block_size}, {len(prompts)} held-out prompts, "

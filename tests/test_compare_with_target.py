@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from flashdraft.cli import compare_with_target, main, target_greedy_generate
+from flashdraft.bench.reference import compare_with_target, target_greedy_generate
+from flashdraft.cli import main
 from flashdraft.engine import SamplingParams, SpecEngine
 from tiny import save_text_pair
 

@@ -105,3 +105,20 @@ def test_exact_refuses_what_it_cannot_honour():
         SpecEngine(make_target("phi3"), exact=True)
     with pytest.raises(ValueError, match="cannot be combined with compile"):
         SpecEngine(make_target("qwen3"), exact=True, compile=True)
+
+
+def test_cli_exact_flag(tmp_path, capsys):
+    import json
+
+    from flashdraft.cli import main
+    from tiny import save_text_pair
+
+    save_text_pair(tmp_path)
+    common = ["generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"), "--prompt",
+              "def add(a, b):", "--max-new-tokens", "24", "--device", "cpu"]
+    assert main(common + ["--exact", "--compare", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["baseline"]["identical_output"] is True and report["identical_to_target_generate"] is True
+    assert main(common + ["--exact", "--compile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "cannot be combined with compile" in err

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from flashdraft.bench.methods import ALL_METHODS
-from flashdraft.cli import (ArgumentParser, add_device_args, block_size_arg, int_at_least, pack_weights_arg, parse_args,
+from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, int_at_least, parse_args,
                             positive_int, temperature_arg, top_p_arg)
 
 DRAFTER_METHODS = ("dflash", "hf-dflash")  # the methods that need --draft
@@ -209,12 +209,11 @@ def run_bench(args, extra_methods=None, console=None) -> int:
             cfg = BenchConfig(target=args.target, draft=args.draft, assistant=args.assistant, methods=methods,
                               datasets=args.dataset, num_prompts=num_prompts, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              chat=args.chat, ignore_eos=args.ignore_eos, block_size=args.block_size,
+                              chat=args.chat, ignore_eos=args.ignore_eos,
                               num_assistant_tokens=args.num_assistant_tokens,
                               prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                               max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
-                              dtype=args.dtype, draft_dtype=args.draft_dtype, compile=args.compile,
-                              pack_weights=pack_weights_arg(args), min_tau=args.min_tau,
+                              dtype=args.dtype, draft_dtype=args.draft_dtype, engine=engine_config(args),
                               cache_dir=args.cache_dir)
             if cfg.target is None:
                 from flashdraft.loading import default_pair_paths
@@ -256,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashdraft.cli import run_command
+    from flashdraft.args import run_command
 
     args, code = parse_args(build_parser(), argv)
     return code if args is None else run_command(args, prog="flashdraft bench")

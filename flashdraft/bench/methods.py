@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
 LOSSLESS_METHODS = ("ar", "dflash", "hf-dflash", "hf-assisted", "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
@@ -65,11 +65,10 @@ class Method:
 class EngineMethod(Method):
     """`ar` or `flashdraft`: our engine, batch 1."""
 
-    def __init__(self, name: str, target, drafter, tokenizer, params: SamplingParams, block_size: int | None = None,
-                 compile: bool = False, pack_weights: bool | None = None, min_tau: float | None = None):
+    def __init__(self, name: str, target, drafter, tokenizer, params: SamplingParams,
+                 config: EngineConfig | None = None):
         self.name = name
-        self.engine = SpecEngine(target, drafter, tokenizer, block_size=block_size, compile=compile,
-                                 pack_weights=pack_weights, min_tau=min_tau)
+        self.engine = SpecEngine(target, drafter, tokenizer, config)
         self.params = params
         self.max_draft = self.engine.block_size - 1
         self.device = self.engine.target.device

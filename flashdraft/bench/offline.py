@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from flashdraft.bench.datasets import dataset_label, load_prompts
 from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
 from flashdraft.bench.metrics import acceptance_summary, timing_summary
-from flashdraft.engine import SamplingParams
+from flashdraft.engine import EngineConfig, SamplingParams
 from flashdraft.loading import DEFAULT_PAIR_DIR
 
 DEFAULT_ASSISTANT = DEFAULT_PAIR_DIR / "assistant"
@@ -37,16 +37,13 @@ class BenchConfig:
     seed: int | None = 0
     chat: bool = False
     ignore_eos: bool = False
-    block_size: int | None = None
     num_assistant_tokens: int = 5
     prompt_lookup_num_tokens: int = 10
     max_matching_ngram_size: int = 2
     device: str | None = "auto"
     dtype: str | None = "auto"
     draft_dtype: str | None = "auto"
-    compile: bool = False
-    pack_weights: bool | None = None  # None: the engine's choice (packed on CPU when small)
-    min_tau: float | None = None  # dflash: fall back to one-token steps below this acceptance length
+    engine: EngineConfig = field(default_factory=EngineConfig)  # how `ar` and `dflash` run our engine
     cache_dir: str | None = None
     warmup: bool = True
 
@@ -71,13 +68,11 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     names = ["ar"] + [n for n in names if n != "ar"]
     for name in names:
         if name == "ar":
-            methods.append(EngineMethod("ar", target, None, tokenizer, params, compile=cfg.compile,
-                                        pack_weights=cfg.pack_weights))
+            methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))
         elif name == "dflash":
             if drafter is None:
                 raise ValueError("method dflash needs a drafter (--draft)")
-            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.block_size, cfg.compile,
-                                        cfg.pack_weights, cfg.min_tau))
+            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.engine))
         elif name == "hf-dflash":
             from flashdraft.model.hf_export import transformers_dflash_available
 
@@ -86,7 +81,7 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
             if not transformers_dflash_available():
                 notes.append("hf-dflash skipped: this transformers has no built-in DFlash")
                 continue
-            if cfg.block_size not in (None, drafter.block_size):
+            if cfg.engine.block_size not in (None, drafter.block_size):
                 notes.append(f"hf-dflash runs the drafter's own block size {drafter.block_size} "
                              f"(transformers has no block-size override)")
             methods.append(hf_dflash(target, drafter, tokenizer, params))

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from flashdraft.engine.compiled import compile_step, compile_unavailable
+from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
@@ -179,19 +180,18 @@ class SpecEngine:
         target: nn.Module | TargetModel,
         drafter: DFlashDraftModel | None = None,
         tokenizer=None,
-        block_size: int | None = None,
+        config: EngineConfig | None = None,
+        *,
         proposer=None,
-        profile: bool = False,
-        fast_path: bool | None = None,
-        compile: bool = False,
-        pack_weights: bool | None = None,
-        min_tau: float | None = None,
-        exact: bool = False,
+        **options,
     ):
-        if min_tau is not None and not (isinstance(min_tau, (int, float)) and min_tau >= 1.0):
-            raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {min_tau!r}")
+        """`config` says how to run (`EngineConfig`); keyword `options` override its fields. `proposer` replaces
+        the DFlash drafter with another drafting method (`proposers.py`)."""
+        config = replace(config or EngineConfig(), **options)
+        self.config = config
+        block_size, compile, pack_weights, exact = config.block_size, config.compile, config.pack_weights, config.exact
         # a batch whose acceptance length falls below min_tau decodes plain steps for a while, then probes again
-        self.min_tau = min_tau
+        self.min_tau = config.min_tau
         self._closed = False
         # a module gets a TargetModel of this engine's own, whose hooks `close` removes; a TargetModel passed in
         # (shared, e.g. the trainer's) gets back the layer ids it had
@@ -202,6 +202,7 @@ class SpecEngine:
         self.tokenizer = tokenizer
         # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
+        fast_path = config.fast_path
         if fast_path and reason:
             raise ValueError(f"fast_path=True but {reason}")
         use_fast = fast_path is not False and reason is None
@@ -216,10 +217,7 @@ class SpecEngine:
         self.pack_weights = pack_weights
         # exact: a batch-invariant target forward, so drafting never changes a single bit of the output
         if exact and not use_fast:
-            raise ValueError(f"exact=True needs the fast target path (Llama/Mistral/Qwen2/Qwen3), and "
-                             f"{reason or 'fast_path=False was asked for'}")
-        if exact and compile:
-            raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+            raise ValueError(f"exact=True needs the fast target path (Llama/Mistral/Qwen2/Qwen3), and {reason}")
         self.exact = exact
         self.fast = FastTarget(self.target, pack_weights, exact=exact) if use_fast else None
         if proposer is not None:
@@ -236,8 +234,6 @@ class SpecEngine:
             self.block_size = 1
         else:
             self.block_size = int(block_size or getattr(drafter, "block_size", 16))
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         # compiled draft and verify steps (static shapes per block size; CUDA graphs on GPU)
         self.verify_step = None
         if compile:
@@ -246,7 +242,7 @@ class SpecEngine:
             if why_not:
                 raise ValueError(why_not)
             self.verify_step = compile_step(self.fast.forward, self.target.device)
-        self.profiler = CycleProfiler(profile)
+        self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
     # ---- lifetime -------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from flashdraft.cli import add_model_args, pack_weights_arg
+from flashdraft.args import add_model_args, engine_from_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,7 +55,6 @@ def _positive(args, *names) -> None:
 
 def build_engine(args):
     """(SpecEngine, served model name) from the command-line options."""
-    from flashdraft.engine import SpecEngine
     from flashdraft.loading import DEFAULT_TARGET, DefaultPairMissing, load_pair, load_target
 
     if args.no_draft and args.draft:
@@ -72,8 +71,7 @@ def build_engine(args):
         model, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
-    engine = SpecEngine(model, drafter, tokenizer, block_size=args.block_size, compile=args.compile,
-                        pack_weights=pack_weights_arg(args), min_tau=args.min_tau)
+    engine = engine_from_args(args, model, drafter, tokenizer)
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
 
@@ -109,7 +107,7 @@ def run_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flashdraft.cli import run_command
+    from flashdraft.args import run_command
 
     parser = argparse.ArgumentParser(prog="flashdraft")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))

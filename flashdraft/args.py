@@ -1,0 +1,195 @@
+"""Command-line pieces every `flashdraft` subcommand shares: one-line argument errors, checked argument types,
+the model / device / precision flags, loading the models they name, and building the engine from them
+(`engine_from_args`: the one place a command turns flags into a `SpecEngine`).
+
+What this module does not know about: the subcommands themselves (`cli.py`, `demo.py`, `serve/cli.py`,
+`bench/cli.py` import from here; nothing here imports them, so there is no import circle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flashdraft.loading import DefaultPairMissing
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with errors on one line (`prog: error: ...`) instead of the usage block plus the error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---- argument types: every range check of the shared flags lives here -------------------------------------------
+
+def int_at_least(low: int, note: str = ""):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{note}, got {number}")
+        return number
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def float_in(low: float, high: float | None = None, low_open: bool = False, note: str = ""):
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        too_low = number <= low if low_open else number < low
+        if too_low or (high is not None and number > high) or number != number:
+            span = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high is not None else (
+                f"> {low:g}" if low_open else f">= {low:g}")
+            raise argparse.ArgumentTypeError(f"must be {'in ' if high is not None else ''}{span}{note}, got {value}")
+        return number
+
+    parse.__name__ = "number"
+    return parse
+
+
+def device_arg(value: str) -> str:
+    """auto, cpu, cuda, cuda:N (mps): checked now, so a machine without CUDA is told so before any model loads."""
+    if value == "auto":
+        return value
+    from flashdraft.loading import resolve_device
+
+    try:
+        resolve_device(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def dtype_arg(value: str) -> str:
+    from flashdraft.loading import DTYPE_NAMES
+
+    if value != "auto" and value not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; use auto or one of {', '.join(DTYPE_NAMES)}")
+    return value
+
+
+positive_int = int_at_least(1)
+block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
+min_tau_arg = float_in(1.0, note=" (an acceptance length: 1 = never fall back)")
+temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
+top_p_arg = float_in(0.0, 1.0, low_open=True)
+
+
+def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's choice)") -> None:
+    """--target/--draft, the device and precision flags, --block-size and --threads (generate, demo, serve)."""
+    p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair; "
+                                                  "with --target, pass --draft too)")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
+    add_device_args(p)
+    p.add_argument("--block-size", type=block_size_arg, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument("--threads", type=positive_int, default=None, help=threads_help)
+
+
+def add_device_args(p) -> None:
+    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact and --min-tau (also `flashdraft bench`)."""
+    p.add_argument("--device", type=device_arg, default="auto",
+                   help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", type=dtype_arg, default="auto",
+                   help="float32, bfloat16, float16 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--draft-dtype", type=dtype_arg, default="auto",
+                   help="the drafter's dtype (default: the target's; bf16 on a CPU with native bf16)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
+    p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
+                   help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
+                        "copies stay under 2 GiB)")
+    p.add_argument("--exact", action="store_true",
+                   help="batch-invariant target forward: output bit-identical to plain decoding in --exact mode, "
+                        "whatever the block or batch (eager only; costs speed, see BENCHMARKS.md)")
+    p.add_argument("--min-tau", type=min_tau_arg, default=None,
+                   help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
+                        "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
+                        "small CPU model; default: always draft)")
+
+
+def pack_weights_arg(args) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[getattr(args, "pack_weights", "auto")]
+
+
+def histogram_lines(histogram: list[int], width: int = 40) -> list[str]:
+    total = max(1, sum(histogram))
+    peak = max(1, max(histogram))
+    return [f"{i + 1:>3} | {'#' * round(width * c / peak):<{width}} {c:>5} ({100 * c / total:4.1f}%)"
+            for i, c in enumerate(histogram)]
+
+
+def apply_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def load_models(args, no_draft_hint: str = " (or --no-draft for plain decoding)"):
+    """(target, tokenizer, drafter or None) for generate / demo: the shipped pair, or --target with --draft, or
+    --target / the shipped target with --no-draft. --target alone is refused: it used to mean plain decoding
+    silently, although the help promises speculative decoding."""
+    from flashdraft.loading import DEFAULT_TARGET, load_pair, load_target
+
+    no_draft = getattr(args, "no_draft", False)
+    if no_draft and args.draft:
+        raise ValueError("--no-draft and --draft contradict each other")
+    if args.target is not None and args.draft is None and not no_draft:
+        raise ValueError(f"--target needs --draft{no_draft_hint}")
+    if no_draft:
+        if args.target is None and not (DEFAULT_TARGET / "config.json").is_file():
+            raise DefaultPairMissing(f"no default model shipped yet: {DEFAULT_TARGET} is missing; pass --target")
+        model, tokenizer = load_target(args.target or DEFAULT_TARGET, args.device, args.dtype)
+        return model, tokenizer, None
+    return load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
+
+
+
+def engine_config(args, plain: bool = False):
+    """The `EngineConfig` the flags ask for; `plain=True` for the plain-decoding baseline of the same run."""
+    from flashdraft.engine import EngineConfig
+
+    config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
+                          pack_weights=pack_weights_arg(args), min_tau=getattr(args, "min_tau", None),
+                          exact=getattr(args, "exact", False))
+    return config.plain() if plain else config
+
+
+def engine_from_args(args, target, drafter, tokenizer, plain: bool = False):
+    """The `SpecEngine` the flags ask for over loaded models (`plain=True`: no drafter, same kernels and mode)."""
+    from flashdraft.engine import SpecEngine
+
+    return SpecEngine(target, None if plain else drafter, tokenizer, engine_config(args, plain))
+
+
+def run_command(args, prog: str = "flashdraft") -> int:
+    """Run a parsed subcommand; user errors print one line (exit 2), a missing default pair exits 3."""
+    try:
+        return int(args.func(args) or 0)
+    except DefaultPairMissing as exc:
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """Parsed arguments, or the exit code argparse asked for (2 for a bad flag, 0 for --help)."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as exc:
+        return None, exc.code if isinstance(exc.code, int) else 2
+
+

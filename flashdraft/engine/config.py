@@ -1,0 +1,48 @@
+"""`EngineConfig`: how `SpecEngine` runs, apart from which models it runs.
+
+One frozen object for the options every entry point sets (the CLI's `engine_from_args`, the server, the bench
+methods, training evals), checked once here, so a value that cannot work fails at construction with the option's
+name. `SpecEngine(target, drafter, tokenizer, config)` takes it; keyword options override single fields
+(`SpecEngine(target, drafter, block_size=8)`).
+
+What this module does not know about: models, devices and whether the target has a fast path (the engine checks
+those combinations when it is built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # tokens verified per cycle: the bonus token + block_size - 1 drafts (None: the drafter's own block size)
+    block_size: int | None = None
+    # compiled draft and verify steps (torch.compile; CUDA graphs on GPU), batches padded to power-of-two buckets
+    compile: bool = False
+    # CPU: the widest projections through oneDNN on packed weight copies (None: when packable and small enough)
+    pack_weights: bool | None = None
+    # fall back to one-token steps while drafts keep fewer tokens per cycle than this (None: always draft)
+    min_tau: float | None = None
+    # batch-invariant target forward: speculative output bit-identical to plain decoding (eager, fast path)
+    exact: bool = False
+    # the lean static-cache target path (None: when the architecture has one; False: transformers' own forward)
+    fast_path: bool | None = None
+    # record per-phase cycle times (`CycleProfiler`)
+    profile: bool = False
+
+    def __post_init__(self):
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
+        if self.min_tau is not None and not (isinstance(self.min_tau, (int, float)) and self.min_tau >= 1.0):
+            raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {self.min_tau!r}")
+        if self.exact and self.compile:
+            raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+        if self.exact and self.fast_path is False:
+            raise ValueError("exact=True needs the fast target path; it cannot be combined with fast_path=False")
+
+    def plain(self) -> "EngineConfig":
+        """The same engine without drafting: the plain-decoding baseline a speedup is measured against."""
+        from dataclasses import replace
+
+        return replace(self, block_size=None, min_tau=None)
