@@ -228,14 +228,14 @@ def test_distillation_loss_is_the_documented_mixture_and_pulls_toward_the_teache
         sel = weights > 0
         want, _ = _mixture_by_hand(student[sel].detach(), labels[sel], weights[sel], teacher[sel], alpha, temp,
                                    float(weights.sum()))
-        assert abs(float(out.loss) - want) < 1e-5, (alpha, temp, float(out.loss), want)
+        assert abs(out.loss.item() - want) < 1e-5, (alpha, temp, out.loss.item(), want)
     # teacher == student: the KL term vanishes, pure distillation is exactly 0 and the mixture is (1 - alpha) * CE
     same = student.detach().clone()
-    assert abs(float(dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
-                                 distill_weight=1.0, temperature=2.0).loss)) < 1e-6
-    ce = float(dflash_loss(student, identity, labels, weights, offset, block).loss)
-    mixed = float(dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
-                              distill_weight=0.25).loss)
+    assert abs(dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
+                           distill_weight=1.0, temperature=2.0).loss.item()) < 1e-6
+    ce = dflash_loss(student, identity, labels, weights, offset, block).loss.item()
+    mixed = dflash_loss(student, identity, labels, weights, offset, block, teacher_logits=same,
+                        distill_weight=0.25).loss.item()
     assert abs(mixed - 0.75 * ce) < 1e-6
     # pure distillation, T = 1: the gradient on the student's logits is w * (p_student - p_teacher) / sum(w), so a
     # gradient step moves the student's distribution toward the teacher's (KL strictly decreases at every slot)
