@@ -17,9 +17,10 @@ greedy, batch 1):
   (like for like with theirs);
 - plain decoding through our engine (block size 1, eager);
 - transformers' own greedy `generate` on the target (our transformers), which is also the reference output.
-Rounds alternate (--rounds, the method order reversed every other round) so that the machine's drift averages
-out; only one process computes at a time (the other waits on a pipe). Reports tokens/s per method (all rounds
-together, prefill included), tau (mean tokens per target forward of a draft cycle, bonus included), ratios to
+Rounds (--rounds) interleave the methods prompt by prompt, the order reversed every other prompt and round, so
+that the machine's drift (and other jobs' load) hits all methods alike; only one process computes at a time (the
+other waits on a pipe). Reports tokens/s per method (all rounds
+together, prefill included), tau (tokens committed per draft cycle, bonus included, counted alike for both sides), ratios to
 their package, whether each output equals transformers' greedy `generate`, and which GEMM kernels each side runs
 (a short untimed probe with MKL_VERBOSE / ONEDNN_VERBOSE on one prompt). Writes --json.
 """
@@ -245,25 +246,35 @@ def main(argv=None) -> int:
     their_hf = zlab.request(cmd="generate_hf", prompts=prompts, max_new_tokens=args.max_new_tokens)["outputs"]
 
     names = list(methods)
+    side = {m: m.startswith("z-lab") for m in names}  # which process computes
     tokens = {m: 0 for m in names}
     seconds = {m: 0.0 for m in names}
     per_round = {m: [] for m in names}
-    acceptance = {m: [] for m in names}
-    outputs = {}
+    acceptance = {m: [] for m in names}  # the engine's own per-cycle acceptance lengths
+    cycles = {m: 0 for m in names}  # draft cycles (target verify passes after the prefill)
+    outputs = {m: [] for m in names}
+    last_side = None
     for r in range(args.rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for m in order:
-            time.sleep(PAUSE_S)
-            outs, secs, accs = methods[m](prompts)
-            n = sum(len(o) for o in outs)
-            tokens[m] += n
-            seconds[m] += sum(secs)
-            per_round[m].append(n / sum(secs))
-            for a in accs:
-                acceptance[m].extend(a)
-            outputs.setdefault(m, outs)
-            if outs != outputs[m]:
-                print(f"WARNING: {m}: outputs changed between rounds", file=sys.stderr)
+        n_round = {m: 0 for m in names}
+        s_round = {m: 0.0 for m in names}
+        for i, ids in enumerate(prompts):  # every method on each prompt in turn; the order flips every prompt
+            for m in (names if (r + i) % 2 == 0 else names[::-1]):
+                if side[m] != last_side:
+                    time.sleep(PAUSE_S)
+                    last_side = side[m]
+                (out,), (sec,), (acc,) = methods[m]([ids])
+                n_round[m] += len(out)
+                s_round[m] += sec
+                if r == 0:
+                    outputs[m].append(out)
+                    acceptance[m].extend(acc)
+                    cycles[m] += len(acc)
+                elif out != outputs[m][i]:
+                    print(f"WARNING: {m}: prompt {i}: output changed between rounds", file=sys.stderr)
+        for m in names:
+            tokens[m] += n_round[m]
+            seconds[m] += s_round[m]
+            per_round[m].append(n_round[m] / s_round[m])
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {per_round[m][-1]:.0f}" for m in names), flush=True)
     zlab.close()
     load_after = os.getloadavg()
@@ -280,21 +291,31 @@ def main(argv=None) -> int:
             [args.zlab_python, str(RUNNER), "--target", args.target, "--draft", args.draft, "--dtype",
              args.zlab_dtype, *threads], stdin_text=req + "\n")
 
-    reference = outputs["transformers generate"]
+    reference = outputs["transformers generate"]  # the target's own greedy output (round 1)
     tps = {m: tokens[m] / seconds[m] for m in names}
-    tau = {m: (sum(acceptance[m]) / len(acceptance[m]) if acceptance[m] else None) for m in names}
+    # tau: tokens committed per draft cycle, counted the same way for both sides (every output token but the
+    # prefill's, over the cycles). The engines' own means differ in the last cycle of a request: ours counts what
+    # the verifier accepted, theirs clips it to the token budget (both in the JSON).
+    tau = {m: ((sum(len(o) for o in outputs[m]) - len(outputs[m])) / cycles[m] if cycles[m] else None)
+           for m in names}
+    tau_reported = {m: (sum(acceptance[m]) / len(acceptance[m]) if acceptance[m] else None) for m in names}
     equal = {m: sum(a == b for a, b in zip(outputs[m], reference)) for m in names}
     peer = tps["z-lab dflash_generate"]
     n_p = len(prompts)
     print(f"\n{n_p} prompts, {args.max_new_tokens} new tokens, greedy, batch 1, {args.rounds} alternating rounds, "
           f"{torch.get_num_threads()} threads; target {target.dtype}; our drafter {drafter.dtype} (z-lab's "
           f"{zlab.info['draft_dtype']}); load average before {load[0]:.2f} / after {load_after[0]:.2f}\n")
-    print("| method | tokens/s | per round | vs z-lab dflash | tau | outputs equal transformers generate |")
-    print("|---|---|---|---|---|---|")
+    print("| method | tokens/s | per round | vs z-lab dflash | per round | tau | tau (engine's own) | outputs equal "
+          "transformers generate |")
+    print("|---|---|---|---|---|---|---|---|")
+    zr = per_round["z-lab dflash_generate"]
     for m in names:
         rounds = " / ".join(f"{x:.0f}" for x in per_round[m])
+        ratios = " / ".join(f"{x / z:.2f}" for x, z in zip(per_round[m], zr))
         t = f"{tau[m]:.2f}" if tau[m] is not None else "-"
-        print(f"| {m} | {tps[m]:.1f} | {rounds} | {tps[m] / peer:.2f}x | {t} | {equal[m]}/{n_p} |")
+        t_own = f"{tau_reported[m]:.2f}" if tau_reported[m] is not None else "-"
+        print(f"| {m} | {tps[m]:.1f} | {rounds} | {tps[m] / peer:.2f}x | {ratios} | {t} | {t_own} | "
+              f"{equal[m]}/{n_p} |")
     their_equal = sum(a == b for a, b in zip(their_hf, reference))
     print(f"\ntransformers {zlab.info['transformers']} greedy generate (their venv) equals transformers "
           f"{__import__('transformers').__version__} greedy generate (ours): {their_equal}/{n_p}")
@@ -307,7 +328,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({
             "tokens_per_second": tps, "tokens_per_second_per_round": per_round, "vs_zlab": {m: tps[m] / peer
                                                                                               for m in names},
-            "tau": tau, "equal_to_transformers_generate": equal, "num_prompts": n_p,
+            "tau": tau, "tau_engine_reported": tau_reported, "equal_to_transformers_generate": equal, "num_prompts": n_p,
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
             "target_dtype": str(target.dtype), "drafter_dtype": str(drafter.dtype), "zlab": zlab.info,
             "zlab_transformers_generate_equal_ours": their_equal, "pack_weights": pack, "kernels": kernels,
