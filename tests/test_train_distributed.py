@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from flashdraft.train.trainer import TrainConfig, Trainer
 torch.set_num_threads(1)
 COMMON = ["--block-size", "4", "--num-draft-layers", "1", "--mask-token-id", str(MASK), "--num-anchors", "6",
           "--lr", "3e-3", "--no-progress", "--no-eval-at-start", "--max-length", "40", "--seed", "3"]
+KILLED_TRAIN = Path(__file__).with_name("killed_train.py")  # `flashdraft train`, hard-exit (75) after N steps
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +36,28 @@ def setup(tmp_path_factory):
     return root
 
 
-def _cli(args, nproc=1, check=True):
+def _run(cmd, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _cli(args, nproc=1, check=True):
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "flashdraft.train.cli", "train", *args]
     else:
         cmd = [sys.executable, "-m", "flashdraft.train.cli", "train", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return _run(cmd, check=check)
+
+
+def _killed_cli(args, after_steps):
+    """`flashdraft train args` in one process, hard-killed (exit 75) once `after_steps` steps are done."""
+    return _run([sys.executable, str(KILLED_TRAIN), str(after_steps), *args], check=False)
 
 
 def _in_process(setup, out, **kw):
@@ -127,7 +138,7 @@ def test_kill_then_resume_continues_without_repeating_data(setup, tmp_path):
     out = tmp_path / "run"
     args = [*COMMON, "--target", str(setup / "target"), "--data", str(setup / "data.jsonl"), "--output-dir", str(out),
             "--batch-size", "4", "--max-steps", "10", "--save-every", "3", "--keep-checkpoints", "2"]
-    killed = _cli([*args, "--crash-after-step", "8"], check=False)
+    killed = _killed_cli(args, after_steps=8)
     assert killed.returncode == 75, killed.stderr[-3000:]
     before = [r for r in _log(out) if "loss" in r]
     assert [r["step"] for r in before] == list(range(1, 9))

@@ -105,7 +105,6 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run_train)
     return p
 
@@ -125,7 +124,7 @@ def config_from_args(args):
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every, resume=args.resume, device=args.device, export_dtype=args.export_dtype,
-        progress=not args.no_progress, crash_after_step=args.crash_after_step,
+        progress=not args.no_progress,
     )
 
 

@@ -15,23 +15,25 @@ Design:
 - Exact large-batch gradients: before the backward passes of a step, every rank builds its micro-batches and the
   sum of label weights is all-reduced; each micro-loss is normalised by that global sum (times the world size,
   since DDP averages). Accumulation and DDP therefore give the gradient of the whole global batch at once.
-- Checkpoints (`output_dir/checkpoints/step-XXXXXXXX`) are written to a `.tmp` directory and renamed (atomic):
-  drafter weights (reference format), optimizer, scheduler, step, epoch, data position, RNG states per rank.
-  `resume=True` loads the newest complete one; the log is cut back to that step. The final drafter is exported
-  with `DFlashDraftModel.save_pretrained` to `output_dir/final` and its config is checked for every loader field.
+- Checkpoints (`output_dir/checkpoints/step-XXXXXXXX`, every `save_every` steps and at the end) are written, listed
+  and read by `checkpoint.py` (layout there): drafter weights (reference format), optimizer, scheduler, step,
+  epoch, data position, RNG states per rank. `resume=True` loads the newest complete one; the log is cut back to
+  that step. The final drafter is exported with `DFlashDraftModel.save_pretrained` to `output_dir/final` and its
+  config is checked for every loader field.
 - Evaluation: tau and per-position acceptance on held-out prompts with the real `SpecEngine` (rank 0), at start,
   every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
 
 What this module does not know about: drafters with sliding-window layers (one mask serves every layer, so they are
-refused), sequence packing, and multi-node launch details beyond what torchrun's environment provides.
+refused), sequence packing, multi-node launch details beyond what torchrun's environment provides, and the files
+of a checkpoint (`checkpoint.py` alone reads and writes them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,15 +44,14 @@ import torch.distributed as dist
 
 from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
 from flashdraft.model.target import TargetModel
+from flashdraft.train import checkpoint
 from flashdraft.train.anchors import anchor_generator, build_blocks, candidate_anchors, pad_anchors, sample_anchors
+from flashdraft.train.checkpoint import LOG_NAME, STATE_NAME  # noqa: F401  (re-exported)
 from flashdraft.train.data import Example, load_examples, load_prompts
 from flashdraft.train.evaluate import evaluate_tau
 from flashdraft.train.features import FeatureCache, pad_batch, target_features
 from flashdraft.train.loss import dflash_loss, gather_teacher_logits, slot_weights
 from flashdraft.train.masks import resolve_attention, training_mask
-
-LOG_NAME = "train_log.jsonl"
-STATE_NAME = "trainer_state.pt"
 
 # Fields the reference loader, vLLM and SGLang read from a drafter's config.json (docs/design.md, 'Checkpoint format').
 REQUIRED_CONFIG_FIELDS = (
@@ -101,7 +102,6 @@ class TrainConfig:
     export_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
     loss_chunk_size: int = 4096
     progress: bool = True
-    crash_after_step: int | None = None  # testing only: hard-exit right after this step (simulates a kill)
 
 
 def resolve_mask_token_id(mask_token_id: int | None, tokenizer, vocab_size: int) -> int:
@@ -332,7 +332,7 @@ class Trainer:
             mask = training_mask(self.attention, blk.anchors.to(dev), ctx_valid, cfg.block_size, self.is_causal)
             ctx_pos = torch.arange(ctx_valid.shape[1], device=dev)[None].expand_as(ctx_valid)
             sync = a == len(micros) - 1 or self.world_size == 1
-            ctx_mgr = self.model.no_sync() if not sync else _nullcontext()
+            ctx_mgr = self.model.no_sync() if not sync else contextlib.nullcontext()
             with ctx_mgr, autocast:
                 noise = self.drafter.embed(blk.block_ids.to(dev), self.target.embedding_weight)
                 hidden = self.model(noise, blk.position_ids.to(dev), feats, ctx_pos, ctx_valid, mask)
@@ -403,8 +403,6 @@ class Trainer:
                     ev = self._evaluate()
                     if bar is not None:
                         bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{ev['tau']:.2f}")
-                if cfg.crash_after_step is not None and self.step == cfg.crash_after_step:
-                    os._exit(75)  # simulated kill (testing): no cleanup, nothing flushed beyond this point
         finally:
             if bar is not None:
                 bar.close()
@@ -418,8 +416,7 @@ class Trainer:
         return result
 
     def _log(self, record: dict) -> None:
-        with open(self.out / LOG_NAME, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        checkpoint.append_log(self.out / LOG_NAME, record)
 
     def _evaluate(self) -> dict | None:
         ev = None
@@ -435,67 +432,24 @@ class Trainer:
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.out / "checkpoints"
+        return checkpoint.checkpoint_root(self.out)
 
     def save_checkpoint(self) -> Path:
-        final = self.checkpoint_root / f"step-{self.step:08d}"
-        tmp = final.with_name(final.name + ".tmp")
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(_rng_state(), tmp / f"rng-rank{self.rank:05d}.pt")
-        self._barrier()
-        if self.rank == 0:
-            self.drafter.save_pretrained(tmp / "drafter", dtype=torch.float32)
-            epoch, es = divmod(self.step, self.steps_per_epoch)
-            torch.save({
-                "step": self.step, "epoch": epoch, "epoch_step": es, "next_sample_position": es * self.global_batch,
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "world_size": self.world_size, "global_batch": self.global_batch,
-                "num_examples": len(self.examples), "total_steps": self.total_steps, "config": asdict(self.cfg),
-            }, tmp / STATE_NAME)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in self.list_checkpoints()[: -max(1, self.cfg.keep_checkpoints)]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
-        return final
+        return checkpoint.save_checkpoint(
+            self.out, self.step, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
+            steps_per_epoch=self.steps_per_epoch, global_batch=self.global_batch, world_size=self.world_size,
+            num_examples=len(self.examples), total_steps=self.total_steps, config=asdict(self.cfg),
+            keep=self.cfg.keep_checkpoints, rank=self.rank, barrier=self._barrier)
 
     def list_checkpoints(self) -> list[Path]:
-        if not self.checkpoint_root.exists():
-            return []
-        return sorted(p for p in self.checkpoint_root.iterdir() if p.is_dir() and p.name.startswith("step-")
-                      and not p.name.endswith(".tmp") and (p / STATE_NAME).exists())
+        return checkpoint.list_checkpoints(self.out)
 
     def _resume(self) -> None:
-        ckpts = self.list_checkpoints()
-        if not ckpts:
-            if self.rank == 0:
-                (self.out / LOG_NAME).unlink(missing_ok=True)
-            self._barrier()
-            return
-        ckpt = ckpts[-1]
-        state = torch.load(ckpt / STATE_NAME, map_location="cpu", weights_only=False)
-        if state["global_batch"] != self.global_batch or state["num_examples"] != len(self.examples):
-            raise ValueError(f"{ckpt}: saved with global batch {state['global_batch']} over {state['num_examples']} "
-                             f"examples; now {self.global_batch} over {len(self.examples)}: the data position would "
-                             "not carry over. Resume with the same data and global batch.")
-        from safetensors.torch import load_file
-
-        self.drafter.load_checkpoint_state(load_file(str(ckpt / "drafter" / "model.safetensors")), source=str(ckpt))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        rng = ckpt / f"rng-rank{self.rank:05d}.pt"
-        if rng.exists():
-            _set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
-        if self.rank == 0:
-            _truncate_log(self.out / LOG_NAME, self.step)
-            self._log({"event": "resume", "step": self.step, "checkpoint": str(ckpt)})
-        self._barrier()
+        step = checkpoint.resume(self.out, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
+                                 global_batch=self.global_batch, num_examples=len(self.examples), rank=self.rank,
+                                 barrier=self._barrier)
+        if step is not None:
+            self.step = step
 
     def export(self) -> Path | None:
         out = self.out / "final"
@@ -516,14 +470,6 @@ class Trainer:
         return out
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     t = max(f.shape[0] for f in feats)
     out = feats[0].new_zeros(len(feats), t, feats[0].shape[1])
@@ -532,37 +478,6 @@ def _pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
         out[i, : f.shape[0]] = f
         valid[i, : f.shape[0]] = True
     return out, valid
-
-
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop log records from beyond `step` (they belong to work lost in the kill and redone after resume)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if rec.get("step", 0) <= step:
-            keep.append(json.dumps(rec))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(k + "\n" for k in keep))
-    os.replace(tmp, path)
 
 
 def train(config: TrainConfig, **kwargs) -> TrainResult:
