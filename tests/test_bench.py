@@ -210,7 +210,12 @@ def test_server_mode_against_dflash_serve(pair, tmp_path):
     res = json.loads((out / "results.json").read_text())
     levels = res["servers"]["server"]["levels"]
     assert [lv["errors"] for lv in levels] == [0, 0]
-    assert levels[0]["acceptance_source"] == "metrics" and levels[0]["tau"] >= 1.0
+    lv = levels[0]
+    assert lv["acceptance_source"] == "metrics" and lv["num_drafts"] > 0
+    # the counters the server exported, consistently: block 4 drafts 3 tokens; tau = 1 + accepted / drafts
+    assert lv["num_draft_tokens"] == 3 * lv["num_drafts"] and 0 <= lv["num_accepted_tokens"] <= lv["num_draft_tokens"]
+    assert lv["tau"] == pytest.approx(1 + lv["num_accepted_tokens"] / lv["num_drafts"], abs=1e-4)
+    assert sum(lv["acceptance_histogram"]) == lv["num_drafts"]
     assert levels[0]["output_tokens"] > 0
 
 

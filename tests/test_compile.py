@@ -10,7 +10,7 @@ import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.generate import batch_bucket
+from flashdraft.engine.batch import batch_bucket
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
@@ -73,7 +73,7 @@ def test_compiled_continuous_batching_rows_join_and_leave(qwen3):
     def collect(events):
         for e in events:
             outputs.setdefault(e.index, []).extend(e.token_ids)
-        assert batch.kv is None or not batch.rows or batch.kv.num_rows == batch_bucket(len(batch.rows))
+        assert batch.kv is None or not batch.rows or batch.kv.kv.batch == batch_bucket(len(batch.rows))
 
     collect(engine.add(batch, PROMPTS, first, request_ids=["a0", "a1", "a2"]))
     collect(engine.step(batch))

@@ -7,6 +7,7 @@ import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
+from flashdraft.engine.policy import MinTauFallback
 from tiny import greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -52,7 +53,8 @@ def test_drafter_sees_the_positions_committed_by_one_token_steps(compile):
     prompt = PROMPTS[1]
     batch = engine.open_batch()
     output = [e.token_ids for e in engine.add(batch, [prompt], params)][0]
-    batch.plain_steps_left = 24
+    batch.policy = MinTauFallback(1.0)  # never falls back by itself; 24 one-token steps forced
+    batch.policy.plain_steps_left = 24
     for _ in range(25):  # 24 one-token steps, then the draft that writes their features
         output += engine.step(batch)[0].token_ids
     assert batch.rows[0].stats.plain_steps == 24 and batch.rows[0].stats.num_drafts == 1

@@ -21,6 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import flashdraft.engine.generate as engine_module
+import flashdraft.engine.policy as policy_module
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
 from flashdraft.engine import NoRowState, Verdict, target_probs, verify
 
@@ -138,13 +139,13 @@ def null_total_variation(exact, n):
 class SoftProposer:
     """Drafts sampled from a fixed random distribution q, returned with q: exercises the residual p - q path."""
 
-    needs_features = False
+    needs_features = needs_histories = False
 
     def __init__(self):
         self.gen = torch.Generator().manual_seed(11)
         self.q = torch.softmax(torch.randn(VOCAB, generator=self.gen, dtype=torch.float64) * 2, dim=-1)
 
-    def new_batch_state(self):
+    def new_batch_state(self, buckets=None):
         return NoRowState()
 
     def propose(self, state, inp, block_size):
@@ -167,7 +168,7 @@ CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2)
 @pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting, monkeypatch):
     params = SETTINGS[setting]
-    monkeypatch.setattr(engine_module, "MIN_DRAFTS_TO_JUDGE", 1)  # fall back within these few tokens
+    monkeypatch.setattr(policy_module, "MIN_DRAFTS_TO_JUDGE", 1)  # fall back within these few tokens
     if method.startswith("dflash"):
         # fallback: every draft loses against min_tau, so one-token steps follow the first draft
         engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None,

@@ -79,6 +79,7 @@ class OracleProposer:
     """
 
     needs_features = False
+    needs_histories = True  # it reads each row's committed tokens and request id
 
     def __init__(self, references, vocab: int = VOCAB, corrupt: float = 0.4, seed: int = 0):
         self.references = references
@@ -86,7 +87,7 @@ class OracleProposer:
         self.corrupt = corrupt
         self.rng = torch.Generator().manual_seed(seed)
 
-    def new_batch_state(self):
+    def new_batch_state(self, buckets=None):
         return NoRowState()
 
     def propose(self, state, inp, block_size):

@@ -186,3 +186,47 @@ def load_prompts(spec: str, num_prompts: int | None = None, cache_dir: str | Pat
 
 def dataset_label(spec: str) -> str:
     return spec if spec in BUILTIN or spec == "default" else Path(spec).stem
+
+
+def source_contexts(tokenizer, num: int, tokens: int = 64, packages: tuple[str, ...] = ("transformers", "torch"),
+                    seed: int = 0, end_at_line_start: bool | None = None) -> list[list[int]]:
+    """`num` contexts of `tokens` tokens cut from installed packages' Python sources: code the shipped pair never
+    saw (it was trained on the standard library), for out-of-domain measurements without a download.
+
+    Each context starts at a line start of a randomly chosen file; `end_at_line_start` True cuts it right after a
+    newline (how code prompts usually end), False mid-line, None wherever `tokens` falls. Deterministic per seed
+    and installed package versions.
+    """
+    import importlib.util
+    import random
+
+    files = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            files += sorted(Path(root).rglob("*.py"))
+    if not files:
+        raise DatasetUnavailable(f"none of {packages} is installed to cut source contexts from")
+    rng = random.Random(seed)
+    contexts: list[list[int]] = []
+    while len(contexts) < num:
+        lines = rng.choice(files).read_text(errors="replace").splitlines(keepends=True)
+        if len(lines) < 20:
+            continue
+        start = rng.randrange(len(lines) - 10)
+        ids = tokenizer("".join(lines[start:start + 200]), add_special_tokens=False)["input_ids"]
+        if len(ids) < tokens + 8:
+            continue
+        ids = ids[:tokens]
+        if end_at_line_start is not None:
+            text = tokenizer.decode(ids)
+            cut = text.rfind("\n") + 1 if end_at_line_start else len(text.rstrip("\n"))
+            if end_at_line_start and cut < len(text) // 2:
+                continue
+            ids = tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+            if not end_at_line_start and tokenizer.decode(ids).endswith("\n"):
+                continue
+        contexts.append(ids)
+    return contexts

@@ -1,30 +1,29 @@
-"""The lossless generation engine: prefill, then cycles of draft -> verify -> accept -> commit.
+"""The lossless generation engine: prefill, then cycles of propose -> target forward -> verify -> commit.
 
-One cycle for a batch of rows (docs/design.md, 'Decode cycle'):
-1. draft   the proposer fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1);
-2. verify  the target runs once over the block with its KV cache, capturing the tapped layers' features;
-3. accept  the shared verifier returns per row the accepted count a and the next token;
-4. commit  tokens `d_1..d_a, next` are appended; the block slots `0..a` stay in the target cache, the rest are
-           rolled back (`target_kv.py`: a no-op on the static fast path, a crop plus masked holes on the generic
-           transformers path). The features of the kept slots become the drafter's next context.
-Finished rows leave the batch at once (their cache rows are dropped). Block size 1 with `NoProposer` is plain
-autoregressive decoding through the same code: the baseline every speedup is measured against.
-`min_tau`: a batch whose drafts keep fewer tokens per cycle than that (smoothed over the last few drafts) takes
-one-token steps (no draft, same verifier; their target features queue up for the drafter), then probes with one
-draft, falling back for 8, then 16, 32 ... 128 steps while probes keep losing, so a drafter that does not fit
-the traffic (other domains, high temperatures) costs little more than plain decoding.
-The decision depends on acceptance only, so it is deterministic (seeded sampling stays reproducible).
+One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycle'):
+1. propose         the drafting method fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1);
+                   the batch's draft-length policy (`policy.py`) may ask for a one-token step instead (k = 0);
+2. target forward  the target runs once over the block with its KV cache (`target_kv.py`), capturing the tapped
+                   layers' features;
+3. verify          the shared verifier (`verify.py`) returns per row the accepted count a and the next token;
+4. commit          tokens `d_1..d_a, next` are appended; block slots `0..a` stay in the target cache, the rest are
+                   rolled back (a no-op on the static fast path, a crop plus masked holes on the generic path);
+                   the kept slots' features become the drafter's next context; finished rows leave the batch.
+Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
+speedup is measured against.
 
 Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
-`compile=True` compiles the per-cycle draft and verify steps (fast path only; `compiled.py`) and pads the batch
-to a power of two (`batch_bucket`), so requests joining and leaving reuse a handful of graphs.
+`compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
+static caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a
+handful of graphs. `exact=True` makes the target forward batch-invariant (`fast_target.py`).
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
 (holes included) rather than tokens, so they are exact only while the context fits the window.
 
 What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
-HTTP, or continuous batching (the server drives `SpecEngine` one cycle at a time through the same functions).
+how many tokens to draft (`policy.py`), row padding (`batch.py`, inside the static caches), HTTP, or continuous
+batching (the server drives `SpecEngine` one cycle at a time through `open_batch`, `add`, `step`, `cancel`).
 """
 
 from __future__ import annotations
@@ -36,12 +35,14 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from flashdraft.engine.batch import Batch, Features, RowBuckets, next_power_of_two
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
-from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV, zero_pad
+from flashdraft.engine.policy import new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
+from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
@@ -49,12 +50,6 @@ from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, pack
 from flashdraft.model.target import TargetModel, validate_pair
 
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
-MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per `min_tau` fallback, doubling while probes keep losing
-MIN_DRAFTS_TO_JUDGE = 3  # drafting cycles (since the start or a won probe) before `min_tau` may fall back
-
-
-def next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def cache_capacity(positions: int) -> int:
@@ -235,13 +230,14 @@ class SpecEngine:
         else:
             self.block_size = int(block_size or getattr(drafter, "block_size", 16))
         # compiled draft and verify steps (static shapes per block size; CUDA graphs on GPU)
-        self.verify_step = None
+        self.block_step = None  # the compiled target block forward
         if compile:
             why_not = compile_unavailable(self.target.device) or (
                 f"compile=True needs the fast target path, and {reason}" if self.fast is None else None)
             if why_not:
                 raise ValueError(why_not)
-            self.verify_step = compile_step(self.fast.forward, self.target.device)
+            self.block_step = compile_step(self.fast.forward, self.target.device)
+        self.buckets = RowBuckets(bucketed=compile)  # compiled steps see power-of-two row counts
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -259,7 +255,7 @@ class SpecEngine:
             self.target.remove_hooks()
         elif self._restore_layer_ids is not None:
             self.target.set_layer_ids(self._restore_layer_ids)
-        self.fast = self.verify_step = self.proposer = None
+        self.fast = self.block_step = self.proposer = None
 
     def __enter__(self) -> "SpecEngine":
         self._check_open()
@@ -307,27 +303,30 @@ class SpecEngine:
         cache size; requests that need a larger cache compile theirs on first use. Returns the buckets warmed
         ([] for an engine that is not compiled)."""
         self._check_open()
-        if self.verify_step is None:
+        if self.block_step is None:
             return []
-        buckets = sorted({batch_bucket(n) for n in range(1, max_batch_size + 1)})
+        buckets = sorted({self.buckets.rows(n) for n in range(1, max_batch_size + 1)})
         params = SamplingParams(max_new_tokens=self.block_size + 2)  # at least one full cycle after a plain step
         prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
         for rows in buckets:
             batch = self.open_batch()
             self.add(batch, [prompt] * rows, params)
             if self.min_tau is not None:
-                batch.plain_steps_left = 1  # the one-token step's graphs too
+                batch.policy.plain_steps_left = 1  # the one-token step's graphs too
             while batch.rows:
                 self.step(batch)
         return buckets
 
     # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
 
-    def open_batch(self) -> "Batch":
-        """An empty live batch. Drive it with `add` (between cycles) and `step` (one cycle)."""
+    def open_batch(self) -> Batch:
+        """An empty live batch; requests join with `add` and advance with `step`."""
         self._check_open()
-        # compiled steps see the batch padded to a power of two (`batch_bucket`): few graphs, whatever the load
-        return Batch(proposer_state=self.proposer.new_batch_state(), bucketed=self.verify_step is not None)
+        return self._new_batch()
+
+    def _new_batch(self, **fields) -> Batch:
+        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets),
+                     policy=new_policy(self.min_tau, self.block_size), **fields)
 
     @torch.inference_mode()
     def add(
@@ -400,7 +399,7 @@ class SpecEngine:
             rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt))))
         return rows
 
-    def _prefill(self, rows: list[_Row]) -> "Batch":
+    def _prefill(self, rows: list[_Row]) -> Batch:
         start = time.perf_counter()
         prompts = [r.prompt for r in rows]
         capture = self.proposer.needs_features
@@ -408,83 +407,77 @@ class SpecEngine:
             r.capacity = cache_capacity(len(r.prompt) + r.params.max_new_tokens + self.block_size)
         capacity = max(r.capacity for r in rows)
         if self.fast is not None:
-            kv, logits, features, positions, valid = StaticTargetKV.prefill(
-                self.fast, prompts, capture, capacity, self.verify_step)
+            kv, logits, features = StaticTargetKV.prefill(self.fast, prompts, capture, capacity, self.buckets,
+                                                          self.block_step)
         else:
-            kv, logits, features, positions, valid = DynamicTargetKV.prefill(self.target, prompts, capture)
+            kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows])
         now = time.perf_counter()
-        if features is not None:  # padded prompt slots may hold garbage: zero them so no NaN reaches the drafter
-            features = features.masked_fill(~valid[..., None], 0.0)
-        state = Batch(rows=list(rows), kv=kv, features=features, feature_positions=positions, feature_valid=valid,
-                      proposer_state=self.proposer.new_batch_state(), capacity=capacity)
+        batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
             r.started = start
             r.stats.time_to_first_token = now - start
-            self._commit(r, [token])
-        self._drop_finished(state)
-        return state
+            self._append(r, [token])
+        self._drop_finished(batch)
+        return batch
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
-    def _cycle(self, state: "Batch") -> None:
-        rows, dev, prof = state.rows, self.target.device, self.profiler
+    def _cycle(self, batch: Batch) -> None:
+        """propose -> target forward over the block -> verify -> commit, for every live row at once."""
+        rows, prof = batch.rows, self.profiler
         prof.start()
-        draft = state.plain_steps_left == 0  # else a one-token step (the `min_tau` fallback): no draft
-        width = self.block_size if draft else 1
-        n, padded = len(rows), state.kv.num_rows  # padded > n: the rows past n are padding (`batch_bucket`)
-        bonus = torch.tensor([r.bonus for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
-        n_cached = torch.tensor([r.n_cached for r in rows] + [0] * (padded - n), dtype=torch.long, device=dev)
-        positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
-        context_len = max(r.n_cached for r in rows)
-        drafts, draft_probs = bonus.new_zeros(padded, 0), None
-        if draft:
-            context = (state.features, state.feature_positions, state.feature_valid)
-            if state.features is not None and padded > n:  # padding rows' features are invalid: never read
-                context = tuple(zero_pad(t, padded, 0, at_end=True) for t in context)
-            drafts, draft_probs = self.proposer.propose(
-                state.proposer_state,
-                ProposalInput(bonus, positions, *context, [r.history for r in rows], [r.index for r in rows],
-                              state.capacity, context_len),
-                self.block_size,
-            )
-            drafts = zero_pad(drafts, padded, 0, at_end=True)  # a method that only drafts for the live rows
-        block = torch.cat([bonus[:, None], drafts], dim=1)
+        width = batch.policy.block_width(self.block_size)  # 1: a one-token step, no draft
+        block, positions, draft_probs = self._propose(batch, width)
         prof.mark("draft")
-        logits, features = state.kv.verify(block, positions, self.proposer.needs_features, context_len + width)
-        if padded > n:
-            block, positions, logits, drafts = block[:n], positions[:n], logits[:n], drafts[:n]
-            features = features[:n] if features is not None else None
-            draft_probs = draft_probs[:n] if draft_probs is not None else None
+        end = max(r.n_cached for r in rows) + width  # 1 + the largest position in the block
+        logits, features = batch.kv.forward_block(block, positions, self.proposer.needs_features, end)
+        prof.mark("target")
+        verdict = verify(logits, block[:, 1:], [r.params for r in rows], [r.generator for r in rows], draft_probs)
         prof.mark("verify")
-        verdict = verify(logits, drafts, [r.params for r in rows], [r.generator for r in rows], draft_probs)
-        prof.mark("accept")
+        self._commit_block(batch, block, positions, features, verdict)
+        prof.mark("commit")
 
-        kept = verdict.num_accepted + 1  # block slots 0..a stay in the cache
-        kept_width = int(kept.max())
-        kept_valid = torch.arange(width, device=dev)[None] < kept[:, None]
-        state.kv.keep(kept, kept_width, kept_valid[:, :kept_width])
-        if features is not None:  # the whole block: static shapes; rejected slots are marked invalid
-            state.add_features(features, positions, kept_valid, after_draft=draft)
+    def _propose(self, batch: Batch, width: int):
+        """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions, and the draft distributions
+        (None: one-hot drafts)."""
+        rows, dev = batch.rows, self.target.device
+        bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
+        n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
+        positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
+        if width == 1:
+            return bonus[:, None], positions, None
+        histories = self.proposer.needs_histories
+        inp = ProposalInput(bonus, positions, batch.capacity, max(r.n_cached for r in rows), batch.features,
+                            [r.history for r in rows] if histories else None,
+                            [r.index for r in rows] if histories else None)
+        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, width)
+        return torch.cat([bonus[:, None], drafts], dim=1), positions, draft_probs
+
+    def _commit_block(self, batch: Batch, block, positions, features, verdict) -> None:
+        """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
+        the drafter; the policy sees the batch's acceptance; finished rows leave."""
+        rows, width = batch.rows, block.shape[1]
+        drafted = width == self.block_size  # else a one-token step the policy asked for (not a draft cycle)
+        kept_valid = torch.arange(width, device=block.device)[None] < verdict.num_accepted[:, None] + 1
+        batch.kv.keep(kept_valid)
+        if features is not None:  # the whole block (static shapes); rejected slots are marked invalid
+            batch.add_features(Features(features, positions, kept_valid), after_draft=drafted)
         accepted = verdict.num_accepted.tolist()
         for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block.tolist()):
-            if draft:
+            if drafted:
                 r.stats.acceptance_lengths.append(a + 1)
             else:
                 r.stats.plain_steps += 1
             r.n_cached += a + 1
             r.bonus = nxt
-            self._commit(r, blk[1:1 + a] + [nxt])
-        if not draft:
-            state.plain_steps_left -= 1
-        elif self.min_tau is not None and self.block_size > 1:
-            state.plan_drafting(sum(accepted) / n + 1, self.min_tau)
-        self._drop_finished(state)
-        prof.mark("overhead")
+            self._append(r, blk[1:1 + a] + [nxt])
+        batch.policy.observe(drafted, sum(accepted) / len(rows) + 1)
+        self._drop_finished(batch)
 
-    def _commit(self, r: _Row, tokens: list[int]) -> None:
+    def _append(self, r: _Row, tokens: list[int]) -> None:
         """Append tokens to a row's output, applying max_new_tokens, stop ids and stop strings."""
         p = r.params
         for t in tokens:
@@ -512,14 +505,14 @@ class SpecEngine:
             del r.output[keep:]
             r.finish_reason = "stop"
 
-    def _drop_finished(self, state: "Batch") -> None:
-        keep = [i for i, r in enumerate(state.rows) if r.finish_reason is None]
-        if len(keep) == len(state.rows):
+    def _drop_finished(self, batch: Batch) -> None:
+        keep = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
+        if len(keep) == len(batch.rows):
             return
         if not keep:
-            state.rows = []  # the next merge adopts the incoming rows' caches wholesale
+            batch.rows = []  # the next merge adopts the incoming rows' caches wholesale
             return
-        state.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
+        batch.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
 
     def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:
         for r in rows:
@@ -537,114 +530,3 @@ class SpecEngine:
                 result = GenerationResult(list(r.output), r.detok.text if r.detok is not None else None,
                                           r.finish_reason, r.stats)
             yield StreamEvent(r.index, new_tokens, text_delta, finished, result)
-
-
-@dataclass
-class Batch:
-    """The live state of a batch: its rows, the target KV cache and what the drafter has not seen yet."""
-
-    rows: list[_Row] = field(default_factory=list)
-    kv: DynamicTargetKV | StaticTargetKV | None = None
-    features: torch.Tensor | None = None  # target features of slots committed since the last draft
-    feature_positions: torch.Tensor | None = None
-    feature_valid: torch.Tensor | None = None
-    proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
-    capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
-    bucketed: bool = False  # caches hold batch_bucket(len(rows)) rows; those past the live rows are padding
-    # the `min_tau` fallback: one-token steps left before the next draft, how many the next fallback takes
-    # (doubling while probes keep losing), the smoothed acceptance length of recent drafts and how many there were
-    plain_steps_left: int = 0
-    plain_run: int = MIN_PLAIN_RUN
-    recent_tau: float = 0.0
-    recent_drafts: int = 0
-    probing: bool = False
-
-    def add_features(self, features, positions, valid, after_draft: bool) -> None:
-        """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
-        one-token steps (no draft) append theirs, so the drafter later sees every committed position."""
-        if after_draft or self.features is None:
-            self.features, self.feature_positions, self.feature_valid = features, positions, valid
-        else:
-            self.features = torch.cat([self.features, features], dim=1)
-            self.feature_positions = torch.cat([self.feature_positions, positions], dim=1)
-            self.feature_valid = torch.cat([self.feature_valid, valid], dim=1)
-
-    def plan_drafting(self, tau: float, min_tau: float) -> None:
-        """After a drafting cycle whose rows kept `tau` tokens on average. While drafting, the batch falls back to
-        one-token steps once the smoothed acceptance length of MIN_DRAFTS_TO_JUDGE drafts is below `min_tau`; after
-        `plain_run` such steps one draft probes: kept on if it reaches `min_tau`, else the next fallback is twice
-        as long (up to MAX_PLAIN_RUN)."""
-        if self.probing:
-            self.probing = False
-            if tau >= min_tau:
-                self.plain_run, self.recent_tau, self.recent_drafts = MIN_PLAIN_RUN, tau, 1
-                return
-            self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
-        else:
-            self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
-            self.recent_drafts += 1
-            if self.recent_drafts < MIN_DRAFTS_TO_JUDGE or self.recent_tau >= min_tau:
-                return
-        self.plain_steps_left, self.probing = self.plain_run, True
-
-    def select_rows(self, idx: torch.Tensor) -> None:
-        self.rows = [self.rows[i] for i in idx.tolist()]
-        if self.features is not None:  # per-cycle inputs hold the live rows only
-            self.features = self.features.index_select(0, idx)
-            self.feature_positions = self.feature_positions.index_select(0, idx)
-            self.feature_valid = self.feature_valid.index_select(0, idx)
-        if self.bucketed:  # padding rows copy a live row: their contents are never read
-            idx = torch.cat([idx, idx[:1].expand(self._padding(len(idx)))])
-        self.kv.select_rows(idx)
-        self.proposer_state.select_rows(idx)
-        needed = max(r.capacity for r in self.rows)
-        if needed < self.capacity:  # a long request left: the others stop paying for its cache
-            self.capacity = needed
-            self.kv.shrink(needed)
-            self.proposer_state.shrink(needed)
-
-    def merge(self, other: "Batch") -> None:
-        """Append `other`'s rows (freshly prefilled by the same engine, unpadded) below ours."""
-        if not other.rows:
-            return
-        # new rows: draft again, judged afresh
-        self.plain_steps_left, self.plain_run, self.recent_drafts, self.probing = 0, MIN_PLAIN_RUN, 0, False
-        if not self.rows:
-            self.rows, self.kv = other.rows, other.kv
-            self.features, self.feature_positions, self.feature_valid = (
-                other.features, other.feature_positions, other.feature_valid)
-            self.proposer_state, self.capacity = other.proposer_state, other.capacity
-            self._pad_to_bucket()
-            return
-        live, self.rows = len(self.rows), self.rows + other.rows
-        self.capacity = max(self.capacity, other.capacity)
-        pad = self._padding(len(self.rows))
-        if self.bucketed:  # our padding rows go, the new rows sit right below the live ones, then new padding
-            self.kv.merge(other.kv, keep=live, pad=pad)
-        else:
-            self.kv.merge(other.kv)
-        if self.features is not None:
-            width = max(self.features.shape[1], other.features.shape[1])
-            self.features = torch.cat([zero_pad(self.features, width, 1), zero_pad(other.features, width, 1)])
-            self.feature_positions = torch.cat([zero_pad(self.feature_positions, width, 1),
-                                                zero_pad(other.feature_positions, width, 1)])
-            self.feature_valid = torch.cat([zero_pad(self.feature_valid, width, 1),
-                                            zero_pad(other.feature_valid, width, 1)])
-        self.proposer_state.join_rows(live, len(other.rows) + pad)
-
-    def _padding(self, live: int) -> int:
-        """Padding rows the caches hold below `live` live rows."""
-        return batch_bucket(live) - live if self.bucketed else 0
-
-    def _pad_to_bucket(self) -> None:
-        live = len(self.rows)
-        pad = self._padding(live)
-        if pad > 0:
-            self.kv.join_rows(live, pad)
-            self.proposer_state.join_rows(live, pad)
-
-
-def batch_bucket(n: int) -> int:
-    """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
-    moves between 1 and N compiles about log2(N) graphs per step instead of N."""
-    return next_power_of_two(n)

@@ -1,6 +1,6 @@
-"""Per-phase timing of decode cycles: draft (the drafting method, drafter forward included), verify (the target
-forward), accept (the shared verifier: sampling and acceptance) and overhead (everything else: cache rollback,
-commits, stop checks, batch bookkeeping). Disabled, it costs one attribute check per phase.
+"""Per-phase timing of decode cycles: draft (the drafting method, drafter forward included), target (the target's
+forward over the block), verify (the shared verifier: sampling and acceptance) and commit (everything else: cache
+rollback, commits, stop checks, batch bookkeeping). Disabled, it costs one attribute check per phase.
 
 What this module does not know about: what the phases do; on GPU it synchronises at each mark, which itself
 slows the loop, so profile runs are for attribution, not for headline speed.
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-PHASES = ("draft", "verify", "accept", "overhead")
+PHASES = ("draft", "target", "verify", "commit")
 
 
 class CycleProfiler:
@@ -39,7 +39,7 @@ class CycleProfiler:
             now = self._now()
             self.totals[phase] += now - self._last
             self._last = now
-            if phase == "overhead":
+            if phase == "commit":
                 self.cycles += 1
 
     def report(self) -> dict:

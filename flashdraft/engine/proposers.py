@@ -2,9 +2,11 @@
 shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
-(`new_batch_state()`), which follows the batch's rows through `select_rows(idx)` (rows left),
+(`new_batch_state(buckets)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
 `join_rows(keep, add)` (rows [0, keep) stay, `add` new rows join below them) and `shrink(capacity)` (no row
-needs positions >= capacity any more).
+needs positions >= capacity any more); a state with a static cache pads it to `buckets.rows(live)` rows itself.
+A method receives exactly what it declares: target features with `needs_features`, the committed tokens and
+request ids of each row with `needs_histories`.
 
 - `DFlashProposer`: the target features of the newly committed positions are written into the drafter's static
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.model.cpu_linear import packed_linear
 from flashdraft.model.drafter import DFlashDraftModel
@@ -33,13 +36,11 @@ from flashdraft.model.target import TargetModel
 class ProposalInput:
     bonus: torch.Tensor  # [b] the last committed token of each row, not yet in the target's cache
     positions: torch.Tensor  # [b, block_size] absolute positions of the block
-    new_features: torch.Tensor | None  # [b, c, n_taps * H] target features of positions committed since last call
-    new_positions: torch.Tensor | None  # [b, c]
-    new_valid: torch.Tensor | None  # [b, c] bool: which of the c slots are real for each row
-    histories: list[list[int]]  # committed tokens (prompt + output) per row, bonus included
-    request_ids: list  # the request id of each row
     capacity: int  # positions every row of the batch fits in (prompt + max new tokens + a block)
     context_len: int  # the longest committed context of a row (= max position of a bonus token)
+    new_features: Features | None = None  # with `needs_features`: target features committed since the last call
+    histories: list[list[int]] | None = None  # with `needs_histories`: committed tokens per row, bonus included
+    request_ids: list | None = None  # with `needs_histories`: the request id of each row
 
 
 class NoRowState:
@@ -56,9 +57,9 @@ class NoRowState:
 
 
 class NoProposer:
-    needs_features = False
+    needs_features = needs_histories = False
 
-    def new_batch_state(self) -> NoRowState:
+    def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> NoRowState:
         return NoRowState()
 
     def propose(self, state, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,18 +67,20 @@ class NoProposer:
 
 
 class DraftRows:
-    """Batch state of `DFlashProposer`: the drafter's static context cache, allocated at the first draft."""
+    """Batch state of `DFlashProposer`: the drafter's static context cache (allocated at the first draft), with
+    `buckets.rows(live)` rows: the live ones, then padding."""
 
-    def __init__(self):
+    def __init__(self, buckets: RowBuckets):
         self.kv = None
+        self.buckets = buckets
 
     def select_rows(self, rows: torch.Tensor) -> None:
         if self.kv is not None:
-            self.kv.select_rows(rows)
+            self.kv.select_rows(self.buckets.padded_index(rows))
 
     def join_rows(self, keep: int, add: int) -> None:
         if self.kv is not None:
-            self.kv.join_rows(keep, add)
+            self.kv.join_rows(keep, self.buckets.rows(keep + add) - keep)
 
     def shrink(self, capacity: int) -> None:
         """No row needs positions >= capacity any more."""
@@ -89,6 +92,7 @@ class DFlashProposer:
     """Drafts a block with a DFlash drafter; drafts are the drafter's argmax (one-hot draft distribution)."""
 
     needs_features = True
+    needs_histories = False
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False,
                  pack_weights: bool = False):
@@ -107,21 +111,24 @@ class DFlashProposer:
         self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
         self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None
 
-    def new_batch_state(self) -> DraftRows:
-        return DraftRows()
+    def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> DraftRows:
+        return DraftRows(buckets)
 
     def propose(self, state: DraftRows, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, None]:
         dev = self.drafter.device
-        b = inp.bonus.shape[0]
+        live = inp.bonus.shape[0]
+        b = state.buckets.rows(live)  # padding rows draft garbage that nobody reads
         if state.kv is None:
             state.kv = self.drafter.new_cache(b, inp.capacity)
         state.kv.ensure_capacity(inp.capacity + 1)  # + the scratch slot
-        features, positions, valid = inp.new_features.to(dev), inp.new_positions.to(dev), inp.new_valid.to(dev)
+        context = inp.new_features if b == live else inp.new_features.pad_rows(b)
+        features, positions, valid = (t.to(dev) for t in context.astuple())
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = inp.bonus.to(dev)
+        block[:live, 0] = inp.bonus.to(dev)
+        block_positions = state.buckets.pad(inp.positions, b).to(dev)
         if not self.compiled:
-            return self._draft_tokens(state.kv, features, positions, valid, block, inp.positions.to(dev),
-                                      inp.context_len).to(inp.bonus.device), None
+            return self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
+                                      inp.context_len)[:live].to(inp.bonus.device), None
         # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
         # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
         pad = -features.shape[1] % block_size
@@ -133,8 +140,8 @@ class DFlashProposer:
                    dense(valid[:, i:i + block_size])) for i in range(0, features.shape[1], block_size)]
         for chunk in chunks[:-1]:
             self._write_step(state.kv, *chunk)
-        drafts = self._draft_step(state.kv, *chunks[-1], block, inp.positions.to(dev), None)
-        return drafts.to(inp.bonus.device), None
+        drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None)
+        return drafts[:live].to(inp.bonus.device), None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
                       positions: torch.Tensor, context_len: int | None) -> torch.Tensor:

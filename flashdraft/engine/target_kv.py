@@ -1,11 +1,17 @@
-"""The target's KV cache as the engine sees it: prefill a set of prompts, verify a block, keep the accepted prefix,
-drop rows, merge rows. Two implementations with one interface:
+"""The target's KV cache as the engine sees it. Two implementations with one interface, all in live rows:
+
+    cache, logits, features = Cache.prefill(...)         the prompts; last-position logits, tapped features
+    logits, features = cache.forward_block(block, positions, capture, end)
+                                                          the target over one block per row (logits [b, w, V])
+    cache.keep(kept_valid)                                after verification: which block slots stay
+    cache.select_rows(idx) / cache.merge(other) / cache.shrink(capacity) / cache.num_rows
 
 - `DynamicTargetKV`, the generic path for ANY transformers decoder: transformers' DynamicCache, prompts
   left-padded, explicit per-row positions and a per-row slot mask. Rows that accepted fewer tokens than the
   longest keep masked holes; the cache is cropped to the longest kept prefix (no copies).
 - `StaticTargetKV`, the fast path (Llama / Mistral / Qwen2 / Qwen3 through `FastTarget`): a static per-row cache
-  where slot = position, so keeping the accepted prefix is a no-op and rows never hold holes.
+  where slot = position, so keeping the accepted prefix is a no-op and rows never hold holes. For compiled steps
+  it holds a bucketed row count (`RowBuckets`) and pads its inputs and unpads its outputs itself.
 
 What this module does not know about: drafting, acceptance, stop conditions.
 """
@@ -15,20 +21,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from flashdraft.engine.batch import Features, RowBuckets, zero_pad
 from flashdraft.model.fast_target import FastTarget
 from flashdraft.model.slots import compaction_order, gather_slots
 from flashdraft.model.target import TargetModel
-
-
-def zero_pad(x: torch.Tensor, width: int, dim: int, at_end: bool = False) -> torch.Tensor:
-    """Zero/False-pad `x` along `dim` to `width`, at the start (default) or at the end."""
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    zeros = x.new_zeros(shape)
-    return torch.cat([x, zeros] if at_end else [zeros, x], dim=dim)
 
 
 class DynamicTargetKV:
@@ -39,7 +35,7 @@ class DynamicTargetKV:
 
     @classmethod
     def prefill(cls, target: TargetModel, prompts: list[list[int]], capture: bool, pad_id: int = 0):
-        """(state, last-position logits [b, V], features [b, W, F] or None, feature positions, feature validity)."""
+        """(cache, last-position logits [b, V], the prompts' `Features` or None)."""
         dev = target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -50,18 +46,20 @@ class DynamicTargetKV:
         positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
         cache = DynamicCache()
         logits, features = target.forward(ids, positions, mask.long(), cache, logits_to_keep=1, capture=capture)
-        return cls(target, cache, mask), logits[:, -1], features, positions, mask
+        return cls(target, cache, mask), logits[:, -1], _prompt_features(features, positions, mask)
 
-    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
+    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
         attention = torch.cat([self.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
         return self.target.forward(block, positions, attention, self.cache, capture=capture)
 
-    def keep(self, kept: torch.Tensor, width: int, kept_valid: torch.Tensor) -> None:
-        """After a verify of a block: keep the first `kept[r]` block slots of each row (width = kept.max())."""
+    def keep(self, kept_valid: torch.Tensor) -> None:
+        """After verification: block slot j of row r stays iff kept_valid[r, j] (a prefix of each row's block).
+        The cache is cropped to the longest kept prefix; shorter rows' rejected slots become masked holes."""
+        width = int(kept_valid.sum(dim=1).max())
         extra = self.cache.get_seq_length() - (self.slot_mask.shape[1] + width)
         if extra > 0:
             self.cache.crop(-extra)
-        self.slot_mask = torch.cat([self.slot_mask, kept_valid], dim=1)
+        self.slot_mask = torch.cat([self.slot_mask, kept_valid[:, :width]], dim=1)
         self.compact()
 
     @property
@@ -96,14 +94,16 @@ class DynamicTargetKV:
 
 
 class StaticTargetKV:
-    def __init__(self, fast: FastTarget, kv, compiled_forward=None):
+    def __init__(self, fast: FastTarget, kv, live: int, buckets: RowBuckets, compiled_forward=None):
         self.fast = fast
-        self.kv = kv
+        self.kv = kv  # holds buckets.rows(live) rows: the live ones first, then padding
+        self.live = live
+        self.buckets = buckets
         self.compiled_forward = compiled_forward  # `fast.forward` compiled (attends over the whole capacity)
 
     @classmethod
     def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, capacity: int,
-                compiled_forward=None, pad_id: int = 0):
+                buckets: RowBuckets = RowBuckets(), compiled_forward=None, pad_id: int = 0):
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -114,31 +114,51 @@ class StaticTargetKV:
         valid = positions < lengths[:, None]
         kv = fast.new_cache(len(prompts), max(capacity, width))
         logits, features = fast.forward(ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
-        return cls(fast, kv, compiled_forward), logits[:, 0], features, positions, valid
+        live = len(prompts)
+        kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
+        return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], _prompt_features(features, positions,
+                                                                                               valid)
 
-    def verify(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
-        """Logits and features of the block; `end` = 1 + the largest position in it."""
+    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
+        """Logits and features of the live rows' blocks; `end` = 1 + the largest position in them."""
         self.kv.ensure_capacity(end)
+        n, rows = block.shape[0], self.kv.batch
+        if rows > n:  # padding rows decode zeros at positions 0..w-1 of their own rows: never read
+            block = self.buckets.pad(block, rows)
+            positions = torch.cat([positions, torch.arange(positions.shape[1], device=positions.device)
+                                   .expand(rows - n, -1)])
         if self.compiled_forward is not None:
-            return self.compiled_forward(block, positions, self.kv, capture=capture)
-        return self.fast.forward(block, positions, self.kv, capture=capture, key_len=end)
+            logits, features = self.compiled_forward(block, positions, self.kv, capture=capture)
+        else:
+            logits, features = self.fast.forward(block, positions, self.kv, capture=capture, key_len=end)
+        if rows > n:
+            logits, features = logits[:n], (features[:n] if features is not None else None)
+        return logits, features
 
-    def keep(self, kept: torch.Tensor, width: int, kept_valid: torch.Tensor) -> None:
+    def keep(self, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots
 
     @property
     def num_rows(self) -> int:
-        return self.kv.batch
+        return self.live
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        self.kv.select_rows(idx)
-
-    def join_rows(self, keep: int, add: int) -> None:
-        self.kv.join_rows(keep, add)
+        self.live = len(idx)
+        self.kv.select_rows(self.buckets.padded_index(idx))
 
     def shrink(self, capacity: int) -> None:
         self.kv.shrink(capacity)
 
-    def merge(self, other: "StaticTargetKV", keep: int | None = None, pad: int = 0) -> None:
-        """Rows [0, keep) of ours, other's rows, then `pad` padding rows (see `StaticKV.merge`)."""
-        self.kv.merge(other.kv, keep, pad)
+    def merge(self, other: "StaticTargetKV") -> None:
+        """Our live rows, other's live rows, then the padding the new row count needs."""
+        if other.kv.batch > other.live:
+            other.kv.select_rows(torch.arange(other.live, device=other.kv.keys[0].device))
+        keep, self.live = self.live, self.live + other.live
+        self.kv.merge(other.kv, keep=keep, pad=self.buckets.rows(self.live) - self.live)
+
+
+def _prompt_features(features, positions, valid) -> Features | None:
+    """The prompts' features for the drafter; padded prompt slots may hold garbage: zeroed, so no NaN reaches it."""
+    if features is None:
+        return None
+    return Features(features.masked_fill(~valid[..., None], 0.0), positions, valid)

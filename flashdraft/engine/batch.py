@@ -1,0 +1,131 @@
+"""The live state of a batch between cycles, and the few types the cycle passes around.
+
+- `Features`: target hidden states (the tapped layers, concatenated) of committed slots that the drafter has not
+  read yet, with their positions and which of them are real.
+- `RowBuckets`: how many rows a static cache holds for n live rows. Compiled steps see a power-of-two row count
+  (`batch_bucket`), so a server whose batch moves between 1 and N rows compiles about log2(N) graphs per step;
+  the rows past the live ones are padding whose contents are never read. Both static caches (the target's and
+  the drafter's) pad and unpad through it, so the cycle itself only ever sees live rows.
+- `Batch`: the rows, the target's cache, the drafter's unread features and per-row state, the draft-length policy.
+
+What this module does not know about: models, drafting, acceptance (the engine, proposers and verifier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def batch_bucket(n: int) -> int:
+    """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
+    moves between 1 and N compiles about log2(N) graphs per step instead of N."""
+    return next_power_of_two(n)
+
+
+def zero_pad(x: torch.Tensor, width: int, dim: int, at_end: bool = False) -> torch.Tensor:
+    """Zero/False-pad `x` along `dim` to `width`, at the start (default) or at the end."""
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    zeros = x.new_zeros(shape)
+    return torch.cat([x, zeros] if at_end else [zeros, x], dim=dim)
+
+
+@dataclass(frozen=True)
+class RowBuckets:
+    bucketed: bool = False
+
+    def rows(self, live: int) -> int:
+        """Rows a static cache holds for `live` live rows."""
+        return batch_bucket(live) if self.bucketed and live else live
+
+    def padded_index(self, idx: torch.Tensor) -> torch.Tensor:
+        """Row selection `idx` (live rows) extended with padding rows (copies of a live row, never read)."""
+        pad = self.rows(len(idx)) - len(idx)
+        return torch.cat([idx, idx[:1].expand(pad)]) if pad else idx
+
+    def pad(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """Per-row inputs [live, ...] padded with zero rows to the cache's `rows`."""
+        return zero_pad(x, rows, 0, at_end=True)
+
+
+@dataclass
+class Features:
+    values: torch.Tensor  # [b, c, n_taps * hidden]
+    positions: torch.Tensor  # [b, c]
+    valid: torch.Tensor  # [b, c] bool: which of the c slots hold committed tokens of the row
+
+    def select_rows(self, idx: torch.Tensor) -> "Features":
+        return Features(self.values.index_select(0, idx), self.positions.index_select(0, idx),
+                        self.valid.index_select(0, idx))
+
+    def then(self, later: "Features") -> "Features":
+        """These slots followed by `later` ones (one-token steps queue theirs up for the next draft)."""
+        return Features(*(torch.cat([a, b], dim=1) for a, b in zip(self.astuple(), later.astuple())))
+
+    def above(self, other: "Features") -> "Features":
+        """Our rows, then `other`'s; the narrower side is padded with invalid slots at the start."""
+        width = max(self.values.shape[1], other.values.shape[1])
+        return Features(*(torch.cat([zero_pad(a, width, 1), zero_pad(b, width, 1)])
+                          for a, b in zip(self.astuple(), other.astuple())))
+
+    def pad_rows(self, rows: int) -> "Features":
+        return Features(*(zero_pad(t, rows, 0, at_end=True) for t in self.astuple()))
+
+    def astuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.values, self.positions, self.valid
+
+
+@dataclass
+class Batch:
+    """The live state of a batch: its rows, the target KV cache and what the drafter has not seen yet."""
+
+    rows: list = field(default_factory=list)
+    kv: object = None  # the target's cache (`target_kv.py`), live rows only as far as callers can tell
+    features: Features | None = None  # target features of slots committed since the last draft
+    proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
+    policy: object = None  # the draft-length policy (`policy.py`)
+    capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
+
+    def add_features(self, features: Features, after_draft: bool) -> None:
+        """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
+        one-token steps (no draft) append theirs, so the drafter later sees every committed position."""
+        self.features = features if after_draft or self.features is None else self.features.then(features)
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep live rows `idx`, in that order."""
+        self.rows = [self.rows[i] for i in idx.tolist()]
+        if self.features is not None:
+            self.features = self.features.select_rows(idx)
+        self.kv.select_rows(idx)
+        self.proposer_state.select_rows(idx)
+        needed = max(r.capacity for r in self.rows)
+        if needed < self.capacity:  # a long request left: the others stop paying for its cache
+            self.capacity = needed
+            self.kv.shrink(needed)
+            self.proposer_state.shrink(needed)
+
+    def merge(self, other: "Batch") -> None:
+        """Append `other`'s rows (freshly prefilled by the same engine) below ours."""
+        if not other.rows:
+            return
+        self.policy.rows_joined()
+        if not self.rows:  # adopt the newcomers' caches wholesale
+            self.rows, self.kv, self.features = other.rows, other.kv, other.features
+            self.proposer_state, self.capacity = other.proposer_state, other.capacity
+            return
+        live = len(self.rows)
+        self.rows = self.rows + other.rows
+        self.capacity = max(self.capacity, other.capacity)
+        self.kv.merge(other.kv)
+        if self.features is not None:
+            self.features = self.features.above(other.features)
+        self.proposer_state.join_rows(live, len(other.rows))
