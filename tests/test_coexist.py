@@ -77,12 +77,19 @@ print(json.dumps({
 """
 
 
-def test_zlab_dflash_and_flashdraft_coexist(tmp_path):
+@pytest.fixture(scope="module")
+def zlab_site(tmp_path_factory):
+    """z-lab's wheel installed with --no-deps into a target dir (their `bin/dflash` script included)."""
     wheel = _zlab_wheel()
-    site = tmp_path / "zlab"
+    site = tmp_path_factory.mktemp("zlab") / "site"
     res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
                           str(site), str(wheel)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+    return site
+
+
+def test_zlab_dflash_and_flashdraft_coexist(zlab_site):
+    site = zlab_site
     env = dict(os.environ, PYTHONPATH=str(site))
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -123,12 +130,9 @@ def test_zlab_dflash_and_flashdraft_coexist(tmp_path):
     assert (major, minor) >= (5, 23), info["transformers"]
 
 
-def test_dflash_console_script_is_theirs(tmp_path):
+def test_dflash_console_script_is_theirs(zlab_site):
     """`dflash --help` runs z-lab's CLI (its generate / benchmark commands), `flashdraft --help` ours."""
-    wheel = _zlab_wheel()
-    site = tmp_path / "zlab"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
-                    str(wheel)], check=True, capture_output=True, timeout=120)
+    site = zlab_site
     env = dict(os.environ, PYTHONPATH=str(site))
     theirs = subprocess.run([sys.executable, str(site / "bin" / "dflash"), "--help"], capture_output=True, text=True,
                             env=env, timeout=60)
