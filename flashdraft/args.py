@@ -75,7 +75,99 @@ def dtype_arg(value: str) -> str:
     return value
 
 
+def int_in(low: int, high: int, note: str = ""):
+    """An integer in [low, high] (e.g. a seed, which torch and the data order hash: it must fit their ranges)."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}]{note}, got {number}")
+        return number
+
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def finite_float_in(low: float, high: float | None = None, low_open: bool = False, note: str = ""):
+    """`float_in`, and finite: inf (which `float_in` accepts when there is no upper bound) is refused."""
+    inner = float_in(low, high, low_open, note)
+
+    def parse(value: str) -> float:
+        number = inner(value)
+        if number in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number{note}, got {value}")
+        return number
+
+    parse.__name__ = "number"
+    return parse
+
+
+def output_dir_arg(value: str) -> str:
+    """A directory to write into: it may not exist yet (it is created), but an existing file is refused."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value}: is a file, not a directory")
+    for parent in path.parents:  # a file where a parent directory should be
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{value}: {parent} is a file, not a directory")
+            break
+    return value
+
+
+def data_source_arg(value: str) -> str:
+    """A JSONL file, a directory, or a `datasets` hub name ("org/name"): a local-looking path (starting with
+    / . ~, or ending in .json / .jsonl) must exist."""
+    from pathlib import Path
+
+    from flashdraft.loading import _HUB_ID
+
+    path = Path(value).expanduser()
+    if path.exists():
+        return value
+    if value.startswith(("/", ".", "~")) or value.endswith((".json", ".jsonl")) or not _HUB_ID.match(value):
+        raise argparse.ArgumentTypeError(f"{value}: no such file or directory (and not a datasets name org/name)")
+    return value
+
+
+def model_path_arg(what: str):
+    """--target / --draft: a local model directory (with config.json) or a hub id; checked before anything loads."""
+    def parse(value: str) -> str:
+        from flashdraft.loading import check_model_path
+
+        try:
+            check_model_path(value, what)
+        except (ValueError, FileNotFoundError) as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--{what} ")) from None
+        return value
+
+    parse.__name__ = "model directory or hub id"
+    return parse
+
+
+def http_url_arg(value: str) -> str:
+    """`URL` or `name=URL` where URL is http(s)://host[:port][/path] (a server to benchmark)."""
+    from urllib.parse import urlsplit
+
+    url = value.partition("=")[2] if "=" in value.split("://", 1)[0] else value
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: not a URL ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected [NAME=]http(s)://host[:port]")
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: port 0")
+    return value
+
+
 positive_int = int_at_least(1)
+seed_arg = int_in(0, 2**32 - 1)
 block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
 min_tau_arg = float_in(1.0, note=" (an acceptance length: 1 = never fall back)")
 temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
@@ -108,6 +200,9 @@ def add_device_args(p) -> None:
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant target forward: output bit-identical to plain decoding in --exact mode, "
                         "whatever the block or batch (eager only; costs speed, see BENCHMARKS.md)")
+    p.add_argument("--sampler", choices=("gumbel", "rejection"), default="gumbel",
+                   help="temperature > 0: gumbel = counter-based noise shared by drafter and target (output equals "
+                        "plain decoding's with the same seed; default), rejection = rejection sampling of argmax drafts")
     p.add_argument("--min-tau", type=min_tau_arg, default=None,
                    help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
                         "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
@@ -158,7 +253,7 @@ def engine_config(args, plain: bool = False):
 
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
                           pack_weights=pack_weights_arg(args), min_tau=getattr(args, "min_tau", None),
-                          exact=getattr(args, "exact", False))
+                          exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"))
     return config.plain() if plain else config
 
 

@@ -161,22 +161,25 @@ SETTINGS = [
 ]
 
 
+# the default sampler (counter-based noise shared by drafter and target) and rejection sampling
 CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2), ("dflash-fallback", 1), ("soft", 0),
-         ("soft", 1), ("ar", 2)]
+         ("soft", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-rejection", 2), ("soft-rejection", 1),
+         ("ar-rejection", 0)]
 
 
 @pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting, monkeypatch):
     params = SETTINGS[setting]
     monkeypatch.setattr(policy_module, "MIN_DRAFTS_TO_JUDGE", 1)  # fall back within these few tokens
+    sampler = "rejection" if method.endswith("-rejection") else "gumbel"
     if method.startswith("dflash"):
         # fallback: every draft loses against min_tau, so one-token steps follow the first draft
         engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None,
-                            min_tau=100.0 if "fallback" in method else None)
-    elif method == "soft":
-        engine = SpecEngine(target, block_size=3, proposer=SoftProposer())
+                            min_tau=100.0 if "fallback" in method else None, sampler=sampler)
+    elif method.startswith("soft"):
+        engine = SpecEngine(target, block_size=3, proposer=SoftProposer(), sampler=sampler)
     else:
-        engine = SpecEngine(target)
+        engine = SpecEngine(target, sampler=sampler)
     exact = exact_distribution(target, params)
     counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
     p_value, tv = fit(exact, counts)
@@ -192,8 +195,8 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
 def test_broken_verifier_is_detected(target, drafter, monkeypatch):
     """Accepting every draft is not lossless; the statistical test must catch it."""
 
-    def accept_all(target_logits, draft_tokens, params, generators=None, draft_probs=None):
-        verdict = verify(target_logits, draft_tokens, params, generators, draft_probs)
+    def accept_all(target_logits, draft_tokens, params, generators=None, draft_probs=None, noise=None):
+        verdict = verify(target_logits, draft_tokens, params, generators, draft_probs, noise)
         k = draft_tokens.shape[1]
         return Verdict(torch.full_like(verdict.num_accepted, k), verdict.next_tokens)
 
@@ -210,8 +213,8 @@ def test_verifier_broken_after_the_first_cycle_is_detected_per_position(target, 
     must flag the positions the later cycles commit."""
     calls = []
 
-    def accept_all_later(target_logits, draft_tokens, params, generators=None, draft_probs=None):
-        verdict = verify(target_logits, draft_tokens, params, generators, draft_probs)
+    def accept_all_later(target_logits, draft_tokens, params, generators=None, draft_probs=None, noise=None):
+        verdict = verify(target_logits, draft_tokens, params, generators, draft_probs, noise)
         calls.append(None)
         if len(calls) == 1:
             return verdict

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SAMPLERS = ("gumbel", "rejection")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -30,12 +32,18 @@ class EngineConfig:
     fast_path: bool | None = None
     # record per-phase cycle times (`CycleProfiler`)
     profile: bool = False
+    # how sampled rows (temperature > 0) are verified: "gumbel" = counter-based noise shared by drafter and target
+    # (`noise.py`; the output equals plain decoding's with the same seed, whatever the drafter or batch);
+    # "rejection" = speculative rejection sampling against argmax drafts
+    sampler: str = "gumbel"
 
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
         if self.min_tau is not None and not (isinstance(self.min_tau, (int, float)) and self.min_tau >= 1.0):
             raise ValueError(f"min_tau must be a number >= 1 (or None to always draft), got {self.min_tau!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.exact and self.compile:
             raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
         if self.exact and self.fast_path is False:

@@ -40,6 +40,7 @@ from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
+from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
@@ -155,6 +156,7 @@ class _Row:
     emitted_tokens: int = 0
     started: float = 0.0
     reported: bool = False
+    noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
 
     @property
     def history(self) -> list[int]:
@@ -394,9 +396,10 @@ class SpecEngine:
                     f"target's context of {self.max_positions} positions"
                 )
             gen = None
-            if p.seed is not None:
+            if p.seed is not None and self.config.sampler == "rejection":
                 gen = torch.Generator(device=self.target.device).manual_seed(int(p.seed))
-            rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt))))
+            rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt)),
+                             noise_seed=int(p.seed) if p.seed is not None else random_seed()))
         return rows
 
     def _prefill(self, rows: list[_Row]) -> Batch:
@@ -411,7 +414,7 @@ class SpecEngine:
                                                           self.block_step)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
-        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows])
+        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows], self._noise(rows, 1))
         now = time.perf_counter()
         batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
         for r, token in zip(rows, first.tolist()):
@@ -430,17 +433,33 @@ class SpecEngine:
         rows, prof = batch.rows, self.profiler
         prof.start()
         width = batch.policy.block_width(self.block_size)  # 1: a one-token step, no draft
-        block, positions, draft_probs = self._propose(batch, width)
+        noise = self._noise(rows, width)  # sampled rows' counter-based noise at the block's output positions
+        block, positions, draft_probs = self._propose(batch, width, noise)
         prof.mark("draft")
         end = max(r.n_cached for r in rows) + width  # 1 + the largest position in the block
         logits, features = batch.kv.forward_block(block, positions, self.proposer.needs_features, end)
         prof.mark("target")
-        verdict = verify(logits, block[:, 1:], [r.params for r in rows], [r.generator for r in rows], draft_probs)
+        verdict = verify(logits, block[:, 1:], [r.params for r in rows], [r.generator for r in rows], draft_probs,
+                         noise)
         prof.mark("verify")
         self._commit_block(batch, block, positions, features, verdict)
         prof.mark("commit")
 
-    def _propose(self, batch: Batch, width: int):
+    def _noise(self, rows: list[_Row], width: int) -> torch.Tensor | None:
+        """Exponential noise [b, width, V] of each row's next `width` output positions (ones for greedy rows);
+        None when every row is greedy or the sampler is rejection sampling."""
+        sampled = [not r.params.greedy for r in rows]
+        if self.config.sampler != "gumbel" or not any(sampled):
+            return None
+        dev = self.target.device
+        seeds = torch.tensor([r.noise_seed for r in rows], dtype=torch.long, device=dev)
+        first = torch.tensor([len(r.output) for r in rows], dtype=torch.long, device=dev)
+        noise = exponential_noise(seeds, first, width, self.target.vocab_size)
+        if not all(sampled):
+            noise[~torch.tensor(sampled, device=dev)] = 1.0
+        return noise
+
+    def _propose(self, batch: Batch, width: int, noise: torch.Tensor | None):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions, and the draft distributions
         (None: one-hot drafts)."""
         rows, dev = batch.rows, self.target.device
@@ -450,9 +469,13 @@ class SpecEngine:
         if width == 1:
             return bonus[:, None], positions, None
         histories = self.proposer.needs_histories
+        temperatures = None
+        if noise is not None:
+            temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
         inp = ProposalInput(bonus, positions, batch.capacity, max(r.n_cached for r in rows), batch.features,
                             [r.history for r in rows] if histories else None,
-                            [r.index for r in rows] if histories else None)
+                            [r.index for r in rows] if histories else None,
+                            noise[:, :width - 1] if noise is not None else None, temperatures)
         drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, width)
         return torch.cat([bonus[:, None], drafts], dim=1), positions, draft_probs
 

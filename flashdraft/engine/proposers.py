@@ -10,6 +10,9 @@ request ids of each row with `needs_histories`.
 
 - `DFlashProposer`: the target features of the newly committed positions are written into the drafter's static
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
+  Greedy rows draft the argmax; sampled rows under counter-based noise run the target's exponential race on the
+  drafter's own distribution (argmax q / E with the same noise), so a draft is the target's sample whenever the
+  two distributions agree there.
   With `compile=True` (`compiled.py`) features arrive in chunks of one block and the write of the last chunk
   and the draft run as ONE compiled graph (one call, one guard check per cycle).
 - `NoProposer`: plain autoregressive decoding (block size 1) through the same engine, the baseline.
@@ -41,6 +44,10 @@ class ProposalInput:
     new_features: Features | None = None  # with `needs_features`: target features committed since the last call
     histories: list[list[int]] | None = None  # with `needs_histories`: committed tokens per row, bonus included
     request_ids: list | None = None  # with `needs_histories`: the request id of each row
+    # sampled rows under counter-based noise (`noise.py`): the noise of the k draft positions [b, k, V] (ones for
+    # greedy rows) and each row's temperature [b] (0 = greedy); None when every row is greedy or no noise is used
+    noise: torch.Tensor | None = None
+    temperatures: torch.Tensor | None = None
 
 
 class NoRowState:
@@ -126,9 +133,14 @@ class DFlashProposer:
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:live, 0] = inp.bonus.to(dev)
         block_positions = state.buckets.pad(inp.positions, b).to(dev)
+        noise = scale = None
+        if inp.noise is not None:  # padding rows: noise 1 and temperature 1 (their drafts are never read)
+            noise = torch.cat([inp.noise, inp.noise.new_ones((b - live, *inp.noise.shape[1:]))]).to(dev)
+            temps = inp.temperatures.to(dev, torch.float32)
+            scale = torch.cat([torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0), temps.new_ones(b - live)])
         if not self.compiled:
             return self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
-                                      inp.context_len)[:live].to(inp.bonus.device), None
+                                      inp.context_len, noise, scale)[:live].to(inp.bonus.device), None
         # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
         # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
         pad = -features.shape[1] % block_size
@@ -140,13 +152,19 @@ class DFlashProposer:
                    dense(valid[:, i:i + block_size])) for i in range(0, features.shape[1], block_size)]
         for chunk in chunks[:-1]:
             self._write_step(state.kv, *chunk)
-        drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None)
+        drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale)
         return drafts[:live].to(inp.bonus.device), None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
-                      positions: torch.Tensor, context_len: int | None) -> torch.Tensor:
-        """Write the newly committed context into the drafter's cache, then draft one block per row."""
+                      positions: torch.Tensor, context_len: int | None, noise: torch.Tensor | None = None,
+                      inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the newly committed context into the drafter's cache, then draft one block per row: the argmax,
+        or with `noise` the winner of the exponential race on softmax(logits / T) (greedy rows: noise 1, 1/T 1)."""
         self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
         hidden = self.drafter.draft(kv, embeds, positions, context_len)
-        return self.drafter.compute_logits(hidden[:, 1:], self.lm_head).argmax(dim=-1)
+        logits = self.drafter.compute_logits(hidden[:, 1:], self.lm_head)
+        if noise is None:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
+        return (probs / noise).argmax(dim=-1)

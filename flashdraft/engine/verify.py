@@ -4,11 +4,17 @@ Given the target's logits over a block and a method's draft tokens (with their d
 one-hot drafts such as DFlash's argmax), decide per row how many drafts are accepted and which token comes next:
 - greedy rows (temperature 0): accept while the draft equals the target's argmax; the next token is the target's
   argmax after the last accepted draft. Output equals the target's own greedy decoding.
-- sampled rows: standard speculative rejection sampling (Leviathan et al. / Chen et al.). Draft token x at a
-  position is accepted with probability min(1, p(x) / q(x)); on the first rejection the next token is drawn from
+- sampled rows with counter-based noise (`noise.py`, the default sampler): at each block position the target's
+  token is the winner of the exponential race argmax p / E under the noise of that (request seed, output
+  position); accept while the draft equals it, the next token is the winner after the last accepted draft. Every
+  committed token is the target's own sample under that noise, so the output is plain decoding's with the same
+  seed, whatever proposed the drafts.
+- sampled rows without noise: standard speculative rejection sampling (Leviathan et al. / Chen et al.). Draft
+  token x is accepted with probability min(1, p(x) / q(x)); on the first rejection the next token is drawn from
   the residual max(0, p - q) renormalised; if every draft is accepted, the bonus is drawn from p after the block.
-  With a one-hot q this accepts x with probability p(x), and the residual is p with x removed. Either way the
-  committed tokens are distributed exactly as the target's own samples (temperature, top-k, top-p applied to p).
+  With a one-hot q this accepts x with probability p(x), and the residual is p with x removed.
+Either way the committed tokens are distributed exactly as the target's own samples (temperature, top-k, top-p
+applied to p).
 
 What this module does not know about: KV caches, positions, stop conditions (the engine commits what we return).
 """
@@ -18,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from flashdraft.engine.noise import race
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,14 @@ def verify(
     params: list[SamplingParams],
     generators: list[torch.Generator | None] | None = None,
     draft_probs: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> Verdict:
     """Verify drafts against the target.
 
     target_logits [b, k+1, V]: the target's logits at the k+1 block positions (position i predicts draft i+1).
     draft_tokens [b, k]. draft_probs [b, k, V] or None for one-hot drafts. params: one per row.
+    noise [b, k+1, V] or None: each sampled row's exponential noise at the block positions (`noise.py`); with it,
+    sampled rows commit the race winners (generators and draft_probs are then not needed).
     """
     b, k = draft_tokens.shape
     device = target_logits.device
@@ -108,9 +119,14 @@ def verify(
             acc = int((draft_tokens[row] == argmax[:k]).long().cumprod(0).sum())
             num_accepted[row], next_tokens[row] = acc, argmax[acc]
             continue
-        gen = generators[row] if generators else None
         probs = target_probs(logits, p.temperature, p.top_p, p.top_k)  # [k+1, V]
         drafts = draft_tokens[row]
+        if noise is not None:
+            winners = race(probs, noise[row])
+            acc = int((drafts == winners[:k]).long().cumprod(0).sum())
+            num_accepted[row], next_tokens[row] = acc, winners[acc]
+            continue
+        gen = generators[row] if generators else None
         p_draft = probs[:k].gather(-1, drafts[:, None])[:, 0]
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs[row].float().gather(-1, drafts[:, None])[:, 0]
         u = torch.rand(k, generator=gen, device=device)
@@ -134,8 +150,9 @@ def verify(
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row from logits [b, V] (used for the first token after prefill)."""
+    """One token per row from logits [b, V] (the first token after prefill); noise [b, 1, V] or None."""
     empty = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
-    return verify(logits[:, None, :], empty, params, generators).next_tokens
+    return verify(logits[:, None, :], empty, params, generators, noise=noise).next_tokens

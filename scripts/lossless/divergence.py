@@ -105,9 +105,9 @@ def main(argv=None) -> int:
             if key != "tokens_per_second":
                 print(f"  {key:34s} differ {v['differ']:3d}/{len(contexts)}   first difference at {v['first_difference_at']}")
         print("  tokens/s: " + ", ".join(f"{m} {v:.1f}" for m, v in s["tokens_per_second"].items()))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        if args.json:  # after each precision, so a long run keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -1,0 +1,64 @@
+"""Counter-based sampling noise: the noise a request's token at output position j sees depends only on
+(request seed, j, token id), never on the batch, the drafter, the block size or how many cycles came before.
+
+Sampling by an exponential race (the Gumbel-max trick in another form): with E(y) ~ Exp(1) independent per token,
+argmax_y p(y) / E(y) is distributed exactly as p. If the target commits, at every output position, the winner of
+that race under the position's noise, its output is a deterministic function of (seed, p): exactly what plain
+decoding with the same noise commits, whatever drafted the tokens. A drafter that runs the same race on its own
+distribution q (argmax_y q(y) / E(y)) proposes the target's winner with probability at least
+(1 - TV(p, q)) / (1 + TV(p, q)) (drafter-invariant speculative decoding, Daliri, Musco and Suresh), instead of
+p(argmax q) for an argmax draft.
+
+The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of the seed, the output position
+and the token id, turned into a uniform with 24 bits (so the race is exact but for events of probability about
+2^-25 per token) and then into Exp(1) by -log u.
+
+What this module does not know about: models, temperature or top-k/top-p (applied to p and q by the caller).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+_MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int32 tensors (multiplies wrap modulo 2^32; shifts are made logical by masking)."""
+    x = x ^ ((x >> 16) & _MASK16)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & _MASK17)
+    x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit number
+    return x ^ ((x >> 16) & _MASK16)
+
+
+def random_seed() -> int:
+    """A seed for a request that did not ask for one (its text is then random, but still batch-invariant)."""
+    return secrets.randbits(62)
+
+
+def _int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 values reduced to their low 32 bits, as int32 (two's complement)."""
+    low = values & 0xFFFFFFFF
+    return torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
+
+
+def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
+    """E [b, width, vocab] float32, i.i.d. Exp(1): row r, slot i, token y gets the noise of (seeds[r], output
+    position first_index[r] + i, y). seeds and first_index are int64 [b] on the device the noise is wanted on."""
+    device = seeds.device
+    seed_lo, seed_hi = _int32(seeds), _int32(seeds >> 32)
+    row_key = mix32(mix32(seed_lo) ^ mix32(seed_hi ^ 0x5BD1E995))  # [b]
+    positions = _int32(first_index[:, None] + torch.arange(width, device=device)[None])  # [b, w]
+    slot_key = mix32(row_key[:, None] ^ mix32(positions))  # [b, w]
+    tokens = torch.arange(vocab, dtype=torch.int32, device=device)
+    bits = mix32(slot_key[:, :, None] ^ tokens)  # [b, w, V]
+    uniform = ((bits >> 8) & _MASK24).float().add_(0.5).mul_(1.0 / (1 << 24))
+    return uniform.log_().neg_()
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The token winning each position's exponential race: argmax p / E (distributed as p)."""
+    return (probs / noise).argmax(dim=-1)

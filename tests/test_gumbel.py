@@ -1,0 +1,156 @@
+"""Counter-based sampling noise (`flashdraft/engine/noise.py`) and the sampler built on it.
+
+A sampled token depends only on (request seed, output position, the target's distribution there), so a seeded
+request's text is the text plain decoding samples with the same seed: with any drafter (none, DFlash, an oracle,
+a drafter of another dtype), any block size, alone or in a batch with other requests. The distribution itself is
+checked by the chi-square tests in tests/test_sampling.py, which run this sampler by default.
+"""
+
+import random
+
+import pytest
+import torch
+from scipy.stats import kstest
+
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.engine.noise import exponential_noise, mix32, race
+from tiny import OracleProposer, make_drafter, make_target
+
+
+def lowbias32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+def test_mix32_is_lowbias32():
+    rng = random.Random(0)
+    xs = [rng.randrange(-2**31, 2**31) for _ in range(5000)] + [0, -1, 2**31 - 1, -2**31]
+    got = mix32(torch.tensor(xs, dtype=torch.int32)).tolist()
+    assert [g & 0xFFFFFFFF for g in got] == [lowbias32(x) for x in xs]
+
+
+def test_noise_is_counter_based_and_exponential():
+    seeds = torch.tensor([7, 7, 8, 2**40 + 7])
+    noise = exponential_noise(seeds, torch.tensor([0, 3, 0, 0]), 5, 1000)
+    assert noise.shape == (4, 5, 1000) and noise.dtype == torch.float32
+    # output position 3 of seed 7 is the same noise whether it is slot 3 of a block from 0 or slot 0 from 3
+    assert torch.equal(noise[0, 3], noise[1, 0]) and torch.equal(noise[0, 4], noise[1, 1])
+    assert torch.equal(noise, exponential_noise(seeds, torch.tensor([0, 3, 0, 0]), 5, 1000))
+    # other seeds (also ones that differ only in their high 32 bits) and other positions: other noise
+    assert not torch.equal(noise[0, 0], noise[2, 0]) and not torch.equal(noise[0, 0], noise[3, 0])
+    assert not torch.equal(noise[0, 0], noise[0, 1])
+    flat = noise.flatten().double()
+    assert kstest(flat.numpy(), "expon").pvalue > 1e-3
+    a, b = noise[0, 0].double(), noise[2, 0].double()
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.1
+
+
+def test_race_samples_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    seeds = torch.arange(20000)
+    winners = race(probs, exponential_noise(seeds, torch.zeros_like(seeds), 1, 4)[:, 0])
+    freq = torch.bincount(winners, minlength=4).double() / len(seeds)
+    assert torch.allclose(freq, probs.double(), atol=0.012)
+
+
+PROMPTS = [[3, 4, 5, 6], [10, 11], [20, 21, 22, 23, 24, 25, 26], [40]]
+
+
+def _sampled(seed, temperature=1.0, max_new=24, **kw):
+    return SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])  # fast path and generic path
+def test_seeded_output_is_plain_decodings_whatever_the_drafter_block_or_batch(arch):
+    target = make_target(arch)
+    params = [_sampled(100 + i, temperature=[1.0, 0.7, 1.3, 1.0][i], top_k=[0, 0, 20, 0][i],
+                       top_p=[1.0, 0.9, 1.0, 1.0][i]) for i in range(len(PROMPTS))]
+    plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    extra_prompts, extra_params = [[7, 8, 9], [50, 51]], [SamplingParams(max_new_tokens=24), _sampled(None)]
+    refs = [p + o for p, o in zip(PROMPTS, plain)] + [
+        p + SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(extra_prompts, extra_params)]
+    engines = {
+        "dflash-b4": SpecEngine(target, make_drafter(target, block_size=4)),
+        "dflash-b8": SpecEngine(target, make_drafter(target, block_size=8)),
+        "dflash-fp32-drafter": SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32)),
+        "oracle-b6": SpecEngine(target, block_size=6, proposer=OracleProposer(refs, corrupt=0.5, seed=3)),
+        "plain-batched": SpecEngine(target),
+    }
+    for name, engine in engines.items():
+        alone = [engine.generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+        assert alone == plain, name
+        # in one batch with each other, plus a greedy row and an unseeded sampled row around them
+        batch = engine.generate(PROMPTS + extra_prompts, params + extra_params)
+        assert [r.token_ids for r in batch[:len(PROMPTS)]] == plain, name
+    oracle = engines["oracle-b6"].generate(PROMPTS, params)
+    assert sum(r.stats.num_accepted_tokens for r in oracle) > 30  # the oracle's drafts really were accepted
+
+
+def test_sampled_text_depends_on_the_seed_and_unseeded_requests_differ():
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    a, b = (engine.generate([PROMPTS[0]], _sampled(s, max_new=32))[0].token_ids for s in (1, 2))
+    assert a != b
+    c, d = (engine.generate([PROMPTS[0]], _sampled(None, max_new=32))[0].token_ids for _ in range(2))
+    assert c != d
+
+
+def test_shared_noise_raises_acceptance_over_rejection_sampling():
+    """A drafter close to the target: under shared noise its drafts are the target's samples far more often than
+    argmax drafts survive rejection sampling (the reason the coupled sampler is the default)."""
+    target = make_target("qwen3")
+    taus = {}
+    for sampler in ("gumbel", "rejection"):
+        engine = SpecEngine(target, block_size=4, sampler=sampler,
+                            proposer=_NoisyTargetProposer(target, sampler == "gumbel"))
+        res = engine.generate(PROMPTS * 4, [_sampled(i, max_new=40) for i in range(16)])
+        taus[sampler] = sum(r.stats.num_accepted_tokens for r in res) / sum(r.stats.num_drafts for r in res) + 1
+    assert taus["gumbel"] > taus["rejection"] + 0.5, taus
+    assert taus["gumbel"] == pytest.approx(4.0)  # a drafter equal to the target is always right under shared noise
+
+
+class _NoisyTargetProposer:
+    """Drafts from the target's own next-token distribution after each committed prefix (an ideal drafter of one
+    token per position, run autoregressively): with the shared noise it proposes exactly the target's samples;
+    without it, its argmax."""
+
+    needs_features, needs_histories = False, True
+
+    def __init__(self, target, use_noise):
+        self.target, self.use_noise = target, use_noise
+
+    def new_batch_state(self, buckets=None):
+        from flashdraft.engine import NoRowState
+
+        return NoRowState()
+
+    def propose(self, state, inp, block_size):
+        from flashdraft.engine.verify import target_probs
+
+        drafts = []
+        for row, history in enumerate(inp.histories):
+            seq = list(history)
+            for j in range(block_size - 1):
+                with torch.no_grad():
+                    logits = self.target(torch.tensor([seq])).logits[0, -1]
+                if self.use_noise and inp.noise is not None:
+                    token = int(race(target_probs(logits, float(inp.temperatures[row])), inp.noise[row, j]))
+                else:
+                    token = int(logits.argmax())
+                seq.append(token)
+            drafts.append(seq[len(history):])
+        return torch.tensor(drafts, dtype=torch.long), None
+
+
+def test_greedy_rows_ignore_the_sampler():
+    target = make_target("qwen3")
+    drafter = make_drafter(target, block_size=4)
+    greedy = SamplingParams(max_new_tokens=20)
+    outs = [SpecEngine(target, drafter, sampler=s).generate(PROMPTS, greedy) for s in ("gumbel", "rejection")]
+    assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]]
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        SpecEngine(target, drafter, sampler="bogus")
