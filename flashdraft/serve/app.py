@@ -1,15 +1,26 @@
 """The HTTP layer: an OpenAI-compatible FastAPI app in front of the scheduler.
 
 Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming with
-`stream_options.include_usage`), GET /health, GET /metrics (Prometheus). Request flow: read the raw body ->
-`protocol.parse_body` (UTF-8, JSON, strict pydantic, unsupported options) -> model name, optional Bearer key ->
-tokenize (chat: the target's chat template) -> context-length checks -> `Scheduler.submit` (429 when the queue
-is full) -> events from the request's asyncio queue become one JSON body or SSE chunks. Every response carries
-its acceptance statistics in a `flashdraft` field (on the final chunk when streaming). A client that disconnects,
-streaming or not, has its request cancelled at once, which frees its batch slot. Every error, FastAPI's own
-included (404 route, 405 method), is answered in the OpenAI shape; validation errors are 400, not 422.
-Shutdown (lifespan end): new requests get 503, in-flight ones get `drain_timeout` seconds to finish, then the
-rest are cancelled with an error.
+`stream_options.include_usage`), GET /health, GET /metrics (Prometheus), GET /openapi.json (the API's schema).
+Request flow: read the raw body (at most `max_body_bytes`, within `body_timeout` seconds: else 413 / 408, and the
+connection is closed) -> in a worker thread, never on the event loop: `protocol.parse_body` (UTF-8, JSON, every
+string encodable, finite numbers, strict pydantic, unsupported options), model name, a prompt-size check by bytes
+(a prompt longer than `max_prompt_bytes` cannot fit in the context, so it is refused before it is tokenized),
+tokenization (chat: the target's chat template), context-length checks -> `Scheduler.submit` (429 when the queue
+is full) -> events from the request's asyncio queue become one JSON body or SSE chunks. Detokenization happens in
+the scheduler's thread (the engine's incremental detokenizer), so the event loop only moves bytes: one huge prompt
+delays neither the running streams nor /health. Every response carries its acceptance statistics in a `dflash`
+field (on the final chunk when streaming). A client that disconnects, streaming or not, has its request cancelled
+at once, which frees its batch slot. Every error, FastAPI's own included (404 route, 405 method), is answered in
+the OpenAI shape; validation errors are 400, not 422; strings a client sent are clipped before an error message
+echoes them. Optional Bearer key on /v1/*.
+
+Shutdown (`Server.drain`, called by `cli.uvicorn_server` on SIGINT/SIGTERM before uvicorn waits for connections,
+and at the latest by the lifespan's end): /health turns 503 "draining", bodies still being read are answered
+503, new requests get 503, in-flight ones get `drain_timeout` seconds to finish, then the rest are cancelled with
+an error (a stream gets an error event and `data: [DONE]`, a plain request a 503). A request task cancelled by the
+server itself (uvicorn past its graceful timeout) is answered the same way by `_ExpectedCancellation`, without a
+traceback.
 
 What this module does not know about: how batching, drafting or verification work (the scheduler and the engine),
 model loading and command-line options (`cli.py`).
@@ -23,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -30,14 +42,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.serve import protocol
 from flashdraft.serve.metrics import Metrics
-from flashdraft.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from flashdraft.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, clip
 from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed
 
 log = logging.getLogger("flashdraft.serve")
+
+SHUTDOWN_MESSAGE = "the server shut down before the request finished"
 
 
 @dataclass
@@ -51,43 +66,136 @@ class ServeConfig:
     drain_timeout: float = 30.0
     default_completion_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
     threads: int | None = None  # CPU threads of the engine's thread (default: 1 on CPU)
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are a 413
+    body_timeout: float = 30.0  # seconds a client gets to send the whole body (else 408)
+    max_prompt_bytes: int | None = None  # default: max_model_len x the bytes of the longest vocabulary entry
+    tokenizer_workers: int = 2  # threads that parse and tokenize requests (off the event loop)
 
 
 class Server:
-    """What the routes share: engine facts, the scheduler, metrics."""
+    """What the routes share: engine facts, the scheduler, metrics, the tokenizer threads."""
 
     def __init__(self, engine: SpecEngine, config: ServeConfig):
         if engine.tokenizer is None:
             raise ValueError("serving needs a tokenizer: the target has none")
+        for name in ("max_body_bytes", "tokenizer_workers"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+        if not config.body_timeout > 0 or not config.drain_timeout >= 0:
+            raise ValueError("body_timeout must be > 0 and drain_timeout >= 0")
+        if config.api_key is not None and not config.api_key.strip():
+            raise ValueError("api_key is empty: that would leave the server open; pass None to serve without a key")
         self.engine, self.config, self.tokenizer = engine, config, engine.tokenizer
         limit = engine.max_positions
         self.max_model_len = min(x for x in (config.max_model_len, limit) if x) if (config.max_model_len or limit) \
             else 1 << 30
         self.vocab_size = engine.target.vocab_size
+        self.max_prompt_bytes = config.max_prompt_bytes or self.max_model_len * _longest_token_bytes(self.tokenizer)
         self.metrics = Metrics(config.model_name)
         self.scheduler = Scheduler(engine, config.max_batch_size, config.max_queue, config.max_prefill_tokens,
                                    self.metrics, threads=config.threads)
+        self.pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="flashdraft-tokenize")
         self.eos_ids = _eos_ids(engine)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())
+        self.draining = False
+        self._closing: asyncio.Event | None = None  # set when draining starts (created on the serving loop)
 
-    # ---- request -> (prompt ids, SamplingParams) ----------------------------------------------------------------
+    # ---- the body: bounded in size and time -------------------------------------------------------------------
+
+    def closing(self) -> asyncio.Event:
+        if self._closing is None:
+            self._closing = asyncio.Event()
+        return self._closing
+
+    async def read_body(self, request: Request) -> bytes:
+        """The whole body, or APIError 413 (too large: refused from Content-Length before reading, or once the
+        count passes the limit), 408 (not complete within body_timeout), 503 (the server began draining)."""
+        cfg = self.config
+        too_large = (f"request body is larger than the server's limit of {cfg.max_body_bytes} bytes "
+                     "(--max-body-bytes)")
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, "invalid Content-Length header")
+            if int(length) > cfg.max_body_bytes:
+                self.metrics.rejected("body_too_large")
+                raise APIError(413, too_large, code="request_too_large")
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cfg.max_body_bytes:
+                    self.metrics.rejected("body_too_large")
+                    raise APIError(413, too_large, code="request_too_large")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        reader, closing = asyncio.ensure_future(read()), asyncio.ensure_future(self.closing().wait())
+        try:
+            done, _ = await asyncio.wait([reader, closing], timeout=cfg.body_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not reader.done():
+                reader.cancel()
+        if reader in done:
+            return reader.result()  # the body, or the reader's APIError / ClientDisconnect
+        if closing in done:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        self.metrics.rejected("body_timeout")
+        raise APIError(408, f"the request body did not arrive within {cfg.body_timeout:g} s (--body-timeout)",
+                       code="request_timeout")
+
+    # ---- request -> (prompt ids, SamplingParams), in a worker thread ---------------------------------------------
+
+    async def prepare(self, raw: bytes, chat: bool):
+        """(request, prompt ids, SamplingParams) of a raw body; parsing and tokenizing run in the worker threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare, raw, chat)
+
+    def _prepare(self, raw: bytes, chat: bool):
+        req = protocol.parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
+        self.check_model(req.model)
+        if chat:
+            prompt = self.chat_prompt(req)
+            params = self.sampling_params(req, len(prompt), req.max_new_tokens, None)
+        else:
+            prompt = self.completion_prompt(req)
+            params = self.sampling_params(req, len(prompt), req.max_tokens, self.config.default_completion_tokens)
+        return req, prompt, params
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.config.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"The model {clip(name)!r} does not exist; this server serves "
+                                f"{self.config.model_name!r}", param="model", code="model_not_found")
+
+    def check_prompt_bytes(self, size: int, param: str) -> None:
+        if size > self.max_prompt_bytes:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                                f"{size} bytes, more than the {self.max_prompt_bytes} bytes that many tokens can hold "
+                                "(refused before tokenizing)", param=param, code="context_length_exceeded")
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            ids = list(self.tokenizer(req.prompt)["input_ids"])
+            self.check_prompt_bytes(len(req.prompt.encode("utf-8")), "prompt")
+            try:
+                ids = list(self.tokenizer(req.prompt)["input_ids"])
+            except Exception as e:  # the tokenizer refusing a text is the client's problem, not a 500
+                raise APIError(400, f"the prompt could not be tokenized: {clip(str(e), 200)}", param="prompt") \
+                    from None
             if not ids:
                 raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
             return ids
+        if len(req.prompt) > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                                f"{len(req.prompt)} tokens", param="prompt", code="context_length_exceeded")
         bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise APIError(400, f"'prompt' has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
-                           param="prompt")
+            raise APIError(400, f"'prompt' has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                f"{clip(bad[:5])}", param="prompt")
         return list(req.prompt)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -95,12 +203,15 @@ class Server:
             raise APIError(400, f"the model '{self.config.model_name}' has no chat template, so /v1/chat/completions "
                                 "cannot format messages; use /v1/completions with a plain prompt", param="messages",
                            code="no_chat_template")
+        # the template renders every message's content at least once: a lower bound of the prompt's size
+        self.check_prompt_bytes(sum(len(m.content.encode("utf-8")) for m in req.messages), "messages")
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                      tokenize=True, return_dict=False)
         except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+            raise APIError(400, f"the chat template refused these messages: {clip(str(e), 200)}",
+                           param="messages") from None
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         if ids and isinstance(ids[0], list):
@@ -130,16 +241,21 @@ class Server:
                                param="stop_token_ids")
             stop_ids.append(t)
         top_k = req.top_k or 0
+        if top_k < 0 or top_k >= self.vocab_size:  # -1 (vLLM's "off") or a k that keeps every token
+            top_k = 0
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
-                top_p=1.0 if req.top_p is None else float(req.top_p), top_k=0 if top_k < 0 else top_k,
+                top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
     def submit(self, prompt: list[int], params: SamplingParams, rid: str):
+        if self.draining:
+            self.metrics.rejected("shutting_down")
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
             return self.scheduler.submit(prompt, params, rid)
         except QueueFull as e:
@@ -151,6 +267,34 @@ class Server:
 
     def stats(self, result) -> dict:
         return protocol.dflash_stats(result.stats, self.engine.block_size)
+
+    # ---- shutdown ------------------------------------------------------------------------------------------------
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Refuse new work (503), give in-flight requests `timeout` seconds (default: the config's drain_timeout),
+        then cancel the rest with an error event. Safe to call more than once."""
+        if not self.draining:
+            self.draining = True
+            self.closing().set()
+            busy = self.scheduler.num_running + self.scheduler.num_waiting
+            log.info("draining: %d request(s) in flight get up to %g s", busy,
+                     self.config.drain_timeout if timeout is None else timeout)
+        await asyncio.to_thread(self.scheduler.stop, self.config.drain_timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the bytes of text one token stands for (the longest vocabulary entry, special tokens
+    included): a prompt of more than max_model_len times this many bytes cannot fit in the context. For byte-level
+    BPE each character of an entry is one byte; otherwise a character is at most 4 UTF-8 bytes."""
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except Exception:  # no vocabulary to look at: only the body limit applies
+        return 1 << 40
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return max(1, longest if type(decoder).__name__ == "ByteLevel" else 4 * longest)
 
 
 def _eos_ids(engine: SpecEngine) -> list[int]:
@@ -164,9 +308,18 @@ def _eos_ids(engine: SpecEngine) -> list[int]:
     return ids
 
 
-def _error(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error(e: APIError, headers: dict | None = None) -> Response:
+    headers = dict(headers or {})
+    if e.status == 429:
+        headers["Retry-After"] = "1"
+    if e.status in (408, 413):  # the rest of the body is still unread: this connection cannot carry another request
+        headers["Connection"] = "close"
+    return Response(protocol.error_json(e.body()), status_code=e.status, headers=headers,
+                    media_type="application/json")
+
+
+def _failure(item: Failure) -> APIError:
+    return APIError(item.status, item.message, code="shutting_down" if item.status == 503 else None)
 
 
 def _sse(obj) -> str:
@@ -191,6 +344,49 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _ExpectedCancellation:
+    """Pure ASGI middleware: a request task cancelled by the server (uvicorn cancels what is left after its
+    graceful-shutdown timeout) is an expected end, not a crash. Instead of a traceback per connection and a cut
+    connection, the client gets what a drained request gets: a 503 if nothing was sent yet, else (a stream) an
+    error event and `data: [DONE]`."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "sse": False, "done": False}
+
+        async def tracked_send(message):
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                state["sse"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                   for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            log.debug("request %s %s cancelled by the server", scope.get("method"), scope.get("path"))
+            error = APIError(503, SHUTDOWN_MESSAGE, code="shutting_down")
+            try:
+                if not state["started"]:
+                    await asyncio.wait_for(_error(error)(scope, receive, send), 1.0)
+                elif state["sse"] and not state["done"]:
+                    tail = (_sse(error.body()) + "data: [DONE]\n\n").encode()
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": tail, "more_body": False}),
+                                           1.0)
+            except Exception:  # the connection is gone already: nothing more to say
+                pass
+
+
 def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI:
     server = Server(engine, config or ServeConfig())
     cfg = server.config
@@ -198,25 +394,34 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.scheduler.start()
-        yield
-        await asyncio.to_thread(server.scheduler.stop, cfg.drain_timeout)
+        try:
+            yield
+        finally:
+            await server.drain()
+            server.close()
 
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    openapi = protocol.openapi_document(cfg.model_name, auth=bool(cfg.api_key))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return _error(e)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, e: ClientDisconnect):
+        return Response(status_code=499)  # the client left while sending its body: nobody reads this
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return _error(APIError(e.status_code, message, type="invalid_request_error"))
+        message = {404: f"no route {request.method} {clip(request.url.path)}",
+                   405: f"method {request.method} is not allowed on {clip(request.url.path)}"}.get(
+            e.status_code, clip(str(e.detail), 200))
+        return _error(APIError(e.status_code, message, type="invalid_request_error"), headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return _error(APIError(400, f"invalid request: {e.errors()[0].get('msg', 'validation failed')}"))
+        return _error(APIError(400, f"invalid request: {clip(e.errors()[0].get('msg', 'validation failed'), 200)}"))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
@@ -225,17 +430,22 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
 
     if cfg.api_key:
         app.add_middleware(BearerAuth, api_key=cfg.api_key)
+    app.add_middleware(_ExpectedCancellation)  # added last: the outermost of ours
 
     @app.get("/health")
     async def health():
         s = server.scheduler
-        body = {"status": "ok" if s.alive else "stopped", "running": s.num_running, "waiting": s.num_waiting,
-                "cycles": s.cycles}
-        return JSONResponse(body, status_code=200 if s.alive else 503)
+        status = "draining" if server.draining and s.alive else ("ok" if s.alive else "stopped")
+        body = {"status": status, "running": s.num_running, "waiting": s.num_waiting, "cycles": s.cycles}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/openapi.json")
+    async def openapi_json():
+        return JSONResponse(openapi)
 
     def model_card() -> dict:
         return {"id": cfg.model_name, "object": "model", "created": server.created, "owned_by": "flashdraft",
@@ -254,18 +464,12 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = protocol.parse_body(await request.body(), CompletionRequest)
-        server.check_model(req.model)
-        prompt = server.completion_prompt(req)
-        params = server.sampling_params(req, len(prompt), req.max_tokens, cfg.default_completion_tokens)
+        req, prompt, params = await server.prepare(await server.read_body(request), chat=False)
         return await _generate(request, req, prompt, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = protocol.parse_body(await request.body(), ChatCompletionRequest)
-        server.check_model(req.model)
-        prompt = server.chat_prompt(req)
-        params = server.sampling_params(req, len(prompt), req.max_new_tokens, None)
+        req, prompt, params = await server.prepare(await server.read_body(request), chat=True)
         return await _generate(request, req, prompt, params, chat=True)
 
     async def _generate(request: Request, req, prompt: list[int], params: SamplingParams, chat: bool):
@@ -302,7 +506,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             return Response(status_code=499)  # nobody is listening
         item = done_task.result()
         if isinstance(item, Failure):
-            raise APIError(item.status, item.message)
+            raise _failure(item)
         result = item.result
         return protocol.completion_body(rid, cfg.model_name, chat, result.text or "", result.finish_reason,
                                         protocol.usage(prompt_len, len(result.token_ids)), server.stats(result))
@@ -326,7 +530,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                 item = await handle.queue.get()
                 if isinstance(item, Failure):
                     finished = True
-                    yield _sse(APIError(item.status, item.message).body())
+                    yield _sse(_failure(item).body())
                     break
                 n_out += len(item.token_ids)
                 if item.text:

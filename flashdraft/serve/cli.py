@@ -4,6 +4,13 @@
 `python -m flashdraft.serve.cli ...` runs it standalone. FastAPI/uvicorn are imported only when the server starts, so
 the rest of the CLI works without the `serve` extra.
 
+Flags are checked before anything loads: `--port` in 1..65535, finite non-negative timeouts, positive sizes. An
+empty `--api-key` (or an empty $FLASHDRAFT_API_KEY) is an error, not a silently open server: omit the flag to serve
+without authentication (a warning is logged when such a server listens beyond loopback). `uvicorn_server` is
+uvicorn's server with one change: on SIGINT/SIGTERM it drains the app first (`Server.drain`: --drain-timeout
+seconds for in-flight requests, then an error event and [DONE] for each stream still running), and only then lets
+uvicorn close the connections, so no stream is cut at the connection level.
+
 What this module does not know about: HTTP routes, batching, the OpenAI format (`app.py`, `scheduler.py`,
 `protocol.py`).
 """
@@ -11,21 +18,64 @@ What this module does not know about: HTTP routes, batching, the OpenAI format (
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import math
 import os
 import sys
 import time
 
 from flashdraft.args import add_model_args, engine_from_args
 
+API_KEY_ENV = "FLASHDRAFT_API_KEY"
+
+
+def _port(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {number}")
+    return number
+
+
+def _seconds(low_open: bool):
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+        if not math.isfinite(number) or number < 0 or (low_open and number == 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'> 0' if low_open else '>= 0'}, "
+                                             f"got {value}")
+        return number
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+def _count(low: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {number}")
+        return number
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve /v1/completions and /v1/chat/completions (streaming included) with DFlash speculative "
-                    "decoding and continuous batching; /metrics for Prometheus, /health.")
+                    "decoding and continuous batching; /metrics for Prometheus, /health, /openapi.json.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535 (default 8000)")
     add_model_args(p, threads_help="CPU threads for the engine (default: 1 on CPU, where more threads measured slower)")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the AR baseline)")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (default 16)")
@@ -35,12 +85,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
                    help="prompt tokens prefilled per scheduler step when requests join (default 8192)")
-    p.add_argument("--api-key", default=os.environ.get("FLASHDRAFT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $FLASHDRAFT_API_KEY, else open)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; without either the "
+                        "server is open; an empty key is an error)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the target directory's name)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on shutdown, seconds in-flight requests get to finish before they are cancelled")
+    p.add_argument("--drain-timeout", type=_seconds(low_open=False), default=30.0,
+                   help="on shutdown, seconds in-flight requests get to finish before they are cancelled with an "
+                        "error (default 30)")
+    p.add_argument("--max-body-bytes", type=_count(1024), default=8 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 (default 8 MiB)")
+    p.add_argument("--body-timeout", type=_seconds(low_open=True), default=30.0,
+                   help="seconds a client gets to send a whole request body; slower ones get 408 (default 30)")
+    p.add_argument("--max-prompt-bytes", type=_count(1), default=None,
+                   help="longest prompt text (UTF-8 bytes) tokenized; longer ones are a 400 before tokenizing "
+                        "(default: max-model-len x the longest vocabulary entry, which no fitting prompt exceeds)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -51,6 +110,29 @@ def _positive(args, *names) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def check_api_key(key: str | None) -> str | None:
+    """The key to require, or None for an open server; an empty or blank key is a mistake, not "no key"."""
+    if key is None:
+        return None
+    where = f"--api-key (or ${API_KEY_ENV})"
+    if not key.strip():
+        raise ValueError(f"{where} is empty: it would leave the server open to anyone; pass a real key, or omit "
+                         f"{where} to serve without authentication")
+    if key != key.strip() or not key.isprintable() or not key.isascii():
+        raise ValueError(f"{where} must be printable ASCII without surrounding spaces (clients send it in an HTTP "
+                         "header)")
+    return key
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_engine(args):
@@ -76,12 +158,32 @@ def build_engine(args):
     return engine, name
 
 
+def uvicorn_server(app, drain_timeout: float, **config):
+    """A uvicorn.Server for `app` (a `create_app` app) that drains the app before uvicorn's own shutdown: SIGTERM
+    -> /health 503, new requests 503, in-flight ones get `drain_timeout` s, then each remaining stream gets an
+    error event and [DONE] -> uvicorn closes the (by then idle) connections. `config` goes to uvicorn.Config."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            try:
+                await app.state.server.drain(drain_timeout)
+            finally:
+                await super().shutdown(sockets)
+
+    config.setdefault("timeout_graceful_shutdown", 5)  # after the drain: time to flush the last events
+    return DrainingServer(uvicorn.Config(app, **config))
+
+
 def run_serve(args) -> int:
     _positive(args, "max_batch_size", "max_model_len", "max_prefill_tokens", "port", "block_size")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be a TCP port in 1..65535, got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    api_key = check_api_key(args.api_key)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
         from flashdraft.serve.app import ServeConfig, create_app
     except ImportError as e:
@@ -91,9 +193,14 @@ def run_serve(args) -> int:
     engine, name = build_engine(args)
     config = ServeConfig(model_name=name, max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
-                         api_key=args.api_key or None, drain_timeout=args.drain_timeout, threads=args.threads)
+                         api_key=api_key, drain_timeout=args.drain_timeout, threads=args.threads,
+                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                         max_prompt_bytes=args.max_prompt_bytes)
     app = create_app(engine, config)
     log = logging.getLogger("flashdraft.serve")
+    if api_key is None and not _is_loopback(args.host):
+        log.warning("no API key: anyone who can reach %s:%d can use this server (pass --api-key or set $%s)",
+                    args.host, args.port, API_KEY_ENV)
     if args.compile:
         log.info("compiling the draft and verify steps for batches of up to %d rows ...", args.max_batch_size)
         start = time.perf_counter()
@@ -101,8 +208,7 @@ def run_serve(args) -> int:
         log.info("compiled for batch buckets %s in %.0f s", buckets, time.perf_counter() - start)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
     log.info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_timeout + 5)
+    uvicorn_server(app, args.drain_timeout, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
 

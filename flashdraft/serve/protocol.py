@@ -3,7 +3,12 @@
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
 implement (n > 1, logprobs, tools, penalties, ...) are refused with a message naming the option, never silently
-ignored. Every failure becomes an `APIError`, rendered as `{"error": {"message", "type", "param", "code"}}`.
+ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
+out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
+is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
+failure becomes an `APIError`, rendered as `{"error": {"message", "type", "param", "code"}}` by `error_json`, which
+cannot fail. `openapi_document` is the OpenAPI description (request and response schemas) that the app publishes at
+/openapi.json.
 
 What this module does not know about: the engine, the tokenizer (prompt limits that need token counts are
 checked in `app.py`), HTTP plumbing.
@@ -13,13 +18,59 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - 1  # seeds are refused outside [0, 2**63 - 1] (torch's generators take uint64; JSON clients int64)
+MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (the app passes 0 then)
+MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
+CLIP_CHARS = 64  # how much of a client's string an error message echoes
+
+
+def clip(value: Any, limit: int = CLIP_CHARS) -> str:
+    """A client's value as error messages echo it: at most `limit` characters, a lone surrogate escaped."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > limit:
+        text = f"{text[:limit]}...({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_json(body: dict) -> bytes:
+    """The JSON bytes of a response body, whatever strings it carries (a lone surrogate is escaped, never a 500)."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode("ascii")
+
+
+def check_unicode(data: Any) -> None:
+    """400 if any string in the parsed JSON (object keys included) cannot be encoded as UTF-8: JSON may spell a lone
+    UTF-16 surrogate ("\\ud800"), which the tokenizer and the response encoder would both choke on."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            strings = [(value, where)]
+        elif isinstance(value, dict):
+            strings = [(k, where) for k in value]
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            strings = []
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        else:
+            continue
+        for text, path in strings:
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    param = clip(path) if path else None
+                    raise APIError(400, f"{f'{param!r}' if param else 'the request body'} contains a string that is "
+                                        f"not valid Unicode (lone UTF-16 surrogate {text[e.start]!r} at character "
+                                        f"{e.start}); send UTF-8 text", param=param) from None
 
 
 class APIError(Exception):
@@ -30,10 +81,11 @@ class APIError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else clip(param)
         self.code = code
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+                             408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -67,25 +119,58 @@ def _check_stop(value: Any) -> list[str]:
     return value
 
 
+# JSON schemas of the fields validated by hand (published in /openapi.json; the validators below are the authority)
+_STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+    {"type": "array", "maxItems": MAX_STOP_STRINGS,
+     "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS}},
+    {"type": "null"}]}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1}, _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}],
+    "description": "one prompt: a string or a list of token ids (or a one-element list of either)"}
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+
+
+def _finite(**bounds):
+    """An optional float field that refuses NaN and +-Infinity (which Python's JSON parser accepts)."""
+    return Field(default=None, allow_inf_nan=False, **bounds)
+
+
+def _only(value, nullable: bool = True, **kw):
+    """A field the server refuses unless it equals `value` (or is null): `check_supported` refuses anything else with
+    a message naming the option; the published schema says so."""
+    allowed = [value] + ([None] if nullable and value is not None else [])
+    return Field(json_schema_extra={"enum": allowed}, **kw)
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI ranges; top_k etc. as vLLM extends)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    n: int | None = Field(default=None, ge=1)
+    temperature: float | None = _finite(ge=0.0, le=2.0)
+    top_p: float | None = _finite(gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    n: int | None = _only(1, default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Any = None
-    stop_token_ids: list[int] | None = None
+    stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
+    stop_token_ids: Annotated[list[int] | None, WithJsonSchema({"anyOf": [
+        {"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
+        {"type": "null"}]})] = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
+    frequency_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
+        default=None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -123,11 +208,11 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any
-    echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    echo: bool = _only(False, nullable=False, default=False)
+    best_of: int | None = _only(1, default=None)
+    logprobs: int | None = _only(None, default=None)
+    suffix: str | None = _only("", default=None)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -165,7 +250,7 @@ class CompletionRequest(_SamplingFields):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)]
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -179,10 +264,10 @@ class ChatMessage(BaseModel):
             for part in v:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"message content parts must be {{'type': 'text', 'text': str}}; got {kind!r} "
-                                     "(images, audio and files are not supported)")
+                    raise ValueError("message content parts must be {'type': 'text', 'text': str}; got "
+                                     f"{clip(repr(kind))} (images, audio and files are not supported)")
                 if set(part) - {"type", "text"}:
-                    raise ValueError(f"unknown keys in a content part: {sorted(set(part) - {'type', 'text'})}")
+                    raise ValueError(f"unknown keys in a content part: {clip(sorted(set(part) - {'type', 'text'}))}")
                 out.append(part["text"])
             return "".join(out)
         raise ValueError("message 'content' must be a string or a list of text parts")
@@ -191,14 +276,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    logprobs: bool = _only(False, nullable=False, default=False)
+    top_logprobs: int | None = _only(None, default=None)
+    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tool_choice: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
+    functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"const": "text"}}}, {"type": "null"}]})] = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="before")
@@ -246,6 +333,7 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]):
         raise APIError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    check_unicode(data)
     try:
         request = model_cls.model_validate(data)
     except ValidationError as e:
@@ -262,7 +350,7 @@ def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a clear OpenAI-style message naming the parameter."""
     err = e.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
-    param = ".".join(loc) if loc else None
+    param = clip(".".join(loc)) if loc else None
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
@@ -272,9 +360,19 @@ def validation_error(e: ValidationError) -> APIError:
     if kind == "value_error":
         return APIError(400, msg.removeprefix("Value error, "), param=param)
     if kind in _TYPE_NAMES:
-        return APIError(400, f"'{param}' must be {_TYPE_NAMES[kind]}, got {json.dumps(err.get('input'))[:80]}",
-                        param=param)
-    return APIError(400, f"invalid value for '{param}': {msg}", param=param)
+        return APIError(400, f"'{param}' must be {_TYPE_NAMES[kind]}, got {_shown(err.get('input'))}", param=param)
+    if kind == "finite_number":
+        return APIError(400, f"'{param}' must be a finite number, got {_shown(err.get('input'))}", param=param)
+    return APIError(400, f"invalid value for '{param}': {msg}, got {_shown(err.get('input'))}", param=param)
+
+
+def _shown(value: Any) -> str:
+    """A client's JSON value, short (no 10 MB echo)."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"{'a list' if isinstance(value, list) else 'an object'} of {len(value)} items"
+    if isinstance(value, str) and len(value) > 4 * CLIP_CHARS:
+        value = value[:4 * CLIP_CHARS]
+    return clip(json.dumps(value))
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
@@ -321,3 +419,114 @@ def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None,
         else:
             body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
     return body
+
+
+# ---- the published schema (GET /openapi.json) -------------------------------------------------------------------
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0}
+                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_STATS = {"type": "object",
+          "required": ["tau", "drafts", "draft_tokens", "accepted_tokens", "acceptance_histogram",
+                       "per_position_acceptance", "block_size"],
+          "properties": {"tau": {"type": "number", "minimum": 0}, "drafts": {"type": "integer", "minimum": 0},
+                         "draft_tokens": {"type": "integer", "minimum": 0},
+                         "accepted_tokens": {"type": "integer", "minimum": 0},
+                         "acceptance_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                         "per_position_acceptance": {"type": "array", "items": {"type": "number"}},
+                         "block_size": {"type": "integer", "minimum": 1}}}
+_FINISH = {"enum": ["stop", "length"]}
+_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage", "dflash"],
+               "properties": {
+                   "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion"]},
+                   "created": {"type": "integer"}, "model": {"type": "string"},
+                   "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                       "type": "object", "required": ["index", "finish_reason"],
+                       "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                                      "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                          "role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
+                   "usage": _USAGE, "dflash": _STATS}}
+_MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
+               "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                              "owned_by": {"type": "string"}, "max_model_len": {"type": "integer", "minimum": 1}}}
+_MODEL_LIST = {"type": "object", "required": ["object", "data"],
+               "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL_CARD}}}
+_HEALTH = {"type": "object", "required": ["status", "running", "waiting", "cycles"],
+           "properties": {"status": {"enum": ["ok", "draining", "stopped"]},
+                          "running": {"type": "integer", "minimum": 0}, "waiting": {"type": "integer", "minimum": 0},
+                          "cycles": {"type": "integer", "minimum": 0}}}
+
+
+def openapi_document(model_name: str, auth: bool = False, version: str = "0.1.0") -> dict:
+    """The OpenAPI 3.1 description of every route, with the request schemas the validators enforce and the response
+    shapes (errors included) the server answers with; a server error (5xx other than 503) is never documented."""
+    from pydantic.json_schema import models_json_schema
+
+    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = dict(defs.get("$defs", {}))
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # the only model this server has
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    schemas.update(Error=_ERROR, Completion=_COMPLETION, ModelCard=_MODEL_CARD, ModelList=_MODEL_LIST,
+                   Health=_HEALTH)
+
+    def ref(name):
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def error(description):
+        return {"description": description, "content": {"application/json": {"schema": ref("Error")}}}
+
+    v1_errors = {"401": error("missing or wrong API key")} if auth else {}
+    generate_errors = {
+        "400": error("invalid request (validation, context length, unsupported option)"),
+        "404": error("unknown model"), "408": error("the body did not arrive within --body-timeout"),
+        "413": error("the body is larger than --max-body-bytes"), "429": error("the waiting queue is full"),
+        "503": error("the server is shutting down"), **v1_errors}
+
+    def generate(summary, body):
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(body)}}},
+            "responses": {"200": {"description": "the completion (JSON), or server-sent events when stream is true",
+                                  "content": {"application/json": {"schema": ref("Completion")},
+                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                          **generate_errors}}}
+
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "flashdraft", "version": version,
+                 "description": "OpenAI-compatible completions with DFlash speculative decoding"},
+        "paths": {
+            "/v1/completions": generate("Create a completion", "CompletionRequest"),
+            "/v1/chat/completions": generate("Create a chat completion", "ChatCompletionRequest"),
+            "/v1/models": {"get": {"summary": "List the served model", "responses": {
+                "200": {"description": "the model list",
+                        "content": {"application/json": {"schema": ref("ModelList")}}}, **v1_errors}}},
+            "/v1/models/{name}": {"get": {
+                "summary": "Describe a model",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model card",
+                                      "content": {"application/json": {"schema": ref("ModelCard")}}},
+                              "404": error("unknown model"), **v1_errors}}},
+            "/health": {"get": {"summary": "Liveness and load", "responses": {
+                "200": {"description": "serving", "content": {"application/json": {"schema": ref("Health")}}},
+                "503": {"description": "draining or stopped",
+                        "content": {"application/json": {"schema": ref("Health")}}}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+                "200": {"description": "exposition text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
+                "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+        "components": {"schemas": schemas},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in doc["paths"].items():
+            if path.startswith("/v1"):
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+    return doc
