@@ -6,7 +6,10 @@ Design (docs/design.md, 'Drafter architecture'):
   keys/values are `[proj(context); proj(block)]`, queries come from the block only.
 - Layers are pre-norm Qwen3 decoder layers (q/k per-head RMSNorm, RoPE at absolute positions, SiLU-gated MLP).
   Attention inside the block is bidirectional; `sliding_attention` layers see only the last `sliding_window`
-  positions of the context. A config field `is_causal: true` (newer reference drafters) makes the block causal.
+  positions and, unless the config says otherwise (`is_causal` / `dflash_config.causal`), attend causally inside
+  the block (vLLM's and the reference's reading, `layer_attention`). Checkpoint variants (attention sinks,
+  interleaved RoPE, EAGLE-3 layer ids, a reduced draft vocabulary, ...) are resolved by `normalize_draft_config`
+  (docs/checkpoints.md).
 - The drafter owns no embedding and no lm_head: the block is embedded with the TARGET's embedding and read out
   through the TARGET's lm_head. Checkpoints therefore hold only the draft layers, `fc`, `hidden_norm`, `norm`.
 - When decoding, context K/V lives in a static per-row cache (`new_cache`, slot = position) that persists
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,6 +44,11 @@ from flashdraft.model.slots import StaticKV
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DEFAULT_BLOCK_SIZE = 16
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
+# the self-contained drafter code (torch + transformers 4.57 or 5.x) that `save_pretrained` writes beside the weights
+# as `dflash.py`, for `AutoModel.from_pretrained(path, trust_remote_code=True)` (config `auto_map`)
+REMOTE_CODE = Path(__file__).resolve().parent / "remote_code" / "dflash.py"
+_STATE_RENAMES = (("encoder.output_norm_enc.", "hidden_norm."), ("encoder.fc.", "fc."), ("midlayer.", "layers.0."))
 
 
 class CheckpointError(ValueError):
@@ -67,6 +76,184 @@ def _dflash_value(config, name: str, default=None):
     return default if value is None else value
 
 
+# ---- checkpoint variants (docs/checkpoints.md) ------------------------------------------------------------------
+#
+# Released DFlash drafters describe the same architecture with different fields. `normalize_draft_config` maps every
+# variant we know onto one config (a Qwen3Config whose `dflash_config` holds the resolved DFlash fields) with the
+# semantics vLLM's `qwen3_dflash.py` gives them, and refuses, naming the field, what we cannot honour. The helpers
+# below read the normalized config; `layer_attention` and `resolve_target_layer_ids` follow vLLM's rules.
+
+SLIDING = "sliding_attention"
+MUSE_ASSISTANT = "muse_glimmer_assistant"
+# transformers' own DFlash assistant class: its config class defaults (`MuseGlimmerAssistantConfig`), used for the
+# fields such a config.json leaves out (it has no vocab_size at all: the vocabulary is the target's)
+_MUSE_DEFAULTS = {
+    "hidden_size": 6656, "intermediate_size": 19968, "num_hidden_layers": 5, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "sliding_window": 2048, "hidden_act": "silu", "block_size": 16, "mask_token_id": 201818,
+    "target_layer_ids": [1, 13, 25, 37, 49], "attention_dropout": 0.0,
+}
+_MUSE_DEFAULT_THETA = 500000.0
+# architectures that are not this drafter although their configs look alike: refused by name (DFlash2DraftModel adds
+# grouped convolutions and a candidate selector that this drafter does not have)
+_UNSUPPORTED_ARCHITECTURES = ("DFlash2",)
+
+
+def _eagle_layer_ids(raw: dict) -> tuple[list[int] | None, str | None]:
+    """Aux layers in EAGLE-3 numbering (id L = the input of target layer L, i.e. the output of layer L-1), where the
+    config gives them in that numbering; vLLM's `get_eagle3_aux_layers_from_config` order."""
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return list(ids), "eagle_aux_hidden_state_layer_ids"
+    for name in ("dflash_config", "eagle_config"):
+        nested = raw.get(name) or {}
+        if isinstance(nested, dict):
+            if nested.get("eagle_aux_hidden_state_layer_ids"):
+                return list(nested["eagle_aux_hidden_state_layer_ids"]), f"{name}.eagle_aux_hidden_state_layer_ids"
+            if nested.get("layer_ids") and not (raw.get("dflash_config") or {}).get("target_layer_ids") \
+                    and not raw.get("target_layer_ids"):
+                return list(nested["layer_ids"]), f"{name}.layer_ids"
+    return None, None
+
+
+def normalize_draft_config(raw: dict, source: str = "config.json") -> dict:
+    """The raw config.json of any known DFlash checkpoint variant, rewritten into our layout (a copy).
+
+    Resolved into `dflash_config`: `mask_token_id`, `target_layer_ids` (DFlash numbering: tap the OUTPUT of these
+    target layers), `block_size`. Kept as they are (read by the model): `layer_types`, `sliding_window`,
+    `dflash_config.{use_swa, swa_window_size, causal, attention_sink_bias}`, `is_causal`, `is_neox_style`,
+    `target_hidden_size`, `draft_vocab_size`, `logit_scale`. Raises CheckpointError naming a field it cannot honour.
+    """
+    cfg = json.loads(json.dumps(raw))  # deep copy
+    nested = dict(cfg.get("dflash_config") or {})
+    eagle = cfg.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise CheckpointError(f"{source}: eagle_config must be a JSON object")
+    archs = cfg.get("architectures") or ["DFlashDraftModel"]
+    unsupported = [a for a in archs if str(a).startswith(_UNSUPPORTED_ARCHITECTURES)]
+    if unsupported:
+        raise CheckpointError(f"{source}: architectures {unsupported} is not the DFlash drafter this loader runs (its "
+                              "extra modules - grouped convolutions, candidate selector - are not implemented)")
+    muse = cfg.get("model_type") == MUSE_ASSISTANT or "MuseGlimmerAssistantModel" in archs
+    if muse:
+        # transformers' own DFlash assistant: DFlash fields at top level, every layer bidirectional (its attention
+        # has is_causal=False whatever the layer type), rope base default 5e5, class defaults for absent fields
+        for key, value in _MUSE_DEFAULTS.items():
+            cfg.setdefault(key, value)
+        cfg.setdefault("layer_types", [SLIDING] * int(cfg["num_hidden_layers"]))
+        if "rope_parameters" not in cfg and "rope_theta" not in cfg:
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": _MUSE_DEFAULT_THETA}
+        cfg.setdefault("is_causal", False)
+        cfg["model_type"] = "qwen3"
+        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["source_model_type"] = MUSE_ASSISTANT
+        # its window is inclusive (transformers' bidirectional sliding mask: |q - k| <= sliding_window); ours, vLLM's and
+        # z-lab's is exclusive (q - k < sliding_window), so the same attention is window + 1 here
+        if cfg.get("sliding_window"):
+            cfg["sliding_window"] = int(cfg["sliding_window"]) + 1
+    elif cfg.get("model_type") not in (None, "qwen3"):
+        # the layers are Qwen3 layers in every DFlash drafter; the model_type names the target family at most
+        cfg["source_model_type"] = cfg["model_type"]
+        cfg["model_type"] = "qwen3"
+    if "vocab_size" not in cfg:  # the vocabulary is the target's; a config that does not state it is not checked
+        cfg["vocab_size_declared"] = False
+
+    use_aux = nested.get("use_aux_hidden_state", eagle.get("use_aux_hidden_state", cfg.get("use_aux_hidden_state")))
+    if use_aux is False:
+        raise CheckpointError(f"{source}: use_aux_hidden_state=false (the drafter reads the target's last hidden "
+                              "state without fc) is not supported; DFlash drafters project tapped layers through fc")
+    for key in ("mask_token_id", "block_size"):
+        if nested.get(key) is None:
+            for where in (cfg, eagle):
+                if where.get(key) is not None:
+                    nested[key] = where[key]
+                    break
+
+    # tapped layers: DFlash numbering (dflash_config.target_layer_ids / top-level target_layer_ids) or EAGLE-3
+    # numbering (eagle_aux_hidden_state_layer_ids, eagle_config.layer_ids): DFlash id = EAGLE id - 1
+    dflash_ids = nested.get("target_layer_ids") or cfg.get("target_layer_ids")
+    eagle_ids, eagle_field = _eagle_layer_ids(cfg)
+    if eagle_ids is not None:
+        converted = [int(i) - 1 for i in eagle_ids]
+        if min(converted) < 0:
+            raise CheckpointError(f"{source}: {eagle_field} {eagle_ids} taps layer id 0 (the embedding output), "
+                                  "which this loader cannot tap; DFlash taps decoder-layer outputs")
+        if dflash_ids and [int(i) for i in dflash_ids] != converted:
+            raise CheckpointError(
+                f"{source}: {eagle_field} {eagle_ids} (EAGLE numbering, = DFlash target_layer_ids {converted}) "
+                f"contradicts target_layer_ids {list(dflash_ids)}; vLLM would use {eagle_field}, z-lab's loader "
+                "target_layer_ids: refusing the ambiguous checkpoint")
+        dflash_ids = converted
+    if dflash_ids:
+        nested["target_layer_ids"] = [int(i) for i in dflash_ids]
+
+    # sliding layers: per layer from layer_types, or every layer with dflash_config.use_swa (vLLM); the window is
+    # dflash_config.swa_window_size or sliding_window. Qwen3Config drops sliding_window unless use_sliding_window
+    # is set, so it is set whenever a layer slides (readers that build a Qwen3Config keep the window then too).
+    n = int(cfg.get("num_hidden_layers", 1))
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and len(layer_types) != n:
+        raise CheckpointError(f"{source}: layer_types has {len(layer_types)} entries for {n} layers")
+    for lt in layer_types or []:
+        if lt not in ("full_attention", SLIDING):
+            raise CheckpointError(f"{source}: layer_types entry {lt!r} is not supported "
+                                  "(full_attention or sliding_attention)")
+    any_sliding = any(lt == SLIDING for lt in layer_types or [])
+    if nested.get("use_swa"):
+        any_sliding = True  # every layer slides; layer_types keep their say on causality (`layer_attention`)
+    if layer_types is None:
+        cfg["layer_types"] = ["full_attention"] * n  # not Qwen3Config's max_window_layers rule: vLLM's reading
+    if any_sliding:
+        window = nested.get("swa_window_size") or cfg.get("sliding_window")
+        if not window:
+            raise CheckpointError(f"{source}: sliding_attention layers need a window: dflash_config.swa_window_size "
+                                  "or sliding_window")
+        cfg["sliding_window"] = int(window)
+        cfg["use_sliding_window"] = True
+
+    if nested.get("causal") is not None and cfg.get("is_causal") is None:
+        cfg["is_causal"] = bool(nested["causal"])
+    if "attention_sink_bias" not in nested and cfg.get("add_swa_attention_sink_bias") is not None:
+        nested["attention_sink_bias"] = bool(cfg["add_swa_attention_sink_bias"])
+
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if isinstance(rope, dict) and any(lt in rope for lt in ("full_attention", SLIDING)):
+        raise CheckpointError(f"{source}: rope_parameters per layer type is not supported (one RoPE for all layers)")
+    if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise CheckpointError(f"{source}: rope partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+
+    draft_vocab = cfg.get("draft_vocab_size")
+    if draft_vocab is not None and cfg.get("vocab_size") is not None and int(draft_vocab) > int(cfg["vocab_size"]):
+        raise CheckpointError(f"{source}: draft_vocab_size {draft_vocab} exceeds vocab_size {cfg['vocab_size']}")
+    cfg["dflash_config"] = nested
+    return cfg
+
+
+def layer_attention(config, layer_idx: int) -> tuple[int | None, bool]:
+    """(sliding_window, causal) of draft layer `layer_idx`, vLLM's rules: causal = top-level `is_causal` if set,
+    else `dflash_config.causal` if set, else whether the layer slides; a sliding layer's window is
+    `dflash_config.swa_window_size` or `sliding_window`."""
+    nested = getattr(config, "dflash_config", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    typed_sliding = bool(layer_types) and layer_types[layer_idx] == SLIDING
+    sliding = typed_sliding
+    if nested.get("use_swa") and not any(lt == SLIDING for lt in layer_types or []):
+        sliding = True  # use_swa: every layer slides (vLLM), but stays non-causal by default (typed full)
+    window = None
+    if sliding:
+        window = nested.get("swa_window_size") or getattr(config, "sliding_window", None)
+        if not window:
+            raise CheckpointError(f"layer {layer_idx} is sliding_attention but the config gives no window "
+                                  "(dflash_config.swa_window_size or sliding_window)")
+        window = int(window)
+    causal = getattr(config, "is_causal", None)
+    if causal is None:
+        causal = nested.get("causal")
+    if causal is None:
+        causal = typed_sliding
+    return window, bool(causal)
+
+
 def make_draft_config(
     target_config,
     num_layers: int = 5,
@@ -88,7 +275,12 @@ def make_draft_config(
     heads = tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
     layer_types = layer_types or ["full_attention"] * num_layers
-    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 1e6)}
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default",
+                                                         "rope_theta": getattr(tc, "rope_theta", 1e6)})
+    # a multimodal target's text rope carries M-RoPE sections / a partial rotary factor for ITS layers; the drafter's
+    # positions are 1-D and its heads fully rotary (as in z-lab's drafters for such targets)
+    for key in ("mrope_section", "mrope_interleaved", "partial_rotary_factor"):
+        rope.pop(key, None)
     config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,
@@ -116,10 +308,22 @@ def make_draft_config(
     return config
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, n, d]; cos/sin [b, n, d] for the same n positions."""
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    """The GPT-J ("interleaved", vLLM `is_neox_style: false`) rotation: pairs (x0, x1), (x2, x3), ..."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [b, heads, n, d]; cos/sin [b, n, d] for the same n positions (transformers' layout: the d/2 frequencies
+    twice). `interleaved`: rotate adjacent pairs (GPT-J) instead of the two halves (NeoX, the default)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    if not interleaved:
+        return x * cos + rotate_half(x) * sin
+    half = cos.shape[-1] // 2
+    cos = cos[..., :half].repeat_interleave(2, dim=-1)
+    sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    return x * cos + rotate_every_two(x) * sin
 
 
 class DFlashAttention(nn.Module):
@@ -137,16 +341,22 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        layer_types = getattr(config, "layer_types", None)
-        layer_type = layer_types[layer_idx] if layer_types else "full_attention"
-        self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
-        self.is_causal = bool(getattr(config, "is_causal", False) or False)
+        # vLLM's per-layer rules (`layer_attention`): sliding layers are causal inside the block unless the config
+        # says otherwise (`is_causal` / `dflash_config.causal`)
+        self.sliding_window, self.is_causal = layer_attention(config, layer_idx)
+        self.interleaved = not bool(getattr(config, "is_neox_style", True))
+        # per-head attention sinks (`dflash_config.attention_sink_bias`): one extra logit per head in the softmax
+        # denominator that attends to nothing (gpt-oss style), as vLLM's `Attention(sinks=...)`
+        sinks = bool(_dflash_value(config, "attention_sink_bias", False))
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if sinks else None
 
     _compiled_flex = None  # torch.compile'd flex_attention, shared by all layers (CUDA only)
 
     def _flex(self, q, k, v, block_mask):
         from torch.nn.attention.flex_attention import flex_attention
 
+        if self.attention_sink_bias is not None:
+            raise NotImplementedError("attention sinks with a FlexAttention block mask (training) are not supported")
         fn = flex_attention
         if q.is_cuda:
             if DFlashAttention._compiled_flex is None:
@@ -160,18 +370,33 @@ class DFlashAttention(nn.Module):
         b, n, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, cos, sin, self.interleaved), v
+
+    def _sink_attention(self, q, k, v, mask):
+        """Softmax over [scores, sink_h]; the sink's share goes nowhere."""
+        if self.num_heads != self.num_kv_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        b, h, n, _ = scores.shape
+        sink = self.attention_sink_bias.to(scores.dtype).view(1, h, 1, 1).expand(b, h, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.matmul(probs, v)
 
     def forward(self, x, ctx_kv, cos, sin, mask):
         """x: block hidden [b, q, H]; ctx_kv: this layer's context K/V, each [b, kv_heads, c, head_dim]."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(q, cos, sin, self.interleaved)
         k_ctx, v_ctx = ctx_kv
         k_blk, v_blk = self._kv(x, cos, sin)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        if mask is None or isinstance(mask, torch.Tensor):
+        if self.attention_sink_bias is not None and (mask is None or isinstance(mask, torch.Tensor)):
+            out = self._sink_attention(q, k, v, mask)
+        elif mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
             )
@@ -218,7 +443,11 @@ def block_attention_mask(
 class DFlashDraftModel(nn.Module):
     """The DFlash drafter. See the module docstring for the design."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, own_embedding: bool = False, own_lm_head: bool = False,
+                 mask_embedding: bool = False):
+        """`own_embedding` / `own_lm_head` / `mask_embedding`: the checkpoint ships `embed_tokens.weight` /
+        `lm_head.weight` / a separate mask embedding (`from_pretrained` sets them from the weights it finds);
+        otherwise the block is embedded and read out with the TARGET's embedding and lm_head."""
         super().__init__()
         self.config = config
         self.target_layer_ids = _dflash_value(config, "target_layer_ids")
@@ -232,12 +461,33 @@ class DFlashDraftModel(nn.Module):
         self.block_size = int(_dflash_value(config, "block_size", DEFAULT_BLOCK_SIZE))
         self.input_embedding_scale = float(_dflash_value(config, "input_embedding_scale", 1.0))
         self.output_multiplier = float(_dflash_value(config, "output_multiplier", 1.0))
+        self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)  # vLLM's LogitsProcessor scale
         self.final_logit_softcapping = _dflash_value(config, "final_logit_softcapping")
+        H = config.hidden_size
+        self.target_hidden_size = int(getattr(config, "target_hidden_size", None) or H)
+        if self.target_hidden_size != H and not (own_embedding and own_lm_head):
+            raise CheckpointError(
+                f"target_hidden_size {self.target_hidden_size} differs from the drafter's hidden_size {H}: the "
+                "target's embedding and lm_head do not fit the drafter, and the checkpoint ships no "
+                "embed_tokens.weight + lm_head.weight of its own")
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * self.target_hidden_size, H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        vocab = int(config.vocab_size)
+        draft_vocab = int(getattr(config, "draft_vocab_size", None) or vocab)
+        self.embed_tokens = nn.Embedding(vocab, H) if own_embedding else None
+        self.lm_head = nn.Linear(H, draft_vocab, bias=False) if own_lm_head else None
+        if draft_vocab != vocab:
+            # a reduced draft vocabulary (EAGLE-3 style): draft id d is target id d + d2t[d]
+            if not own_lm_head:
+                raise CheckpointError(f"draft_vocab_size {draft_vocab} != vocab_size {vocab} needs the drafter's "
+                                      "own lm_head.weight, which the checkpoint does not ship")
+            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        else:
+            self.d2t = None
+        self.mask_embedding = nn.Parameter(torch.zeros(H)) if mask_embedding else None
         self.reset_parameters()
 
     def reset_parameters(self, std: float | None = None) -> None:
@@ -345,39 +595,112 @@ class DFlashDraftModel(nn.Module):
         out = []
         for a, kv in zip(attns, F.linear(ctx, weight, bias).split(width, dim=-1)):
             k, v = kv.view(b, c, 2, a.num_kv_heads, a.head_dim).unbind(2)
-            out.append((apply_rope(a.k_norm(k).transpose(1, 2), cos, sin), v.transpose(1, 2)))
+            out.append((apply_rope(a.k_norm(k).transpose(1, 2), cos, sin, a.interleaved), v.transpose(1, 2)))
         return out
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Read the draft hidden states out through the TARGET's lm_head (plus the reference's optional scalings)."""
+        """Read the draft hidden states out through the TARGET's lm_head (the drafter's own, where the checkpoint
+        ships one), times `logit_scale` (vLLM) and `output_multiplier` (reference), softcapped where configured.
+        A reduced draft vocabulary (`draft_vocab_size` + `d2t`) is scattered onto the target's vocabulary, every
+        other id at -inf, as vLLM does."""
+        if self.lm_head is not None:
+            lm_head = self.lm_head
         logits = lm_head(hidden.to(lm_head.weight.dtype))
-        if self.output_multiplier != 1.0:
-            logits = logits * self.output_multiplier
+        scale = self.output_multiplier * self.logit_scale
+        if scale != 1.0:
+            logits = logits * scale
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
+        if self.d2t is not None:
+            full = logits.new_full((*logits.shape[:-1], int(self.config.vocab_size)), float("-inf"))
+            targets = torch.arange(self.d2t.shape[0], device=logits.device) + self.d2t
+            full[..., targets] = logits
+            logits = full
         return logits
 
     def embed(self, input_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-        """Embed block tokens with the target's raw embedding table (no model-specific embedding scaling)."""
+        """Embed block tokens with the target's raw embedding table (no model-specific embedding scaling), or the
+        drafter's own `embed_tokens` where it ships one; a separate `mask_embedding` replaces the mask slots."""
+        if self.embed_tokens is not None:
+            embedding_weight = self.embed_tokens.weight
         emb = F.embedding(input_ids, embedding_weight)
-        return emb * self.input_embedding_scale if self.input_embedding_scale != 1.0 else emb
+        if self.input_embedding_scale != 1.0:
+            emb = emb * self.input_embedding_scale
+        if self.mask_embedding is not None:
+            emb = torch.where((input_ids == self.mask_token_id)[..., None], self.mask_embedding.to(emb.dtype), emb)
+        return emb
 
     # ---- checkpoint format ----------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-        """Write config.json + model.safetensors in the reference layout (no `model.` prefix, no embedding/lm_head)."""
+        """Write config.json + model.safetensors in the reference layout (no `model.` prefix, no embedding/lm_head
+        unless the drafter has its own), the config in both transformers 4.x and 5.x spellings (`export_config`),
+        `dflash.py` for `AutoModel.from_pretrained(path, trust_remote_code=True)`, and `mask_embedding.pt` where
+        the drafter has a separate mask embedding (the file vLLM reads)."""
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()
-                 if not k.startswith("rotary_emb.")}
+        dtype = dtype or self.dtype
+        state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+                 for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
         save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = self.config.to_dict()
-        config["architectures"] = ["DFlashDraftModel"]
-        config["dtype"] = str(dtype or self.dtype).replace("torch.", "")
+        if self.mask_embedding is not None:
+            torch.save({"mask_token_id": self.mask_token_id, "embedding": state["mask_embedding"].clone()},
+                       out / MASK_EMBEDDING_NAME)
         with open(out / CONFIG_NAME, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+            json.dump(self.export_config(dtype), f, indent=2, sort_keys=True)
+        shutil.copyfile(REMOTE_CODE, out / REMOTE_CODE.name)
         return out
+
+    def export_config(self, dtype: torch.dtype | None = None) -> dict:
+        """config.json as every reader needs it (docs/checkpoints.md): the rope base as transformers 5.x reads it
+        (`rope_parameters`) AND as 4.x reads it (`rope_theta` + `rope_scaling`), `dtype` and `torch_dtype`, the
+        DFlash fields nested and at top level, `use_sliding_window` whenever a layer slides (Qwen3Config drops the
+        window otherwise), the resolved causality as top-level `is_causal` where it is not the layer-type default,
+        and `auto_map` pointing at the `dflash.py` that `save_pretrained` writes beside the weights."""
+        cfg = self.config.to_dict()
+        for key in ("vocab_size_declared", "source_model_type", "_name_or_path"):
+            cfg.pop(key, None)
+        if getattr(self.config, "vocab_size_declared", True) is False:
+            cfg.pop("vocab_size", None)
+        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["model_type"] = "qwen3"
+        rope = dict(getattr(self.config, "rope_parameters", None) or {})
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", float(getattr(self.config, "rope_theta", None) or 10000.0))
+        cfg["rope_parameters"] = rope
+        cfg["rope_theta"] = float(rope["rope_theta"])
+        cfg["rope_scaling"] = (None if rope["rope_type"] == "default"
+                               else {k: v for k, v in rope.items() if k != "rope_theta"})
+        name = str(dtype or self.dtype).replace("torch.", "")
+        cfg["dtype"] = cfg["torch_dtype"] = name
+        nested = dict(cfg.get("dflash_config") or {})
+        nested.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids),
+                      block_size=self.block_size)
+        # optional tensors this checkpoint ships, for readers that build the model from the config alone (our
+        # dflash.py); vLLM and our loader detect them from the weights
+        extra = [name for name in ("embed_tokens", "lm_head", "mask_embedding") if getattr(self, name) is not None]
+        if extra:
+            nested["extra_weights"] = extra
+        else:
+            nested.pop("extra_weights", None)
+        cfg["dflash_config"] = nested
+        cfg["block_size"] = self.block_size
+        for key in ("mask_token_id", "target_layer_ids"):
+            cfg.pop(key, None)  # one place for them (nested), so no reader sees two values
+        windows = [layer.self_attn.sliding_window for layer in self.layers]
+        if any(w is not None for w in windows):
+            cfg["use_sliding_window"] = True
+            cfg["sliding_window"] = next(w for w in windows if w is not None)
+            cfg["layer_types"] = [SLIDING if w is not None else "full_attention" for w in windows]
+            nested.pop("use_swa", None)  # spelled out per layer in layer_types
+        causal = [layer.self_attn.is_causal for layer in self.layers]
+        if causal != [w is not None for w in windows]:  # not the readers' default (sliding <=> causal)
+            if len(set(causal)) != 1:
+                raise ValueError(f"per-layer causality {causal} cannot be written as one is_causal flag")
+            cfg["is_causal"] = causal[0]
+        cfg["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+        return cfg
 
     @classmethod
     def from_pretrained(
@@ -387,28 +710,37 @@ class DFlashDraftModel(nn.Module):
         device: str | torch.device | None = None,
         revision: str | None = None,
     ) -> "DFlashDraftModel":
-        """Load a drafter from a local directory or a Hugging Face hub id (reference / vLLM / SGLang layout)."""
+        """Load a drafter from a local directory or a Hugging Face hub id: the reference layout and the variants
+        of docs/checkpoints.md (vLLM's reading of them), or a CheckpointError naming what cannot be honoured."""
         # the config is read and checked before any weight is (a target directory passed by mistake is refused
         # without reading gigabytes; from the hub, only the JSON files are fetched until the config passes)
         directory = _resolve_checkpoint_dir(path_or_hub_id, revision, weights=False)
         config_path = directory / CONFIG_NAME
         if not config_path.is_file():
             raise CheckpointError(f"{directory}: no {CONFIG_NAME}; not a DFlash drafter checkpoint")
-        check_draft_config_file(config_path)
-        try:
-            config = Qwen3Config.from_pretrained(str(directory))
-        except Exception as exc:  # malformed fields
-            raise CheckpointError(f"{config_path}: cannot parse drafter config: {str(exc).splitlines()[0]}") from exc
-        model = cls(config)
+        raw = check_draft_config_file(config_path)
+        config = draft_config_from_dict(raw, source=str(config_path))
         if not Path(path_or_hub_id).exists():
             directory = _resolve_checkpoint_dir(path_or_hub_id, revision, weights=True)
-        state = _load_safetensors(directory)
+        state = normalize_state_names(_load_safetensors(directory), source=str(directory))
+        mask = _load_mask_embedding(directory, int(_dflash_value(config, "mask_token_id")))
+        if mask is not None:
+            if "mask_embedding" in state and not torch.equal(state["mask_embedding"].reshape(-1).float(), mask.float()):
+                raise CheckpointError(f"{directory}: {MASK_EMBEDDING_NAME} and the mask_embedding weight differ")
+            state["mask_embedding"] = mask
+        if "mask_embedding" in state:
+            state["mask_embedding"] = state["mask_embedding"].reshape(-1)
+        try:
+            model = cls(config, own_embedding="embed_tokens.weight" in state, own_lm_head="lm_head.weight" in state,
+                        mask_embedding="mask_embedding" in state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{config_path}: {exc}") from exc
         model.load_checkpoint_state(state, source=str(directory))
         model.to(device=device, dtype=dtype or _checkpoint_dtype(state))
         return model.eval()
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor], source: str = "state dict") -> None:
-        state = {k.removeprefix("model."): v for k, v in state.items()}
+        state = normalize_state_names(state, source)
         expected = {k: v for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(k for k in set(state) - set(expected) if not k.startswith("rotary_emb."))
@@ -424,6 +756,11 @@ class DFlashDraftModel(nn.Module):
                 )
             if name in expected and not torch.isfinite(tensor.float()).all():
                 raise CheckpointError(f"{source}: weight {name} contains NaN or inf")
+        if self.d2t is not None and "d2t" in state:
+            ids = torch.arange(state["d2t"].shape[0]) + state["d2t"].long().cpu()
+            if ids.min() < 0 or ids.max() >= int(self.config.vocab_size):
+                raise CheckpointError(f"{source}: d2t maps draft ids outside the target vocabulary "
+                                      f"[0, {self.config.vocab_size})")
         self.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
 
     def num_parameters(self) -> int:
@@ -457,7 +794,8 @@ class DFlashDraftModel(nn.Module):
 
 def check_draft_config_file(config_path: Path) -> dict:
     """The raw drafter config, refused (CheckpointError) unless it is JSON carrying the DFlash fields
-    (`dflash_config` with target_layer_ids and mask_token_id, or the older top-level fields)."""
+    (`dflash_config` with target_layer_ids and mask_token_id, the older top-level fields, EAGLE-3 style aux layer
+    ids, or transformers' own DFlash assistant config)."""
     try:
         raw = json.loads(Path(config_path).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -467,11 +805,68 @@ def check_draft_config_file(config_path: Path) -> dict:
     nested = raw.get("dflash_config") or {}
     if not isinstance(nested, dict):
         raise CheckpointError(f"{config_path}: dflash_config must be a JSON object")
-    missing = [k for k in ("target_layer_ids", "mask_token_id") if nested.get(k) is None and raw.get(k) is None]
+    if raw.get("model_type") == MUSE_ASSISTANT:
+        return raw
+    eagle = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+    have = {
+        "target_layer_ids": nested.get("target_layer_ids") or raw.get("target_layer_ids")
+        or _eagle_layer_ids(raw)[0],
+        "mask_token_id": next((d["mask_token_id"] for d in (nested, raw, eagle) if d.get("mask_token_id") is not None),
+                              None),
+    }
+    missing = [k for k, v in have.items() if v is None]
     if missing:
         what = "no dflash_config" if not nested else f"dflash_config lacks {', '.join(missing)}"
         raise CheckpointError(f"{config_path}: {what}; not a DFlash drafter checkpoint (a target model directory?)")
     return raw
+
+
+def draft_config_from_dict(raw: dict, source: str = "config.json") -> Qwen3Config:
+    """A Qwen3Config for the drafter from a raw config.json of any known variant (`normalize_draft_config`)."""
+    cfg = normalize_draft_config(raw, source)
+    try:
+        return Qwen3Config.from_dict(cfg)
+    except Exception as exc:  # malformed fields
+        raise CheckpointError(f"{source}: cannot parse drafter config: {str(exc).splitlines()[0]}") from exc
+
+
+def normalize_state_names(state: dict[str, torch.Tensor], source: str = "state dict") -> dict[str, torch.Tensor]:
+    """Weight names of every known layout mapped onto ours: a `model.` prefix is stripped, transformers' assistant
+    names `encoder.fc` / `encoder.output_norm_enc` become `fc` / `hidden_norm`, an EAGLE-style `midlayer.` is layer
+    0, `t2d` (target-to-draft ids, unused when drafting) is dropped as vLLM drops it; `mask_hidden` is refused."""
+    out = {}
+    for name, tensor in state.items():
+        if "mask_hidden" in name:
+            raise CheckpointError(f"{source}: weight {name}: a mask_hidden tensor is not part of DFlash (masked slots "
+                                  f"are embedded from mask_token_id, or from a separate {MASK_EMBEDDING_NAME})")
+        name = name.removeprefix("model.")
+        if name == "t2d":
+            continue
+        for old, new in _STATE_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+        out[name] = tensor
+    return out
+
+
+def _load_mask_embedding(directory: Path, mask_token_id: int) -> torch.Tensor | None:
+    """`mask_embedding.pt` beside the weights (vLLM's format: a tensor, or {"mask_token_id", "embedding"}), read with
+    torch's weights-only unpickler; None when there is none."""
+    path = Path(directory) / MASK_EMBEDDING_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read the mask embedding: {str(exc).splitlines()[0]}") from exc
+    if isinstance(data, dict):
+        if data.get("mask_token_id", mask_token_id) != mask_token_id:
+            raise CheckpointError(f"{path}: mask_token_id {data.get('mask_token_id')} does not match "
+                                  f"dflash_config.mask_token_id {mask_token_id}")
+        data = data.get("embedding")
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointError(f"{path}: expected a tensor or {{'embedding': tensor}}")
+    return data.reshape(-1)
 
 
 def _resolve_checkpoint_dir(path_or_hub_id, revision=None, weights: bool = True) -> Path:
@@ -485,7 +880,7 @@ def _resolve_checkpoint_dir(path_or_hub_id, revision=None, weights: bool = True)
     from huggingface_hub import snapshot_download
 
     try:
-        patterns = ["*.json", "*.md"] + (["*.safetensors"] if weights else [])
+        patterns = ["*.json", "*.md"] + (["*.safetensors", MASK_EMBEDDING_NAME] if weights else [])
         return Path(snapshot_download(str(path_or_hub_id), revision=revision, allow_patterns=patterns))
     except Exception as exc:
         raise CheckpointError(f"{path_or_hub_id}: not a local directory and the hub download failed: "

@@ -6,8 +6,11 @@ under `encoder.fc` / `encoder.output_norm_enc`. `to_transformers_assistant` buil
 config and copies the weights, so the same checkpoint can be run by transformers' loop (batch 1, dynamic cache).
 It is used to pin our attention math against an independent implementation and as a benchmark baseline.
 
-What this module does not know about: sliding-window drafters are mapped, but transformers' assistant applies its
-window to every layer type it is given; `is_causal` drafters are not representable and are refused.
+What this module does not know about: the assistant attends bidirectionally in every layer (sliding layers get a
+bidirectional window), so drafters with causal layers, and the other variants its config cannot state (attention
+sinks, interleaved RoPE, own embedding / lm_head, reduced draft vocabulary, logit scaling), are refused, naming
+the field (`unsupported_by_transformers_assistant`). Reading that class's checkpoints (`encoder.*` names, top-level
+DFlash fields) is `DFlashDraftModel.from_pretrained`'s job (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -28,14 +31,42 @@ def transformers_dflash_available() -> bool:
     return True
 
 
+def unsupported_by_transformers_assistant(drafter: DFlashDraftModel) -> list[str]:
+    """What transformers' `MuseGlimmerAssistantModel` cannot represent in `drafter` (empty: it maps exactly)."""
+    attns = [layer.self_attn for layer in drafter.layers]
+    reasons = []
+    if any(a.is_causal for a in attns):
+        reasons.append("causal layers (is_causal / dflash_config.causal / sliding layers without is_causal: false): "
+                       "its attention is always bidirectional")
+    if len({a.sliding_window for a in attns if a.sliding_window is not None}) > 1:
+        reasons.append("sliding layers with different windows")
+    if any(a.attention_sink_bias is not None for a in attns):
+        reasons.append("attention sinks (dflash_config.attention_sink_bias)")
+    if any(a.interleaved for a in attns):
+        reasons.append("interleaved RoPE (is_neox_style: false)")
+    for name, what in (("embed_tokens", "its own embed_tokens"), ("lm_head", "its own lm_head"),
+                       ("d2t", "a reduced draft vocabulary (draft_vocab_size + d2t)"),
+                       ("mask_embedding", "a separate mask embedding")):
+        if getattr(drafter, name, None) is not None:
+            reasons.append(what)
+    if drafter.output_multiplier * drafter.logit_scale != 1.0 or drafter.final_logit_softcapping:
+        reasons.append("logit scaling (logit_scale / output_multiplier / final_logit_softcapping)")
+    if drafter.input_embedding_scale != 1.0:
+        reasons.append("input_embedding_scale")
+    return reasons
+
+
 def to_transformers_assistant(drafter: DFlashDraftModel, dtype: torch.dtype | None = None):
     """A `MuseGlimmerAssistantModel` holding `drafter`'s weights (in `dtype`, default the drafter's), for
-    transformers' own DFlash generation, which needs the assistant in the target's dtype."""
+    transformers' own DFlash generation, which needs the assistant in the target's dtype. Refuses (ValueError,
+    naming it) what that class cannot represent (`unsupported_by_transformers_assistant`)."""
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-    if getattr(drafter.config, "is_causal", False):
-        raise ValueError("transformers' DFlash assistant has no causal-block variant; this drafter cannot be exported")
+    reasons = unsupported_by_transformers_assistant(drafter)
+    if reasons:
+        raise ValueError("transformers' DFlash assistant cannot represent this drafter: " + "; ".join(reasons))
     c = drafter.config
+    windows = [layer.self_attn.sliding_window for layer in drafter.layers]
     config = MuseGlimmerAssistantConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -47,8 +78,9 @@ def to_transformers_assistant(drafter: DFlashDraftModel, dtype: torch.dtype | No
         rms_norm_eps=c.rms_norm_eps,
         rope_parameters=dict(c.rope_parameters),
         max_position_embeddings=c.max_position_embeddings,
-        sliding_window=c.sliding_window or 4096,
-        layer_types=list(c.layer_types),
+        # its window is inclusive (|q - k| <= sliding_window), ours exclusive (q - k < window): one less there
+        sliding_window=next((w - 1 for w in windows if w is not None), 4096),
+        layer_types=["sliding_attention" if w is not None else "full_attention" for w in windows],
         hidden_act=c.hidden_act,
         block_size=drafter.block_size,
         mask_token_id=drafter.mask_token_id,

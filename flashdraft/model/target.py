@@ -50,9 +50,18 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def find_final_norm(model: nn.Module) -> nn.Module | None:
-    for module in (getattr(model, "model", None), getattr(model, "transformer", None)):
+    """The final norm of the language model (also inside a multimodal model: `model.language_model.norm`)."""
+    modules = []
+    for attr in ("model", "transformer"):
+        module = getattr(model, attr, None)
+        if module is not None:
+            modules.append(module)
+            inner = getattr(module, "language_model", None)
+            if inner is not None:
+                modules.append(inner)
+    for module in modules:
         for attr in ("norm", "ln_f", "final_layernorm"):
-            norm = getattr(module, attr, None) if module is not None else None
+            norm = getattr(module, attr, None)
             if isinstance(norm, nn.Module):
                 return norm
     return None
@@ -148,7 +157,8 @@ def validate_pair(drafter, target: TargetModel) -> None:
     checks = [
         ("hidden_size", int(getattr(cfg, "target_hidden_size", None) or cfg.hidden_size), target.hidden_size),
     ]
-    draft_vocab = getattr(cfg, "vocab_size", None)
+    # a drafter config that states no vocabulary (transformers' own assistant configs) is not checked against it
+    draft_vocab = getattr(cfg, "vocab_size", None) if getattr(cfg, "vocab_size_declared", True) else None
     if draft_vocab is not None:
         checks.append(("vocab_size", int(draft_vocab), target.vocab_size))
     for name, drafter_value, target_value in checks:

@@ -1,0 +1,126 @@
+"""Runs ANOTHER DFlash stack on a target + drafter directory, for scripts/compat/zlab_roundtrip.py.
+
+Runs with a side environment's python and imports nothing from flashdraft:
+
+- `--mode zlab`: z-lab's own package (PyPI `dflash` 0.1.0, transformers 5.15): the drafter through
+  `dflash.DFlashDraftModel.from_pretrained`, decoding with their `dflash.model.dflash_generate`, unmodified (their
+  CUDA timer is swapped for `time.perf_counter` on CPU, as in scripts/speed/zlab_runner.py).
+- `--mode remote`: the remote-code line of z-lab's hub checkpoints, `AutoModel.from_pretrained(drafter,
+  trust_remote_code=True)` (the `dflash.py` beside the weights), decoding with its `spec_generate`; meant for a
+  transformers 4.57 environment.
+
+The target is `AutoModelForCausalLM.from_pretrained(target)` in both. Greedy, batch 1, no stop ids. Reads one JSON
+request on stdin: {"prompts": [[ids]], "max_new_tokens": N, "save_to": optional dir (zlab mode: their
+`save_pretrained` of the loaded drafter, i.e. their checkpoint layout)}. Writes one JSON object on stdout: versions,
+what the drafter read (rope base, dtype, block size, taps), and per prompt the output ids, the acceptance lengths
+(tokens committed per cycle, bonus included) and the drafted tokens of every cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["zlab", "remote"], required=True)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tokenizer", default=None, help="also load this tokenizer directory and encode a probe")
+    args = ap.parse_args(argv)
+
+    import torch
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    req = json.loads(sys.stdin.read() or "{}")
+    dtype = getattr(torch, args.dtype)
+    info = {"mode": args.mode, "transformers": transformers.__version__, "torch": torch.__version__,
+            "python": sys.executable}
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
+    drafts: list[list[int]] = []
+
+    if args.mode == "zlab":
+        import dflash
+        import dflash.model as zmodel
+        from importlib.metadata import version
+
+        info.update(dflash_version=version("dflash"), dflash_file=dflash.__file__)
+        draft = dflash.DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, attn_implementation="sdpa").eval()
+        zmodel._cuda_time = time.perf_counter  # their timer calls torch.cuda.synchronize(); CPU has none
+        original = draft.compute_logits
+
+        def recording(hidden, head):
+            logits = original(hidden, head)
+            drafts.append(logits[0].argmax(-1).tolist())
+            return logits
+
+        draft.compute_logits = recording
+
+        def generate(ids, n):
+            res = zmodel.dflash_generate(draft, target, ids, n, None, temperature=0.0, return_stats=True)
+            return res.output_ids, list(res.acceptance_lengths)
+    else:
+        draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).eval()
+        info["draft_module"] = type(draft).__module__
+        original = draft.compute_logits
+
+        def recording(hidden, tgt):
+            logits = original(hidden, tgt)
+            drafts.append(logits[0].argmax(-1).tolist())
+            return logits
+
+        draft.compute_logits = recording
+
+        def generate(ids, n):
+            res = draft.spec_generate(target, ids, n, None, temperature=0.0, return_stats=True)
+            return res.output_ids, list(res.acceptance_lengths)
+
+    rope_cfg = draft.config
+    info.update(
+        draft_class=type(draft).__qualname__, draft_dtype=str(next(draft.parameters()).dtype),
+        block_size=int(draft.block_size), target_layer_ids=[int(i) for i in draft.target_layer_ids],
+        rope_theta_read=_rope_theta(rope_cfg),
+        inv_freq_1=float(draft.rotary_emb.inv_freq[1]) if draft.rotary_emb.inv_freq.numel() > 1 else None,
+        target_rope_theta_read=_rope_theta(target.config),
+    )
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        probe = "def f(x):\n    return x + 1\n"
+        info["tokenizer"] = {"class": type(tok).__name__, "probe_ids": tok(probe)["input_ids"],
+                             "decoded": tok.decode(tok(probe)["input_ids"])}
+    results = []
+    for prompt in req.get("prompts", []):
+        drafts.clear()
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out, acc = generate(ids, int(req["max_new_tokens"]))
+        results.append({"output": out[0, len(prompt):].tolist(), "acceptance_lengths": acc,
+                        "drafts": [list(d) for d in drafts]})
+    info["results"] = results
+    if req.get("save_to") and args.mode == "zlab":
+        draft.compute_logits = original
+        draft.save_pretrained(req["save_to"])
+        info["saved_to"] = req["save_to"]
+    sys.stdout.write(json.dumps(info) + "\n")
+    return 0
+
+
+def _rope_theta(config):
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        return float(rope["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta is not None else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

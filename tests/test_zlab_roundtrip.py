@@ -1,0 +1,115 @@
+"""Our export of a trained drafter (target rope base 1e6) in z-lab's own package, and their layout in ours.
+
+Needs side environments that CI does not build; each test skips cleanly without its own:
+- z-lab's package (PyPI `dflash` 0.1.0, transformers 5.15): `bash scripts/speed/setup_zlab_env.sh`
+  (~/.cache/flashdraft/venv-zlab, or FLASHDRAFT_ZLAB_PYTHON);
+- transformers 4.57 (the remote-code line of their earlier hub checkpoints): `bash scripts/compat/setup_tf457_env.sh`
+  (~/.cache/flashdraft/venv-tf457, or FLASHDRAFT_TF457_PYTHON).
+
+The drafter is trained by our pipeline (`scripts/compat/zlab_roundtrip.py: build_pair`, a few seconds on a tiny
+target); every comparison is cycle by cycle on held-out prompts: same outputs, same acceptance length in every
+cycle (but the last: their loop truncates its last block at max_new_tokens), same drafted tokens. float64 on both
+sides, so that equality does not hinge on rounding at near-ties. The full-size figures (float32, more prompts)
+come from the script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("zlab_roundtrip", ROOT / "scripts" / "compat" / "zlab_roundtrip.py")
+rt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rt)
+
+DTYPE = "float64"
+MAX_NEW = 32
+
+
+def _python(path: Path, what: str) -> Path:
+    if not path.is_file():
+        pytest.skip(f"no {what} side venv at {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    if not rt.ZLAB_PYTHON.is_file() and not rt.TF457_PYTHON.is_file():
+        pytest.skip("no side venv (z-lab's package or transformers 4.57): nothing to compare against")
+    import torch
+
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+    out = tmp_path_factory.mktemp("roundtrip")
+    target_dir, draft_dir, prompts = rt.build_pair(out, rope_theta=1e6, target_steps=150, draft_steps=300)
+    prompts = prompts[:8]
+    ours = rt.run_ours(target_dir, draft_dir, prompts, MAX_NEW, DTYPE)
+    return {"out": out, "target": target_dir, "draft": draft_dir, "prompts": prompts, "ours": ours}
+
+
+def _assert_same(c: dict):
+    assert c["outputs_equal"] == c["prompts"], c
+    assert c["acceptance_equal"] == c["prompts"], [(r["ours"], r["theirs"]) for r in c["rows"]]
+    assert c["drafts_equal"] == c["prompts"], c
+
+
+@pytest.fixture(scope="module")
+def zlab(pair):
+    py = _python(rt.ZLAB_PYTHON, "z-lab dflash")
+    saved = pair["out"] / "zlab_saved"
+    return rt.run_side(py, "zlab", pair["target"], pair["draft"], pair["prompts"], MAX_NEW, DTYPE, save_to=saved)
+
+
+def test_export_carries_both_rope_spellings(pair):
+    cfg = json.loads((pair["draft"] / "config.json").read_text())
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_scaling"] is None
+    assert cfg["rope_parameters"]["rope_theta"] == 1e6
+    assert cfg["torch_dtype"] == cfg["dtype"] == "float32"
+    assert (pair["draft"] / "dflash.py").is_file()
+    assert pair["ours"]["rope_theta_read"] == 1e6
+
+
+def test_zlab_package_drafts_our_export_identically(pair, zlab):
+    assert zlab["dflash_version"] == "0.1.0" and zlab["rope_theta_read"] == 1e6
+    assert zlab["inv_freq_1"] == pytest.approx(pair["ours"]["inv_freq_1"])
+    c = rt.compare(pair["ours"], zlab)
+    _assert_same(c)
+    assert c["tau_ours"] > 1.5, c  # a trained drafter: the comparison covers multi-token acceptances
+
+
+def test_their_layout_loads_in_ours(pair, zlab):
+    saved = Path(zlab["saved_to"])
+    assert (saved / "config.json").is_file()
+    ours_on_theirs = rt.run_ours(pair["target"], saved, pair["prompts"], MAX_NEW, DTYPE)
+    assert ours_on_theirs["rope_theta_read"] == 1e6
+    _assert_same(rt.compare(ours_on_theirs, zlab))
+
+
+def test_control_without_rope_base_drafts_differently(pair):
+    """The failure the export fixes: a config without the rope base (what 4.57 read from our old export) makes
+    z-lab's package draft with base 1e4 - differently, silently."""
+    py = _python(rt.ZLAB_PYTHON, "z-lab dflash")
+    stripped = rt.strip_rope(pair["draft"], pair["out"] / "no_rope")
+    control = rt.run_side(py, "zlab", pair["target"], stripped, pair["prompts"], MAX_NEW, DTYPE)
+    assert control["rope_theta_read"] == 10000.0
+    c = rt.compare(pair["ours"], control)
+    assert c["outputs_equal"] == c["prompts"]  # lossless either way
+    assert c["drafts_equal"] < c["prompts"], c
+
+
+def test_transformers_457_remote_code_line(pair):
+    py = _python(rt.TF457_PYTHON, "transformers 4.57")
+    r = rt.run_side(py, "remote", pair["target"], pair["draft"], pair["prompts"], MAX_NEW, DTYPE,
+                    tokenizer=rt.SHIPPED_TARGET)
+    assert r["transformers"].startswith("4.57") and r["rope_theta_read"] == 1e6
+    assert r["inv_freq_1"] == pytest.approx(pair["ours"]["inv_freq_1"])
+    _assert_same(rt.compare(pair["ours"], r))
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(str(rt.SHIPPED_TARGET))
+    probe = "def f(x):\n    return x + 1\n"
+    assert r["tokenizer"]["probe_ids"] == ours(probe)["input_ids"]
+    assert r["tokenizer"]["decoded"] == ours.decode(ours(probe)["input_ids"])
