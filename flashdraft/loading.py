@@ -111,8 +111,9 @@ def load_target(path: str | Path, device: str | None = None, dtype: str | torch.
     """A transformers causal LM in eval mode and its tokenizer (None if the checkpoint has none).
 
     Refused with a one-line ValueError / FileNotFoundError: a path that is neither a model directory nor a hub id,
-    a DFlash drafter directory, a checkpoint that cannot be read (truncated safetensors, ...), and a checkpoint
-    missing weights that transformers would otherwise initialise at random."""
+    a DFlash drafter directory, a checkpoint that cannot be read (truncated safetensors, ...), a checkpoint
+    missing weights that transformers would otherwise initialise at random, and weights holding NaN or inf
+    (named; `check_finite_weights`)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -149,7 +150,37 @@ def load_target(path: str | Path, device: str | None = None, dtype: str | torch.
         raise ValueError(f"--target {path}: the checkpoint lacks weights the model needs ({shown}); refusing to "
                          "run with randomly initialised ones")
     model = model.to(device).eval()
+    check_finite_weights(model, f"--target {path}")  # on the device: one read of the weights at its bandwidth
     return model, load_tokenizer(local or path)
+
+
+# elements checked per call: bounds the temporary boolean tensor (16 MiB) whatever the size of a weight
+_FINITE_CHUNK = 1 << 24
+
+
+def nonfinite_parameter(module: torch.nn.Module) -> str | None:
+    """The name of the first floating-point parameter of `module` holding a NaN or an inf, or None.
+
+    One read of every weight (chunked `torch.isfinite(...).all()`), a single device sync per tensor; a corrupt
+    checkpoint otherwise surfaces much later as empty text, all-zero regenerated answers or a NaN loss."""
+    for name, param in module.named_parameters():
+        if not param.is_floating_point():
+            continue
+        flat = param.detach().reshape(-1)
+        ok = torch.ones((), dtype=torch.bool, device=flat.device)
+        for start in range(0, flat.numel(), _FINITE_CHUNK):
+            ok &= torch.isfinite(flat[start:start + _FINITE_CHUNK]).all()
+        if not bool(ok):
+            return name
+    return None
+
+
+def check_finite_weights(module: torch.nn.Module, what: str) -> None:
+    """ValueError naming the first parameter of `module` that holds a NaN or an inf (`what`: '--target DIR' ...)."""
+    name = nonfinite_parameter(module)
+    if name is not None:
+        raise ValueError(f"{what}: weight {name} contains NaN or inf (a corrupt or diverged checkpoint); refusing "
+                         "to run with it")
 
 
 def default_pair_paths() -> tuple[Path, Path]:

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from flashdraft.bench.methods import ALL_METHODS
-from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, int_at_least, parse_args,
-                            positive_int, temperature_arg, top_p_arg)
+from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, http_url_arg,
+                             int_at_least, output_dir_arg, parse_args, positive_int, seed_arg, temperature_arg,
+                             top_p_arg)
 
 DRAFTER_METHODS = ("dflash", "hf-dflash")  # the methods that need --draft
 
@@ -65,8 +66,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "humaneval, mbpp, mt-bench, or a .jsonl path with a 'prompt' or 'messages' field")
     d.add_argument("--num-prompts", type=int_at_least(0, " (0 = all)"), default=8,
                    help="first N prompts of each dataset (0 = all)")
-    d.add_argument("--cache-dir", default=None, help="dataset cache (default: ~/.cache/flashdraft/bench or "
-                                                     "$FLASHDRAFT_BENCH_CACHE)")
+    d.add_argument("--cache-dir", type=output_dir_arg, default=None,
+                   help="dataset cache (default: ~/.cache/flashdraft/bench or $FLASHDRAFT_BENCH_CACHE)")
     d.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template "
                                                        "(server mode: use /v1/chat/completions)")
     d.add_argument("--max-new-tokens", type=positive_int, default=128)
@@ -74,11 +75,11 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="0 = greedy (default; enables the lossless check)")
     d.add_argument("--top-p", type=top_p_arg, default=1.0)
     d.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=seed_arg, default=0)
     d.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS (fixed output lengths)")
 
     s = p.add_argument_group("server mode")
-    s.add_argument("--server", action="append", default=[], metavar="[NAME=]URL",
+    s.add_argument("--server", type=http_url_arg, action="append", default=[], metavar="[NAME=]URL",
                    help="OpenAI-compatible base URL (repeatable; a server named 'ar' is the speedup baseline)")
     s.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 32], help="levels, e.g. 1,4,16,32")
     s.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
@@ -89,7 +90,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None)
 
     o = p.add_argument_group("output")
-    o.add_argument("--output-dir", default="runs/bench", help="results.json, results.md and plots go here")
+    o.add_argument("--output-dir", type=output_dir_arg, default="runs/bench",
+                   help="results.json, results.md and plots go here")
     o.add_argument("--strict", action="store_true", help="exit 1 when a lossless method's greedy output differs")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -102,6 +104,30 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     configure_parser(p)
     p.set_defaults(func=run_bench)
     return p
+
+
+def check_servers_reachable(specs: list[str], api_key: str | None = None, timeout: float = 10.0) -> None:
+    """One GET per --server before any prompt is sent: a server that cannot be connected to is one line (exit 2),
+    not a traceback, nor a finished run whose every request failed. Any HTTP answer counts as reachable."""
+    import httpx
+
+    from flashdraft.bench.server import parse_servers
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for name, base in parse_servers(specs):
+        try:
+            httpx.get(base + "/v1/models", timeout=timeout, headers=headers)
+        except httpx.TransportError as exc:
+            raise ValueError(f"--server {base}: cannot connect ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split()) or 'no detail'})") from None
+
+
+def _has_request(exc) -> bool:
+    try:
+        exc.request  # httpx raises RuntimeError when an error carries no request
+    except RuntimeError:
+        return False
+    return True
 
 
 def _environment(target=None, drafter=None, assistant=None) -> dict:
@@ -185,6 +211,7 @@ def run_bench(args, extra_methods=None, console=None) -> int:
     num_prompts = args.num_prompts or None
     try:
         if args.server:
+            check_servers_reachable(args.server, args.api_key)
             prompts = []
             for spec in args.dataset:
                 prompts += load_prompts(spec, num_prompts, args.cache_dir)
@@ -193,12 +220,19 @@ def run_bench(args, extra_methods=None, console=None) -> int:
 
                 prompts = [Prompt(messages=p.as_messages()) for p in prompts]
             with _progress(not args.no_progress) as progress:
+                import httpx
+
                 from flashdraft.bench.server import run_servers
 
-                results = run_servers(args.server, prompts, args.concurrency, model=args.model, api=args.api,
-                                      max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                      top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                                      num_requests=args.num_requests, api_key=args.api_key, progress=progress)
+                try:
+                    results = run_servers(args.server, prompts, args.concurrency, model=args.model, api=args.api,
+                                          max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                                          num_requests=args.num_requests, api_key=args.api_key, progress=progress)
+                except httpx.HTTPError as exc:  # unreachable server, refused connection, HTTP error status
+                    where = exc.request.url if _has_request(exc) else None
+                    raise ValueError(f"--server: {'cannot use ' + str(where) if where else 'request failed'} "
+                                     f"({type(exc).__name__}: {exc or 'no detail'})") from exc
             results["config"] = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
             results["datasets_used"] = [dataset_label(d) for d in args.dataset]
             results["environment"] = _environment()

@@ -13,29 +13,45 @@ import argparse
 import json
 import sys
 
+from flashdraft.args import (ArgumentParser, data_source_arg, device_arg, finite_float_in, float_in, int_at_least,
+                             model_path_arg, output_dir_arg, parse_args, positive_int, run_command, seed_arg,
+                             temperature_arg, top_p_arg)
+
 
 def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.replace(",", " ").split()]
+    try:
+        numbers = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+    if not numbers or min(numbers) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices >= 0, got {text!r}")
+    return numbers
+
+
+def _new_or_dir(value: str) -> str:
+    """--feature-cache: a directory (created when missing); an existing file is refused."""
+    return output_dir_arg(value)
 
 
 def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("regenerate", help="regenerate responses to prompts with the target itself",
                               description="Generate the target's own responses to prompts into sharded JSONL "
                                           "(shard-00000.jsonl ...), resumable; run under torchrun to split shards.")
-    p.add_argument("--target", required=True, help="target model directory or hub id")
-    p.add_argument("--data", required=True, help="prompts: JSONL file, directory of JSONL, or a datasets name")
+    p.add_argument("--target", type=model_path_arg("target"), required=True, help="target model directory or hub id")
+    p.add_argument("--data", type=data_source_arg, required=True,
+                   help="prompts: JSONL file, directory of JSONL, or a datasets name")
     p.add_argument("--split", default="train")
-    p.add_argument("--limit", type=int, default=None, help="use only the first N records")
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--shard-size", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-prompt-length", type=int, default=None, help="drop prompts longer than this")
-    p.add_argument("--device", default=None)
+    p.add_argument("--limit", type=positive_int, default=None, help="use only the first N records")
+    p.add_argument("--output-dir", type=output_dir_arg, required=True)
+    p.add_argument("--shard-size", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=1024)
+    p.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=top_p_arg, default=1.0)
+    p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--max-prompt-length", type=positive_int, default=None, help="drop prompts longer than this")
+    p.add_argument("--device", type=device_arg, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_regenerate)
     return p
@@ -50,7 +66,7 @@ def run_regenerate(args) -> int:
     from flashdraft.loading import load_target
     from flashdraft.train.regenerate import regenerate
 
-    device = args.device
+    device = None if args.device == "auto" else args.device
     if device is None and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     model, tokenizer = load_target(args.target, device=device)
@@ -68,41 +84,47 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="train a DFlash drafter for a target model",
                               description="Train a DFlash drafter (docs/design.md, 'Training'). Single process, or DDP "
                                           "with torchrun --nproc-per-node N (gloo on CPU, nccl on GPU).")
-    p.add_argument("--target", required=True, help="target model directory or hub id")
-    p.add_argument("--data", required=True, help="regenerated shards dir, JSONL, or a datasets name")
-    p.add_argument("--output-dir", required=True)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-draft-layers", type=int, default=5)
+    p.add_argument("--target", type=model_path_arg("target"), required=True, help="target model directory or hub id")
+    p.add_argument("--data", type=data_source_arg, required=True,
+                   help="regenerated shards dir, JSONL, or a datasets name")
+    p.add_argument("--output-dir", type=output_dir_arg, required=True)
+    p.add_argument("--block-size", type=int_at_least(2, " (the bonus token plus at least one draft)"), default=16)
+    p.add_argument("--num-draft-layers", type=positive_int, default=5)
     p.add_argument("--target-layer-ids", type=_int_list, default=None, help="e.g. '1,9,17,25,33' (default: evenly spaced)")
-    p.add_argument("--num-taps", type=int, default=None, help="number of target layers tapped (default: draft layers)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: the tokenizer's mask token (<|mask|>)")
-    p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per micro-batch per process")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--max-length", type=int, default=3072)
-    p.add_argument("--num-anchors", type=int, default=512)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup-ratio", type=float, default=0.04)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--gamma", type=float, default=None, help="loss decay (default 7/5/4 for B=16/10/8)")
-    p.add_argument("--distill-weight", type=float, default=0.0, help="soft-label KL weight in [0, 1]")
-    p.add_argument("--distill-temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-taps", type=positive_int, default=None,
+                   help="number of target layers tapped (default: draft layers)")
+    p.add_argument("--mask-token-id", type=int_at_least(0), default=None,
+                   help="default: the tokenizer's mask token (<|mask|>)")
+    p.add_argument("--intermediate-size", type=positive_int, default=None)
+    p.add_argument("--epochs", type=positive_int, default=6)
+    p.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per micro-batch per process")
+    p.add_argument("--grad-accum", type=positive_int, default=1)
+    p.add_argument("--max-length", type=positive_int, default=3072)
+    p.add_argument("--num-anchors", type=positive_int, default=512)
+    p.add_argument("--lr", type=finite_float_in(0.0), default=6e-4)
+    p.add_argument("--weight-decay", type=finite_float_in(0.0), default=0.0)
+    p.add_argument("--warmup-ratio", type=float_in(0.0, 1.0), default=0.04)
+    p.add_argument("--grad-clip", type=finite_float_in(0.0, low_open=True), default=1.0)
+    p.add_argument("--gamma", type=finite_float_in(0.0, low_open=True), default=None,
+                   help="loss decay (default 7/5/4 for B=16/10/8)")
+    p.add_argument("--distill-weight", type=float_in(0.0, 1.0), default=0.0, help="soft-label KL weight in [0, 1]")
+    p.add_argument("--distill-temperature", type=finite_float_in(0.0, low_open=True), default=1.0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
-    p.add_argument("--feature-cache", default=None, help="directory for offline target features (safetensors)")
-    p.add_argument("--save-every", type=int, default=500)
-    p.add_argument("--keep-checkpoints", type=int, default=2)
-    p.add_argument("--eval-prompts", default=None, help="held-out prompts (JSONL/datasets) for tau evaluation")
-    p.add_argument("--eval-limit", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--eval-max-new-tokens", type=int, default=64)
+    p.add_argument("--feature-cache", type=_new_or_dir, default=None,
+                   help="directory for offline target features (safetensors)")
+    p.add_argument("--save-every", type=positive_int, default=500)
+    p.add_argument("--keep-checkpoints", type=positive_int, default=2)
+    p.add_argument("--eval-prompts", type=data_source_arg, default=None,
+                   help="held-out prompts (JSONL/datasets) for tau evaluation")
+    p.add_argument("--eval-limit", type=positive_int, default=64)
+    p.add_argument("--eval-every", type=int_at_least(0, " (0 = only at the start and the end)"), default=0)
+    p.add_argument("--eval-max-new-tokens", type=positive_int, default=64)
     p.add_argument("--no-eval-at-start", action="store_true")
-    p.add_argument("--log-every", type=int, default=1)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    p.add_argument("--device", default=None)
+    p.add_argument("--log-every", type=positive_int, default=1)
+    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --output-dir")
+    p.add_argument("--device", type=device_arg, default=None)
     p.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_train)
@@ -123,16 +145,22 @@ def config_from_args(args):
         feature_cache=args.feature_cache, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
-        log_every=args.log_every, resume=args.resume, device=args.device, export_dtype=args.export_dtype,
+        log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
+        export_dtype=args.export_dtype,
         progress=not args.no_progress,
     )
 
 
 def run_train(args) -> int:
-    from flashdraft.train.trainer import Trainer
+    from flashdraft.train.trainer import NonFiniteLoss, Trainer
 
     trainer = Trainer(config_from_args(args))
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except NonFiniteLoss as exc:  # a failed run, not a usage error: one line, exit 1
+        if trainer.rank == 0:
+            print(f"flashdraft train: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
     if trainer.rank == 0:
         print(json.dumps({"steps": result.steps, "final_dir": result.final_dir, "log": result.log_path,
                           "tau_start": (result.eval_start or {}).get("tau"), "tau_end": (result.eval_end or {}).get("tau"),
@@ -141,14 +169,19 @@ def run_train(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flashdraft.train.cli", description="DFlash drafter training")
+def main(argv: list[str] | None = None, one_line_errors: bool = False) -> int:
+    """Bad flags: one line on stderr and exit 2 (argparse), like `flashdraft train|regenerate`. User errors found
+    later (missing files, no intact checkpoint ...) raise ValueError, or with `one_line_errors` (the command line)
+    print one line and exit 2, via `run_command`."""
+    parser = ArgumentParser(prog="python -m flashdraft.train.cli", description="DFlash drafter training")
     sub = parser.add_subparsers(dest="command", required=True)
     add_regenerate_parser(sub)
     add_train_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    args, code = parse_args(parser, argv)
+    if args is None:
+        return code
+    return run_command(args, prog=f"flashdraft {args.command}") if one_line_errors else args.func(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(one_line_errors=True))

@@ -57,7 +57,16 @@ def regenerate(
     world_size: int | None = None,
     progress: bool = True,
 ) -> list[Path]:
-    """Write the shards this worker owns; returns the paths of all shards this worker is responsible for."""
+    """Write the shards this worker owns; returns the paths of all shards this worker is responsible for.
+
+    Refused (ValueError) before anything is written: shard_size / batch_size / max_new_tokens below 1, and a
+    model whose weights hold NaN or inf (it would answer every prompt with the same token)."""
+    from flashdraft.loading import check_finite_weights
+
+    for name, value in (("shard_size", shard_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if int(value) < 1:
+            raise ValueError(f"regenerate: {name} must be >= 1, got {value}")
+    check_finite_weights(model, "regenerate: the target")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank

@@ -20,6 +20,10 @@ Design:
   epoch, data position, RNG states per rank. `resume=True` loads the newest complete one; the log is cut back to
   that step. The final drafter is exported with `DFlashDraftModel.save_pretrained` to `output_dir/final` and its
   config is checked for every loader field.
+- Non-finite values stop training: a target whose weights hold NaN / inf is refused before anything runs, and a
+  step whose loss or gradient norm is not finite (summed over all ranks, so every rank agrees) raises
+  `NonFiniteLoss` naming the step and its examples before the optimizer step; nothing is exported, and the
+  checkpoints already written stay as they were. The export refuses a drafter with non-finite weights too.
 - Evaluation: tau and per-position acceptance on held-out prompts with the real `SpecEngine` (rank 0), at start,
   every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
 
@@ -104,6 +108,42 @@ class TrainConfig:
     progress: bool = True
 
 
+class NonFiniteLoss(RuntimeError):
+    """A training step produced a NaN / inf loss or gradient norm; training stopped before applying it."""
+
+
+def check_config(cfg: "TrainConfig") -> None:
+    """ValueError naming the first field of `cfg` out of its range (the CLI checks the same as it parses; this
+    guards the Python API from ZeroDivisionError / IndexError deep inside, or a silently untrained drafter)."""
+    def need(ok: bool, field_name: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"TrainConfig.{field_name} = {getattr(cfg, field_name)!r}: must be {what}")
+
+    for name in ("num_draft_layers", "epochs", "batch_size", "grad_accum", "max_length", "num_anchors", "save_every",
+                 "keep_checkpoints", "eval_limit", "eval_max_new_tokens", "log_every", "loss_chunk_size"):
+        need(isinstance(getattr(cfg, name), int) and getattr(cfg, name) >= 1, name, "an integer >= 1")
+    need(isinstance(cfg.block_size, int) and cfg.block_size >= 2, "block_size",
+         "an integer >= 2 (the bonus token plus at least one draft)")
+    for name in ("max_steps", "num_taps", "intermediate_size"):
+        value = getattr(cfg, name)
+        need(value is None or (isinstance(value, int) and value >= 1), name, "None or an integer >= 1")
+    need(isinstance(cfg.eval_every, int) and cfg.eval_every >= 0, "eval_every", "an integer >= 0 (0 = at the end)")
+    need(cfg.mask_token_id is None or cfg.mask_token_id >= 0, "mask_token_id", "None or >= 0")
+    need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, "seed", "an integer in [0, 2**32 - 1]")
+    finite = math.isfinite
+    need(finite(cfg.lr) and cfg.lr >= 0, "lr", "a finite number >= 0")
+    need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "a finite number >= 0")
+    need(0 <= cfg.warmup_ratio <= 1, "warmup_ratio", "in [0, 1]")
+    need(finite(cfg.grad_clip) and cfg.grad_clip > 0, "grad_clip", "a finite number > 0")
+    need(cfg.gamma is None or (finite(cfg.gamma) and cfg.gamma > 0), "gamma", "None or a finite number > 0")
+    need(0 <= cfg.distill_weight <= 1, "distill_weight", "in [0, 1]")
+    need(finite(cfg.distill_temperature) and cfg.distill_temperature > 0, "distill_temperature",
+         "a finite number > 0")
+    if cfg.target_layer_ids is not None:
+        need(len(cfg.target_layer_ids) > 0 and min(cfg.target_layer_ids) >= 0, "target_layer_ids",
+             "a non-empty list of layer indices >= 0")
+
+
 def resolve_mask_token_id(mask_token_id: int | None, tokenizer, vocab_size: int) -> int:
     """The explicit id, else the tokenizer's mask token; errors clearly when neither exists or it is out of range."""
     if mask_token_id is None:
@@ -182,6 +222,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, target_model=None, tokenizer=None, examples: list[Example] | None = None,
                  eval_prompts: list[list[int]] | None = None):
+        check_config(config)
         self.cfg = config
         self._setup_distributed()
         self.out = Path(config.output_dir)
@@ -193,8 +234,12 @@ class Trainer:
                 raise ValueError("TrainConfig.target (path to the target model) is required")
             from flashdraft.loading import load_target
 
-            target_model, loaded_tok = load_target(config.target, device=str(self.device))
+            target_model, loaded_tok = load_target(config.target, device=str(self.device))  # weights checked there
             tokenizer = tokenizer or loaded_tok
+        else:
+            from flashdraft.loading import check_finite_weights
+
+            check_finite_weights(target_model, "target model")
         target_model = target_model.to(self.device).eval()
         for p in target_model.parameters():
             p.requires_grad_(False)
@@ -348,15 +393,36 @@ class Trainer:
             stats[1 + cfg.block_size:] += out.count.double()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
+        stats = self._all_reduce(stats)  # before the optimizer step: every rank sees the same (non-)finite loss
+        loss = float(stats[0]) / max(weight_sum, 1e-8)
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._stop_nonfinite(step, epoch, es, loss, float(grad_norm), layout.flatten().tolist())
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self._all_reduce(stats)
         correct, count = stats[1:1 + cfg.block_size], stats[1 + cfg.block_size:]
         acc = [round(float(c / n), 4) if n > 0 else None for c, n in zip(correct[1:], count[1:])]
-        return {"step": step + 1, "epoch": epoch, "epoch_step": es, "loss": float(stats[0]) / max(weight_sum, 1e-8),
+        return {"step": step + 1, "epoch": epoch, "epoch_step": es, "loss": loss,
                 "lr": lr, "grad_norm": float(grad_norm), "tokens": int(tokens), "label_weight": weight_sum,
                 "acc_per_position": acc, "samples": layout.flatten().tolist()}
+
+    def _stop_nonfinite(self, step: int, epoch: int, epoch_step: int, loss: float, grad_norm: float,
+                        samples: list[int]) -> None:
+        """Log and raise NonFiniteLoss for global step `step` (0-based; reported 1-based, like the log)."""
+        shown = ", ".join(str(i) for i in samples[:16])
+        if len(samples) > 16:
+            shown += f", ... ({len(samples)} in all)"
+        done = checkpoint.list_checkpoints(self.out)
+        last = f"the newest checkpoint, {done[-1].name}, is untouched" if done else "no checkpoint was written"
+        message = (f"step {step + 1} (epoch {epoch}, step {epoch_step + 1} of the epoch): loss {loss} and gradient "
+                   f"norm {grad_norm}; not finite, so training stopped before the optimizer step and nothing was "
+                   f"exported ({last}). The batch: examples [{shown}] (indices into the usable training examples "
+                   "in load order). Lower --lr or check those examples.")
+        if self.rank == 0:
+            self._log({"event": "nonfinite", "step": step + 1, "epoch": epoch, "epoch_step": epoch_step,
+                       "loss": repr(loss), "grad_norm": repr(grad_norm), "samples": samples})
+        raise NonFiniteLoss(message)
 
     # ---- loop -----------------------------------------------------------------------------------------------
 
@@ -435,6 +501,12 @@ class Trainer:
         return checkpoint.checkpoint_root(self.out)
 
     def save_checkpoint(self) -> Path:
+        from flashdraft.loading import nonfinite_parameter
+
+        bad = nonfinite_parameter(self.drafter)  # an optimizer step can overflow even from a finite loss
+        if bad is not None:
+            raise NonFiniteLoss(f"after step {self.step} the drafter's weight {bad} holds NaN or inf (lower --lr); "
+                                "not saved, nothing exported")
         return checkpoint.save_checkpoint(
             self.out, self.step, drafter=self.drafter, optimizer=self.optimizer, scheduler=self.scheduler,
             steps_per_epoch=self.steps_per_epoch, global_batch=self.global_batch, world_size=self.world_size,
@@ -455,6 +527,11 @@ class Trainer:
         out = self.out / "final"
         if self.rank == 0:
             name = self.cfg.export_dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+            from flashdraft.loading import nonfinite_parameter
+
+            bad = nonfinite_parameter(self.drafter)
+            if bad is not None:
+                raise NonFiniteLoss(f"the trained drafter's weight {bad} holds NaN or inf; not exported")
             tmp = out.with_name("final.tmp")
             if tmp.exists():
                 shutil.rmtree(tmp)
