@@ -154,3 +154,26 @@ def test_greedy_rows_ignore_the_sampler():
     assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]]
     with pytest.raises(ValueError, match="sampler must be one of"):
         SpecEngine(target, drafter, sampler="bogus")
+
+
+@pytest.mark.skipif(__import__("flashdraft.engine.compiled", fromlist=["x"]).compile_unavailable(torch.device("cpu"))
+                    is not None, reason="no C++ compiler for torch.compile")
+def test_compiled_engine_samples_plain_decodings_text():
+    target = make_target("qwen3", dtype=torch.float32)
+    drafter = make_drafter(target, block_size=4, dtype=torch.float32)
+    params = [_sampled(200 + i) for i in range(3)]
+    plain = SpecEngine(target, exact=True).generate(PROMPTS[:3], params)
+    compiled = SpecEngine(target, drafter, compile=True).generate(PROMPTS[:3], params)
+    assert [r.token_ids for r in compiled] == [r.token_ids for r in plain]
+
+
+def test_bf16_exact_mode_samples_plain_decodings_text_in_any_batch():
+    """In bf16 a verify block and a one-token step round differently; exact mode makes the sampled text, like the
+    greedy one, bit-identical to plain decoding's, alone and in a batch."""
+    target = make_target("qwen3", dtype=torch.bfloat16)
+    drafter = make_drafter(target, block_size=4, dtype=torch.bfloat16)
+    params = [_sampled(300 + i) for i in range(len(PROMPTS))]
+    plain = [SpecEngine(target, exact=True).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    spec = SpecEngine(target, drafter, exact=True)
+    assert [spec.generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)] == plain
+    assert [r.token_ids for r in spec.generate(PROMPTS, params)] == plain
