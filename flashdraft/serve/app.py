@@ -402,7 +402,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
 
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    openapi = protocol.openapi_document(cfg.model_name, auth=bool(cfg.api_key))
+    openapi = protocol.openapi_document(cfg.model_name, auth=bool(cfg.api_key), max_model_len=server.max_model_len,
+                                        vocab_size=server.vocab_size)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):

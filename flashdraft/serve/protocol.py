@@ -16,6 +16,7 @@ checked in `app.py`), HTTP plumbing.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from typing import Annotated, Any, Literal
@@ -450,6 +451,22 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
                                       "message": {"type": "object", "required": ["role", "content"], "properties": {
                                           "role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
                    "usage": _USAGE, "dflash": _STATS}}
+_CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+          "properties": {
+              "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion.chunk"]},
+              "created": {"type": "integer"}, "model": {"type": "string"},
+              "choices": {"type": "array", "maxItems": 1, "items": {
+                  "type": "object", "required": ["index", "finish_reason"],
+                  "properties": {"index": {"const": 0}, "text": {"type": "string"},
+                                 "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                                            "content": {"type": "string"}}},
+                                 "finish_reason": {"enum": ["stop", "length", None]}}}},
+              "usage": {"anyOf": [_USAGE, {"type": "null"}]}, "dflash": _STATS}}
+# one server-sent event: `data: <a chunk or an error as JSON>`, and the last one `data: [DONE]`
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+    {"const": "[DONE]"},
+    {"type": "string", "not": {"const": "[DONE]"}, "contentMediaType": "application/json",
+     "contentSchema": {"anyOf": [_CHUNK, _ERROR]}}]}}}
 _MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"],
                "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                               "owned_by": {"type": "string"}, "max_model_len": {"type": "integer", "minimum": 1}}}
@@ -461,16 +478,35 @@ _HEALTH = {"type": "object", "required": ["status", "running", "waiting", "cycle
                           "cycles": {"type": "integer", "minimum": 0}}}
 
 
-def openapi_document(model_name: str, auth: bool = False, version: str = "0.1.0") -> dict:
+def openapi_document(model_name: str, auth: bool = False, max_model_len: int | None = None,
+                     vocab_size: int | None = None, version: str = "0.1.0") -> dict:
     """The OpenAPI 3.1 description of every route, with the request schemas the validators enforce and the response
-    shapes (errors included) the server answers with; a server error (5xx other than 503) is never documented."""
+    shapes (errors included) the server answers with; a server error (5xx other than 503) is never documented.
+    With the served model's context length and vocabulary size, token counts and token ids get their real bounds
+    (a prompt's length in tokens still cannot be stated: a schema-valid request may be refused for its context)."""
     from pydantic.json_schema import models_json_schema
 
     _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
                                  ref_template="#/components/schemas/{model}")
-    schemas = dict(defs.get("$defs", {}))
-    for name in ("CompletionRequest", "ChatCompletionRequest"):  # the only model this server has
-        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    schemas = copy.deepcopy(defs.get("$defs", {}))  # (WithJsonSchema dicts are shared with the models)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas[name]["properties"]
+        props["model"] = {"type": "string", "enum": [model_name]}  # the only model this server has
+        if max_model_len:
+            for key in ("max_tokens", "max_completion_tokens"):
+                if key in props:
+                    props[key] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_model_len},
+                                            {"type": "null"}], "default": None}
+        if vocab_size:
+            token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+            props["stop_token_ids"]["anyOf"][0]["items"] = token
+            if "prompt" in props:
+                ids = {"type": "array", "minItems": 1, "items": token}
+                if max_model_len:
+                    ids["maxItems"] = max_model_len
+                string = {"type": "string", "minLength": 1}
+                one = [{"type": "array", "minItems": 1, "maxItems": 1, "items": s} for s in (string, ids)]
+                props["prompt"] = {"anyOf": [string, ids, *one], "description": _PROMPT_SCHEMA["description"]}
     schemas.update(Error=_ERROR, Completion=_COMPLETION, ModelCard=_MODEL_CARD, ModelList=_MODEL_LIST,
                    Health=_HEALTH)
 
@@ -493,7 +529,7 @@ def openapi_document(model_name: str, auth: bool = False, version: str = "0.1.0"
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(body)}}},
             "responses": {"200": {"description": "the completion (JSON), or server-sent events when stream is true",
                                   "content": {"application/json": {"schema": ref("Completion")},
-                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                                              "text/event-stream": {"schema": _SSE_EVENT}}},
                           **generate_errors}}}
 
     doc = {
