@@ -123,20 +123,21 @@ def test_nonfinite_drafter_is_refused_too(pair, tmp_path, capsys):
     _one_line(capsys, rc, ["fc.weight", "NaN or inf"])
 
 
-def test_finite_weights_pass_and_the_check_is_chunked():
-    from flashdraft import loading
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_nonfinite_parameter_finds_any_nan_or_inf(dtype, value):
+    from flashdraft.loading import nonfinite_parameter
 
-    lin = torch.nn.Linear(300, 200)
-    assert loading.nonfinite_parameter(lin) is None
-    old = loading._FINITE_CHUNK
-    loading._FINITE_CHUNK = 1000  # several chunks per tensor: a NaN in the last chunk is still found
-    try:
-        with torch.no_grad():
-            lin.weight.view(-1)[-1] = math.nan
-        assert loading.nonfinite_parameter(lin) == "weight"
-    finally:
-        loading._FINITE_CHUNK = old
-    assert loading.nonfinite_parameter(torch.nn.Embedding(4, 2).to(torch.bfloat16)) is None
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Identity(), torch.nn.Embedding(40, 8))
+    model.empty = torch.nn.Parameter(torch.empty(0))  # skipped (aminmax has nothing to reduce)
+    model = model.to(dtype)
+    assert nonfinite_parameter(model) is None
+    with torch.no_grad():
+        model[2].weight.view(-1)[-1] = value  # the very last element of the last weight
+    assert nonfinite_parameter(model) == "2.weight"
+    with torch.no_grad():
+        model[0].bias[0] = value
+    assert nonfinite_parameter(model) == "0.bias"
 
 
 # ---- training: the first non-finite loss stops it --------------------------------------------------------------
