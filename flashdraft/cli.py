@@ -11,7 +11,7 @@ import json
 import sys
 
 from flashdraft.args import (ArgumentParser, add_model_args, apply_threads, engine_from_args, histogram_lines,
-                             int_at_least, load_models, parse_args, positive_int, run_command, temperature_arg,
+                             int_at_least, load_models, parse_args, positive_int, run_command, seed_arg, temperature_arg,
                              top_p_arg)
 from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
 
@@ -21,7 +21,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=top_p_arg, default=1.0)
     p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_arg, default=None,
+                   help="sampling seed: the same seed gives the same text (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
