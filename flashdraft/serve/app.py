@@ -120,6 +120,11 @@ class Server:
                 raise APIError(400, "invalid Content-Length header")
             if int(length) > cfg.max_body_bytes:
                 self.metrics.rejected("body_too_large")
+                if int(length) <= 4 * cfg.max_body_bytes:  # read and drop it (within the timeout), so that a client
+                    try:  # that sends its whole body before reading gets the 413 rather than a reset connection
+                        await asyncio.wait_for(self._discard(request), cfg.body_timeout)
+                    except (asyncio.TimeoutError, ClientDisconnect):
+                        pass
                 raise APIError(413, too_large, code="request_too_large")
 
         async def read() -> bytes:
@@ -149,6 +154,11 @@ class Server:
         self.metrics.rejected("body_timeout")
         raise APIError(408, f"the request body did not arrive within {cfg.body_timeout:g} s (--body-timeout)",
                        code="request_timeout")
+
+    @staticmethod
+    async def _discard(request: Request) -> None:
+        async for _ in request.stream():
+            pass
 
     # ---- request -> (prompt ids, SamplingParams), in a worker thread ---------------------------------------------
 
