@@ -125,10 +125,12 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
 def run_side(python: Path, mode: str, target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int,
              dtype: str = "float32", save_to: Path | None = None, tokenizer: Path | None = None,
              timeout: int = 900) -> dict:
+    target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
+    save_to = Path(save_to).resolve() if save_to else None
     cmd = [str(python), str(SIDE), "--mode", mode, "--target", str(target_dir), "--draft", str(draft_dir),
            "--dtype", dtype]
     if tokenizer:
-        cmd += ["--tokenizer", str(tokenizer)]
+        cmd += ["--tokenizer", str(Path(tokenizer).resolve())]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["HF_HUB_OFFLINE"] = "1"
     req = {"prompts": prompts, "max_new_tokens": max_new_tokens, "save_to": str(save_to) if save_to else None}
@@ -139,21 +141,33 @@ def run_side(python: Path, mode: str, target_dir: Path, draft_dir: Path, prompts
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def compare(ours: dict, theirs: dict) -> dict:
-    """Per prompt and overall: outputs equal, cycles equal, acceptance lengths equal (all but the last cycle),
-    drafts equal (common length); mean acceptance length (tau) of each side."""
+def compare(ours: dict, theirs: dict, max_new_tokens: int, block_size: int, truncating: bool = True) -> dict:
+    """Per prompt and overall: outputs equal; acceptance lengths and drafted tokens equal in every compared cycle;
+    tau of each side. z-lab's `dflash_generate` (`truncating`) drafts a SHORTER block once fewer than block_size
+    tokens remain (its block attention is bidirectional, so those drafts legitimately differ): only the cycles
+    before that are compared. Our engine and dflash.py always draft full blocks: every cycle's drafts are compared,
+    and every acceptance length but the last (which each side counts after its own max_new_tokens cut)."""
     rows = []
     for a, b in zip(ours["results"], theirs["results"]):
         la, lb = a["acceptance_lengths"], b["acceptance_lengths"]
         da, db = a["drafts"], b["drafts"]
-        draft_eq = len(da) == len(db) and all(x[:min(len(x), len(y))] == y[:min(len(x), len(y))]
-                                              for x, y in zip(da, db))
+        if truncating:  # drafts: full blocks (>= block_size left); acceptance: not cut (> block_size left)
+            n_acc = n_drafts = done = 0
+            for x in lb:
+                left = max_new_tokens - done
+                n_drafts += left >= block_size
+                n_acc += left > block_size
+                done += x
+        else:
+            n_acc, n_drafts = max(0, len(lb) - 1), len(lb)
         rows.append({"output_equal": a["output"] == b["output"], "cycles": (len(la), len(lb)),
-                     "acceptance_equal": len(la) == len(lb) and la[:-1] == lb[:-1], "drafts_equal": draft_eq,
-                     "ours": la, "theirs": lb})
+                     "compared_cycles": n_acc, "acceptance_equal": la[:n_acc] == lb[:n_acc],
+                     "drafts_equal": len(da) >= n_drafts and len(db) >= n_drafts
+                     and da[:n_drafts] == db[:n_drafts], "ours": la, "theirs": lb})
     tau = lambda side: (sum(sum(r["acceptance_lengths"]) for r in side["results"])  # noqa: E731
                         / max(1, sum(len(r["acceptance_lengths"]) for r in side["results"])))
     return {"prompts": len(rows), "cycles": sum(r["cycles"][0] for r in rows),
+            "compared_cycles": sum(r["compared_cycles"] for r in rows),
             "outputs_equal": sum(r["output_equal"] for r in rows),
             "acceptance_equal": sum(r["acceptance_equal"] for r in rows),
             "drafts_equal": sum(r["drafts_equal"] for r in rows),
@@ -205,15 +219,15 @@ def main(argv=None) -> int:
             shutil.rmtree(their_dir)
         z = run_side(zpy, "zlab", target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype, save_to=their_dir)
         report["zlab"] = {k: v for k, v in z.items() if k != "results"}
-        report["ours_vs_zlab"] = compare(ours, z)
+        report["ours_vs_zlab"] = compare(ours, z, args.max_new_tokens, z["block_size"])
         table.append(("our export -> z-lab from_pretrained + dflash_generate", report["ours_vs_zlab"], z))
         ours_on_theirs = run_ours(target_dir, their_dir, prompts, args.max_new_tokens, args.dtype)
-        report["their_layout_in_ours"] = compare(ours_on_theirs, z)
+        report["their_layout_in_ours"] = compare(ours_on_theirs, z, args.max_new_tokens, z["block_size"])
         report["their_saved_config"] = json.loads((their_dir / "config.json").read_text())
         table.append(("z-lab save_pretrained -> our from_pretrained + engine", report["their_layout_in_ours"], z))
         control = run_side(zpy, "zlab", target_dir, strip_rope(draft_dir, out / "no_rope_export"), prompts,
                            args.max_new_tokens, args.dtype)
-        report["control_no_rope_base"] = compare(ours, control)
+        report["control_no_rope_base"] = compare(ours, control, args.max_new_tokens, control["block_size"])
         report["control_rope_theta_read"] = control["rope_theta_read"]
         table.append(("control: export without rope base -> z-lab", report["control_no_rope_base"], control))
     else:
@@ -223,18 +237,19 @@ def main(argv=None) -> int:
         r = run_side(tpy, "remote", target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype,
                      tokenizer=SHIPPED_TARGET)
         report["tf457"] = {k: v for k, v in r.items() if k != "results"}
-        report["ours_vs_tf457_remote_code"] = compare(ours, r)
+        report["ours_vs_tf457_remote_code"] = compare(ours, r, args.max_new_tokens, r["block_size"], truncating=False)
         table.append(("our export -> transformers 4.57 AutoModel(trust_remote_code) + dflash.py",
                       report["ours_vs_tf457_remote_code"], r))
     else:
         report["tf457"] = f"skipped: no transformers-4.57 side venv at {tpy} (bash scripts/compat/setup_tf457_env.sh)"
     print(f"drafter trained for a Qwen3 target with rope base {args.rope_theta:g}; {len(prompts)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, greedy, {args.dtype}; ours read rope base {ours['rope_theta_read']:g}")
-    print(f"{'reader':<78} {'rope read':>9} {'tau ours':>8} {'tau them':>8} {'acc eq':>7} {'drafts eq':>9} {'out eq':>7}")
+    print(f"| reader | rope base read | tau ours | tau theirs | cycles compared | acceptance equal | drafts equal "
+          f"| outputs equal |\n|---|---|---|---|---|---|---|---|")
     for name, c, side in table:
-        print(f"{name:<78} {side.get('rope_theta_read') or 0:>9g} {c['tau_ours']:>8} {c['tau_theirs']:>8} "
-              f"{c['acceptance_equal']:>3}/{c['prompts']:<3} {c['drafts_equal']:>5}/{c['prompts']:<3} "
-              f"{c['outputs_equal']:>3}/{c['prompts']:<3}")
+        print(f"| {name} | {side.get('rope_theta_read') or 0:g} | {c['tau_ours']} | {c['tau_theirs']} | "
+              f"{c['compared_cycles']} | {c['acceptance_equal']}/{c['prompts']} prompts | "
+              f"{c['drafts_equal']}/{c['prompts']} | {c['outputs_equal']}/{c['prompts']} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
