@@ -1,5 +1,6 @@
 """The generation engine: `SpecEngine` (prefill + draft/verify cycles), the shared verifier, drafting methods."""
 
+from flashdraft.engine import compat  # noqa: F401  (attaches DFlashDraftModel.spec_generate)
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, NoRowState, ProposalInput

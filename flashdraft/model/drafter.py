@@ -21,8 +21,9 @@ The checkpoint format is the reference one (config.json with `dflash_config` + m
 `model.` prefix), so the same directory loads in the reference code, vLLM and SGLang. Weights load from
 safetensors only.
 
-What this module does not know about: the target model (see `target.py`), the decode loop (`flashdraft.engine`),
-and training-time masks beyond accepting an explicit boolean mask (`flashdraft.train`).
+What this module does not know about: the target model (see `target.py`), the decode loop (`flashdraft.engine`,
+which also attaches the reference's one-call `spec_generate` to this class: `engine/compat.py`), and
+training-time masks beyond accepting an explicit boolean mask (`flashdraft.train`).
 """
 
 from __future__ import annotations
@@ -765,31 +766,6 @@ class DFlashDraftModel(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    # ---- reference-compatible entry point -------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def spec_generate(
-        self,
-        target: nn.Module,
-        input_ids: torch.LongTensor,
-        max_new_tokens: int,
-        stop_token_ids: list[int] | None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-    ) -> torch.LongTensor:
-        """Drop-in for the reference: returns `[1, prompt + generated]` token ids (generation ends after a stop id)."""
-        from flashdraft.engine import SamplingParams, SpecEngine
-
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop_token_ids=tuple(stop_token_ids or ()))
-        rows = [ids for ids in input_ids.tolist()]
-        with SpecEngine(target, self) as engine:  # one engine per call: its hooks come off the target after it
-            results = engine.generate(rows, params)
-        if len(results) == 1:
-            return torch.tensor([rows[0] + results[0].token_ids], dtype=torch.long, device=input_ids.device)
-        return [torch.tensor([r + res.token_ids], device=input_ids.device) for r, res in zip(rows, results)]
 
 
 def check_draft_config_file(config_path: Path) -> dict:
