@@ -120,10 +120,10 @@ def test_mismatch_is_reported_loudly(pair, tmp_path):
     assert "LOSSLESSNESS FAILURE: broken" in text and "\x1b[1;31m" in text  # bold red
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["losslessness"]["passed"] is False
-    assert res["losslessness"]["mismatches"] == {"dflash": 0, "broken": 2}
+    assert res["losslessness"]["mismatches"] == {"ar": 0, "dflash": 0, "broken": 2}
     assert res["datasets"]["prompts"]["methods"]["broken"]["mismatched_prompts"] == [0, 2]
     assert res["exit"]["lossless_failures"] == {"broken": 2}
-    bad = [r for r in res["datasets"]["prompts"]["methods"]["broken"]["prompts"] if not r["identical_to_ar"]]
+    bad = [r for r in res["datasets"]["prompts"]["methods"]["broken"]["prompts"] if not r["identical_to_target"]]
     assert all("first_difference_at" in r for r in bad)
     # without --strict the mismatch is still reported, but the exit code is 0
     args.strict = False

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from flashdraft.bench.datasets import dataset_label, load_prompts
 from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
 from flashdraft.bench.metrics import acceptance_summary, timing_summary
+from flashdraft.bench.reference import TARGET_GENERATE, target_greedy_generate
 from flashdraft.engine import EngineConfig, SamplingParams
 from flashdraft.loading import DEFAULT_PAIR_DIR
 
@@ -167,7 +168,8 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
                 outputs[m.name] = out
                 if progress is not None:
                     progress.advance(task)
-            ref = outputs["ar"].token_ids
+            # the losslessness reference: the target's own transformers generate on its unpacked weights (untimed)
+            ref = target_greedy_generate(target, ids, params) if greedy else None
             for m in methods:
                 out = outputs[m.name]
                 rec = {"index": i, "prompt_tokens": len(ids), "tokens": len(out.token_ids),
@@ -175,12 +177,12 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
                        "tau": round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 4)
                        if out.acceptance_lengths else None,
                        "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted}
-                if greedy and m.lossless and m.name != "ar":
-                    rec["identical_to_ar"] = out.token_ids == ref
-                    if not rec["identical_to_ar"]:
+                if greedy and m.lossless:
+                    rec["identical_to_target"] = out.token_ids == ref
+                    if not rec["identical_to_target"]:
                         n = min(len(ref), len(out.token_ids))
                         rec["first_difference_at"] = next((j for j in range(n) if ref[j] != out.token_ids[j]), n)
-                if m.name in ("ar", "dflash") or (m.name != "ar" and not rec.get("identical_to_ar", True)):
+                if m.name in ("ar", "dflash") or not rec.get("identical_to_target", True):
                     rec["text"] = out.text
                 records[m.name].append(rec)
         per_dataset[label] = {"num_prompts": len(prompt_ids), "methods": _summaries(methods, records)}
@@ -205,9 +207,9 @@ def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
         lengths = [a for r in recs for a in r["acceptance_lengths"]]
         drafted = [d for r in recs for d in r["drafted"]]
         s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft)}
-        checked = [r for r in recs if "identical_to_ar" in r]
-        s["mismatches"] = sum(not r["identical_to_ar"] for r in checked) if checked else (0 if m.name == "ar" else None)
-        s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_ar"]]
+        checked = [r for r in recs if "identical_to_target" in r]
+        s["mismatches"] = sum(not r["identical_to_target"] for r in checked) if checked else None
+        s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_target"]]
         out[m.name] = s
     base = out.get("ar", {}).get("tokens_per_second")
     for s in out.values():
@@ -239,9 +241,9 @@ def _lossless_verdict(methods: list[Method], per_dataset: dict, greedy: bool) ->
                 "passed": None, "mismatches": {}}
     mism = {}
     for m in methods:
-        if m.lossless and m.name != "ar":
+        if m.lossless:
             mism[m.name] = {label: d["methods"][m.name]["mismatched_prompts"] for label, d in per_dataset.items()}
     passed = all(not idx for per in mism.values() for idx in per.values())
-    return {"checked": True, "passed": passed, "reference": "ar",
+    return {"checked": True, "passed": passed, "reference": TARGET_GENERATE,
             "mismatches": {name: sum(len(v) for v in per.values()) for name, per in mism.items()},
             "mismatched_prompts": mism}

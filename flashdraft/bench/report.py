@@ -28,7 +28,7 @@ def _lossless_cell(s: dict, rich: bool) -> str:
 
 
 OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "tok/s", "speedup", "TTFT ms", "TPOT ms",
-                   "greedy = ar"]
+                   "greedy = target"]
 
 
 def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
@@ -122,14 +122,14 @@ def verdict_lines(results: dict) -> list[str]:
             lines.append(f"losslessness: not checked ({ll.get('reason')})")
         elif ll["passed"]:
             lines.append("[bold green]losslessness: PASS[/bold green] - every lossless method's greedy output "
-                         "equals ar's, token for token, on every prompt")
+                         f"equals {ll.get('reference', 'the reference')}, token for token, on every prompt")
         else:
             for name, n in ll["mismatches"].items():
                 if n:
                     where = "; ".join(f"{ds}: prompts {idx}" for ds, idx in ll["mismatched_prompts"][name].items()
                                       if idx)
-                    lines.append(f"[bold red]LOSSLESSNESS FAILURE: {name} differs from ar's greedy output on {n} "
-                                 f"prompt(s) ({where})[/bold red]")
+                    lines.append(f"[bold red]LOSSLESSNESS FAILURE: {name} differs from the target's own greedy "
+                                 f"generate on {n} prompt(s) ({where})[/bold red]")
     for name, srv in (results.get("servers") or {}).items():
         for lv in srv["levels"]:
             if lv.get("mismatches"):
