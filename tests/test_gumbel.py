@@ -77,6 +77,7 @@ def test_seeded_output_is_plain_decodings_whatever_the_drafter_block_or_batch(ar
         "dflash-b4": SpecEngine(target, make_drafter(target, block_size=4)),
         "dflash-b8": SpecEngine(target, make_drafter(target, block_size=8)),
         "dflash-fp32-drafter": SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32)),
+        "dflash-bf16-drafter": SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.bfloat16)),
         "oracle-b6": SpecEngine(target, block_size=6, proposer=OracleProposer(refs, corrupt=0.5, seed=3)),
         "plain-batched": SpecEngine(target),
     }
