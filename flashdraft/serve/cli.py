@@ -25,19 +25,9 @@ import os
 import sys
 import time
 
-from flashdraft.args import add_model_args, engine_from_args
+from flashdraft.args import add_model_args, engine_from_args, int_at_least, int_in
 
 API_KEY_ENV = "FLASHDRAFT_API_KEY"
-
-
-def _port(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if not 1 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1..65535, got {number}")
-    return number
 
 
 def _seconds(low_open: bool):
@@ -55,27 +45,13 @@ def _seconds(low_open: bool):
     return parse
 
 
-def _count(low: int):
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {number}")
-        return number
-
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve /v1/completions and /v1/chat/completions (streaming included) with DFlash speculative "
                     "decoding and continuous batching; /metrics for Prometheus, /health, /openapi.json.")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535 (default 8000)")
+    p.add_argument("--port", type=int_in(1, 65535, " (a TCP port)"), default=8000, help="TCP port, 1..65535 (default 8000)")
     add_model_args(p, threads_help="CPU threads for the engine (default: 1 on CPU, where more threads measured slower)")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (the AR baseline)")
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (default 16)")
@@ -93,11 +69,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=_seconds(low_open=False), default=30.0,
                    help="on shutdown, seconds in-flight requests get to finish before they are cancelled with an "
                         "error (default 30)")
-    p.add_argument("--max-body-bytes", type=_count(1024), default=8 * 1024 * 1024,
+    p.add_argument("--max-body-bytes", type=int_at_least(1024), default=8 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 8 MiB)")
     p.add_argument("--body-timeout", type=_seconds(low_open=True), default=30.0,
                    help="seconds a client gets to send a whole request body; slower ones get 408 (default 30)")
-    p.add_argument("--max-prompt-bytes", type=_count(1), default=None,
+    p.add_argument("--max-prompt-bytes", type=int_at_least(1), default=None,
                    help="longest prompt text (UTF-8 bytes) tokenized; longer ones are a 400 before tokenizing "
                         "(default: max-model-len x the longest vocabulary entry, which no fitting prompt exceeds)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
