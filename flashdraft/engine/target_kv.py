@@ -113,7 +113,7 @@ class StaticTargetKV:
         positions = torch.arange(width, device=dev)[None].expand(len(prompts), -1)
         valid = positions < lengths[:, None]
         kv = fast.new_cache(len(prompts), max(capacity, width))
-        logits, features = fast.forward(ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
+        logits, features = fast.prefill(ids, positions, kv, lengths, capture)
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
         return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], _prompt_features(features, positions,

@@ -10,14 +10,15 @@ The KV cache is static and per row: slot p of row r holds position p of that row
 K/V to the slots of its positions; a query at position p attends to slots 0..p. Rolling back after a rejection is
 therefore nothing at all - the next block overwrites the rejected slots - and rows of a batch never hold holes.
 
-`exact=True` makes the forward batch-invariant: every token's logits come out bit for bit the same whether it is
-computed alone (a one-token decoding step), inside a 16-token verify block, in a prefill, or next to other rows.
+`exact=True` makes the forward batch-invariant: every generated token's logits come out bit for bit the same
+whether it is computed alone (a one-token decoding step), inside a 16-token verify block, or next to other rows.
 GEMM kernels pick their blocking (and so the order in which a dot product is summed) by the number of rows, and
 attention kernels by the number of queries and keys, so a verify and a one-token step round differently in the
 last bits; at a near-tie of the top two logits that flips a greedy token. Exact mode runs every projection one
 token row at a time (the kernel a one-token step uses) and attends each query alone over exactly its own
-positions 0..p, the same calls whatever the block or batch. Speculative output is then bit-identical to plain
-decoding in exact mode, in any precision; it costs speed (BENCHMARKS.md, 'Exactness').
+positions 0..p, the same calls whatever the block or batch; each row's prompt is prefilled alone as one ordinary
+block. Speculative output is then bit-identical to plain decoding in exact mode, in any precision; it costs speed
+(BENCHMARKS.md, 'Exactness').
 
 What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
 fused projections, sliding windows shorter than the context, MoE): `fast_path_unsupported` names the reason and
@@ -100,7 +101,6 @@ class FastTarget:
                  packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
                 for layer in self.layers]
         self.exact = exact
-        self.project = per_token if exact else _call  # how every projection is applied to [b, q, in] inputs
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         cfg = target.config
@@ -119,12 +119,16 @@ class FastTarget:
         logit_index: torch.Tensor | None = None,
         capture: bool = True,
         key_len: int | None = None,
+        exact: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
 
         Queries attend to cache slots [0, key_len) (all of them when None: static shapes for compiled steps);
-        the caller guarantees every position fits the cache and is < key_len.
+        the caller guarantees every position fits the cache and is < key_len. `exact` overrides the instance's
+        mode for this call (`prefill` runs each row's prompt as an ordinary block).
         """
+        exact = self.exact if exact is None else exact
+        project = per_token if exact else _call
         b, q = input_ids.shape
         key_len = key_len or kv.capacity
         x = self.embed(input_ids)
@@ -137,7 +141,7 @@ class FastTarget:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            qs, ks, vs = self._qkv(i, h)
+            qs, ks, vs = self._qkv(i, h, project)
             qs = qs.view(b, q, self.num_heads, self.head_dim)
             ks = ks.view(b, q, self.num_kv_heads, self.head_dim)
             vs = vs.view(b, q, self.num_kv_heads, self.head_dim)
@@ -150,13 +154,13 @@ class FastTarget:
             keys = kv.keys[i][:, :key_len].transpose(1, 2)
             values = kv.values[i][:, :key_len].transpose(1, 2)
             gqa = self.num_heads != self.num_kv_heads
-            if self.exact:
+            if exact:
                 out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa)
             else:
                 out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
                                                      enable_gqa=gqa)
-            x = x + self.project(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
-            x = x + self._mlp(i, layer.post_attention_layernorm(x))
+            x = x + project(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
+            x = x + self._mlp(i, layer.post_attention_layernorm(x), project)
             if i in taps and i != last:
                 captured[i] = x
         x = self.norm(x)
@@ -164,27 +168,46 @@ class FastTarget:
             captured[last] = x  # transformers' hidden_states[L] is after the final norm
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        logits = self.project(self.lm_head, x)
+        logits = project(self.lm_head, x)
         features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
         return logits, features
 
-    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StaticKV, lengths: torch.Tensor,
+                capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompts (right-padded to one width): last-position logits [b, 1, V] and features [b, w, F]. In exact
+        mode each row's prompt runs alone as one ordinary block, so a row's prompt is computed the same way
+        whatever the batch (and as transformers' own prefill computes it); the tokens after it go one row at a
+        time through `forward`."""
+        width = input_ids.shape[1]
+        if not self.exact:
+            return self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
+        logits, features = [], []
+        for r, n in enumerate(lengths.tolist()):
+            row_logits, row_features = self.forward(input_ids[r:r + 1, :n], positions[r:r + 1, :n], kv.row(r),
+                                                    logit_index=torch.tensor([n - 1], device=input_ids.device),
+                                                    capture=capture, key_len=n, exact=False)
+            logits.append(row_logits)
+            if row_features is not None:
+                features.append(F.pad(row_features, (0, 0, 0, width - n)))
+        return torch.cat(logits), (torch.cat(features) if features else None)
+
+    def _qkv(self, i: int, h: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.layers[i].self_attn
         if self.packed_layers is None:
-            return self.project(attn.q_proj, h), self.project(attn.k_proj, h), self.project(attn.v_proj, h)
+            return project(attn.q_proj, h), project(attn.k_proj, h), project(attn.v_proj, h)
         kv_width = self.num_kv_heads * self.head_dim
-        qkv = self.project(self.packed_layers[i][0], h)
+        qkv = project(self.packed_layers[i][0], h)
         return qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, h: torch.Tensor, project) -> torch.Tensor:
         if self.packed_layers is None:
             mlp = self.layers[i].mlp
-            if not self.exact:
+            if project is _call:
                 return mlp(h)
-            return self.project(mlp.down_proj, mlp.act_fn(self.project(mlp.gate_proj, h)) * self.project(mlp.up_proj, h))
+            return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
         _, gate_up, down = self.packed_layers[i]
-        gate, up = self.project(gate_up, h).chunk(2, dim=-1)
-        return self.project(down, F.silu(gate) * up)
+        gate, up = project(gate_up, h).chunk(2, dim=-1)
+        return project(down, F.silu(gate) * up)
 
 
 def _call(linear, x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,13 @@ class StaticKV:
         self.keys[layer][rows, positions] = keys
         self.values[layer][rows, positions] = values
 
+    def row(self, r: int) -> "StaticKV":
+        """Row r alone, as a cache of one row sharing this one's memory (writes go through)."""
+        view = StaticKV.__new__(StaticKV)
+        view.keys = [t[r:r + 1] for t in self.keys]
+        view.values = [t[r:r + 1] for t in self.values]
+        return view
+
     def _replace(self, fn) -> None:
         """Every K/V tensor t becomes fn(t) (new tensors: new addresses to mark)."""
         self.keys = [fn(t) for t in self.keys]
