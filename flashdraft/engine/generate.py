@@ -157,6 +157,24 @@ class _Row:
     started: float = 0.0
     reported: bool = False
     noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
+    noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
+
+    def noise_window(self, width: int, vocab: int, device) -> torch.Tensor:
+        """Noise [width, V] of output positions len(output) .. +width. The noise of a position never changes, so
+        the positions the last window already covered (those past its accepted drafts) are reused, not hashed
+        again: at low acceptance nearly all of them."""
+        first = len(self.output)
+        reused = None
+        if self.noise_cache is not None:
+            start, cached = self.noise_cache
+            if start <= first < start + cached.shape[0]:
+                reused = cached[first - start: first - start + width]
+        done = 0 if reused is None else reused.shape[0]
+        fresh = exponential_noise(torch.tensor([self.noise_seed], device=device),
+                                  torch.tensor([first + done], device=device), width - done, vocab)[0]
+        window = fresh if reused is None else torch.cat([reused, fresh])
+        self.noise_cache = (first, window)
+        return window
 
     @property
     def history(self) -> list[int]:
@@ -451,13 +469,9 @@ class SpecEngine:
         sampled = [not r.params.greedy for r in rows]
         if self.config.sampler != "gumbel" or not any(sampled):
             return None
-        dev = self.target.device
-        seeds = torch.tensor([r.noise_seed for r in rows], dtype=torch.long, device=dev)
-        first = torch.tensor([len(r.output) for r in rows], dtype=torch.long, device=dev)
-        noise = exponential_noise(seeds, first, width, self.target.vocab_size)
-        if not all(sampled):
-            noise[~torch.tensor(sampled, device=dev)] = 1.0
-        return noise
+        dev, vocab = self.target.device, self.target.vocab_size
+        ones = None if all(sampled) else torch.ones(width, vocab, device=dev)
+        return torch.stack([r.noise_window(width, vocab, dev) if s else ones for r, s in zip(rows, sampled)])
 
     def _propose(self, batch: Batch, width: int, noise: torch.Tensor | None):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions, and the draft distributions
