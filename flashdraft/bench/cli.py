@@ -62,7 +62,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     d = p.add_argument_group("prompts and decoding")
     d.add_argument("--dataset", type=_csv, default=["default"],
-                   help="comma-separated: default (the default pair's held-out code prompts), gsm8k, math500, "
+                   help="comma-separated: default (the default pair's held-out code prompts), ood-code, "
+                        "ood-code-nl (installed packages' sources, mid-line / ending in a newline), gsm8k, math500, "
                         "humaneval, mbpp, mt-bench, or a .jsonl path with a 'prompt' or 'messages' field")
     d.add_argument("--num-prompts", type=int_at_least(0, " (0 = all)"), default=8,
                    help="first N prompts of each dataset (0 = all)")

@@ -5,6 +5,8 @@
   with a copied cache) read the cache. Offline and not cached: `DatasetUnavailable` with what to do.
 - a path to a `.jsonl` file: one object per line with a `prompt` (string) or `messages` (chat) field.
 - `default`: the shipped default pair's held-out code prompts (`flashdraft.demo.load_heldout_prompts`).
+- `ood-code`, `ood-code-nl`: code the shipped pair never saw, cut from installed packages' sources (transformers,
+  torch), ending mid-line or right after a newline (`source_prompts`); no download.
 
 Prompt wording follows the DFlash/EAGLE evaluation scripts: math sets ask for step-by-step reasoning and a boxed
 answer, code sets ask for a solution; mt-bench uses the first turn.
@@ -171,6 +173,8 @@ def load_prompts(spec: str, num_prompts: int | None = None, cache_dir: str | Pat
         from flashdraft.demo import load_heldout_prompts
 
         prompts = [Prompt(text=t) for t in load_heldout_prompts()]
+    elif spec in SOURCE_SETS:
+        prompts = [Prompt(text=s) for s in source_prompts(num_prompts or 64, SOURCE_SETS[spec])]
     elif spec in BUILTIN:
         path = cache_path(spec, cache_dir)
         if not path.is_file():
@@ -179,13 +183,54 @@ def load_prompts(spec: str, num_prompts: int | None = None, cache_dir: str | Pat
     elif Path(spec).is_file():
         prompts = read_jsonl(spec)
     else:
-        raise FileNotFoundError(f"unknown dataset {spec!r}: use default, {', '.join(BUILTIN)}, or a path to a .jsonl "
-                                "file")
+        raise FileNotFoundError(f"unknown dataset {spec!r}: use default, {', '.join([*SOURCE_SETS, *BUILTIN])}, or a "
+                                "path to a .jsonl file")
     return prompts[:num_prompts] if num_prompts else prompts
 
 
 def dataset_label(spec: str) -> str:
-    return spec if spec in BUILTIN or spec == "default" else Path(spec).stem
+    return spec if spec in BUILTIN or spec in ("default", *SOURCE_SETS) else Path(spec).stem
+
+
+# out-of-domain code prompts cut from installed packages' sources (no download): mid-line, or ending in a newline
+SOURCE_SETS = {"ood-code": False, "ood-code-nl": True}
+
+
+def _source_files(packages: tuple[str, ...]) -> list[Path]:
+    import importlib.util
+
+    files = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for root in spec.submodule_search_locations:
+            files += sorted(Path(root).rglob("*.py"))
+    if not files:
+        raise DatasetUnavailable(f"none of {packages} is installed to cut source prompts from")
+    return files
+
+
+def source_prompts(num: int, end_at_line_start: bool, chars: int = 320,
+                   packages: tuple[str, ...] = ("transformers", "torch"), seed: int = 0) -> list[str]:
+    """`num` code prompts of about `chars` characters from installed packages' Python sources, each starting at a
+    line start and ending right after a newline (`end_at_line_start`) or mid-line: the `ood-code` / `ood-code-nl`
+    benchmark sets. Deterministic per seed and installed package versions."""
+    import random
+
+    files, rng, out = _source_files(packages), random.Random(seed), []
+    while len(out) < num:
+        lines = rng.choice(files).read_text(errors="replace").splitlines(keepends=True)
+        if len(lines) < 20:
+            continue
+        start = rng.randrange(len(lines) - 10)
+        text = "".join(lines[start:start + 60])[:chars]
+        cut = text.rfind("\n") + 1 if end_at_line_start else len(text.rstrip("\n"))
+        text = text[:cut]
+        if len(text) < chars // 2 or not text.strip() or (not end_at_line_start and text.endswith("\n")):
+            continue
+        out.append(text)
+    return out
 
 
 def source_contexts(tokenizer, num: int, tokens: int = 64, packages: tuple[str, ...] = ("transformers", "torch"),
@@ -197,18 +242,9 @@ def source_contexts(tokenizer, num: int, tokens: int = 64, packages: tuple[str, 
     newline (how code prompts usually end), False mid-line, None wherever `tokens` falls. Deterministic per seed
     and installed package versions.
     """
-    import importlib.util
     import random
 
-    files = []
-    for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for root in spec.submodule_search_locations:
-            files += sorted(Path(root).rglob("*.py"))
-    if not files:
-        raise DatasetUnavailable(f"none of {packages} is installed to cut source contexts from")
+    files = _source_files(packages)
     rng = random.Random(seed)
     contexts: list[list[int]] = []
     while len(contexts) < num:
