@@ -169,7 +169,11 @@ def http_url_arg(value: str) -> str:
 positive_int = int_at_least(1)
 seed_arg = int_in(0, 2**32 - 1)
 block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
-min_tau_arg = float_in(1.0, note=" (an acceptance length: 1 = never fall back)")
+_min_tau_number = float_in(1.0, note=" (an acceptance length: 1 = never fall back), or auto")
+
+
+def min_tau_arg(value: str):
+    return "auto" if value == "auto" else _min_tau_number(value)
 temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
 top_p_arg = float_in(0.0, 1.0, low_open=True)
 
@@ -205,8 +209,8 @@ def add_device_args(p) -> None:
                         "plain decoding's with the same seed; default), rejection = rejection sampling of argmax drafts")
     p.add_argument("--min-tau", type=min_tau_arg, default=None,
                    help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
-                        "again after 8, 16, 32 ... steps (about the cost of a cycle in decoding steps: ~2.5 on a "
-                        "small CPU model; default: always draft)")
+                        "again after 8, 16, 32 ... steps; 'auto': than a drafting cycle costs in one-token steps, "
+                        "measured while running (default: always draft)")
 
 
 def pack_weights_arg(args) -> bool | None:

@@ -41,7 +41,7 @@ from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
-from flashdraft.engine.policy import new_policy
+from flashdraft.engine.policy import StepCosts, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify
@@ -258,6 +258,7 @@ class SpecEngine:
                 raise ValueError(why_not)
             self.block_step = compile_step(self.fast.forward, self.target.device)
         self.buckets = RowBuckets(bucketed=compile)  # compiled steps see power-of-two row counts
+        self.step_costs = StepCosts()  # measured seconds per cycle and per one-token step (`min_tau="auto"`)
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -346,7 +347,7 @@ class SpecEngine:
 
     def _new_batch(self, **fields) -> Batch:
         return Batch(proposer_state=self.proposer.new_batch_state(self.buckets),
-                     policy=new_policy(self.min_tau, self.block_size), **fields)
+                     policy=new_policy(self.min_tau, self.block_size, self.step_costs), **fields)
 
     @torch.inference_mode()
     def add(
@@ -448,7 +449,7 @@ class SpecEngine:
 
     def _cycle(self, batch: Batch) -> None:
         """propose -> target forward over the block -> verify -> commit, for every live row at once."""
-        rows, prof = batch.rows, self.profiler
+        rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
         width = batch.policy.block_width(self.block_size)  # 1: a one-token step, no draft
         noise = self._noise(rows, width)  # sampled rows' counter-based noise at the block's output positions
@@ -460,7 +461,7 @@ class SpecEngine:
         verdict = verify(logits, block[:, 1:], [r.params for r in rows], [r.generator for r in rows], draft_probs,
                          noise)
         prof.mark("verify")
-        self._commit_block(batch, block, positions, features, verdict)
+        self._commit_block(batch, block, positions, features, verdict, started)
         prof.mark("commit")
 
     def _noise(self, rows: list[_Row], width: int) -> torch.Tensor | None:
@@ -493,7 +494,7 @@ class SpecEngine:
         drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, width)
         return torch.cat([bonus[:, None], drafts], dim=1), positions, draft_probs
 
-    def _commit_block(self, batch: Batch, block, positions, features, verdict) -> None:
+    def _commit_block(self, batch: Batch, block, positions, features, verdict, started: float) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
         the drafter; the policy sees the batch's acceptance; finished rows leave."""
         rows, width = batch.rows, block.shape[1]
@@ -511,7 +512,7 @@ class SpecEngine:
             r.n_cached += a + 1
             r.bonus = nxt
             self._append(r, blk[1:1 + a] + [nxt])
-        batch.policy.observe(drafted, sum(accepted) / len(rows) + 1)
+        batch.policy.observe(drafted, sum(accepted) / len(rows) + 1, len(rows), time.perf_counter() - started)
         self._drop_finished(batch)
 
     def _append(self, r: _Row, tokens: list[int]) -> None:

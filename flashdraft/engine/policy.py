@@ -8,10 +8,15 @@ requests enter the batch.
 - `AlwaysDraft`: every cycle drafts a full block (the default).
 - `MinTauFallback(min_tau)`: once the smoothed acceptance length of at least MIN_DRAFTS_TO_JUDGE drafts falls
   below `min_tau`, the batch takes one-token steps for a while (8, then 16, 32 ... 128 while probes keep losing),
-  then probes with one draft. The decision depends on acceptance only, never on timing, so seeded sampling stays
-  reproducible.
+  then probes with one draft. The decision depends on acceptance only, never on timing.
+- `CostAwareFallback(costs)` (`min_tau="auto"`): the same, with `min_tau` = what a drafting cycle costs in one-token
+  steps at the batch's row count, measured while serving (`StepCosts`, shared by an engine's batches): a batch
+  drafts while drafting commits more tokens per second than plain decoding would. It takes one one-token step to
+  measure that cost if it has none yet. Timing makes its choices depend on the machine's load; the output does
+  not, for greedy rows and with the default sampler (whose text is plain decoding's whatever is drafted), but
+  with `sampler="rejection"` it would, so the engine refuses that combination.
 
-What this module does not know about: drafters, caches, time.
+What this module does not know about: drafters, caches; time only as the seconds the engine reports.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ class AlwaysDraft:
     def block_width(self, block_size: int) -> int:
         return block_size
 
-    def observe(self, drafted: bool, tau: float) -> None:
+    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
         pass
 
     def rows_joined(self) -> None:
@@ -46,7 +51,7 @@ class MinTauFallback:
     def block_width(self, block_size: int) -> int:
         return 1 if self.plain_steps_left > 0 else block_size
 
-    def observe(self, drafted: bool, tau: float) -> None:
+    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
         if not drafted:
             self.plain_steps_left -= 1
             return
@@ -64,6 +69,51 @@ class MinTauFallback:
         self.plain_steps_left, self.probing = self.plain_run, True
 
 
-def new_policy(min_tau: float | None, block_size: int):
+class StepCosts:
+    """Smoothed seconds of a drafting cycle and of a one-token step, per row count (costs grow with rows, and
+    differently: a verify of rows x block tokens against a step of rows tokens)."""
+
+    def __init__(self, smoothing: float = 0.2):
+        self.smoothing = smoothing
+        self.seconds: dict[tuple[int, bool], float] = {}
+
+    def record(self, rows: int, drafted: bool, seconds: float) -> None:
+        key = (rows, drafted)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+    def cycle_in_steps(self, rows: int) -> float | None:
+        """A drafting cycle's cost in one-token steps at this row count (None until both were measured)."""
+        cycle, step = self.seconds.get((rows, True)), self.seconds.get((rows, False))
+        return cycle / step if cycle is not None and step else None
+
+
+class CostAwareFallback(MinTauFallback):
+    def __init__(self, costs: StepCosts):
+        self.costs = costs
+        super().__init__(min_tau=1.0)
+
+    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
+        if seconds is not None:
+            self.costs.record(rows, drafted, seconds)
+        ratio = self.costs.cycle_in_steps(rows)
+        if ratio is None:  # no one-token step measured at this row count yet: take one after a few drafts
+            if drafted:
+                self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
+                self.recent_drafts += 1
+                if self.recent_drafts >= MIN_DRAFTS_TO_JUDGE and self.plain_steps_left == 0:
+                    self.plain_steps_left = 1
+            else:
+                self.plain_steps_left -= 1
+            return
+        self.min_tau = max(1.0, ratio)
+        super().observe(drafted, tau)
+
+
+def new_policy(min_tau: float | str | None, block_size: int, costs: StepCosts | None = None):
     """The policy a new batch of an engine with these settings starts with."""
-    return MinTauFallback(min_tau) if min_tau is not None and block_size > 1 else AlwaysDraft()
+    if min_tau is None or block_size <= 1:
+        return AlwaysDraft()
+    if min_tau == "auto":
+        return CostAwareFallback(costs if costs is not None else StepCosts())
+    return MinTauFallback(min_tau)
