@@ -39,7 +39,10 @@ def test_costs_are_kept_per_row_count():
     costs.record(1, True, 3e-3)
     costs.record(1, False, 1e-3)
     costs.record(8, True, 16e-3)
-    assert costs.cycle_in_steps(1) == pytest.approx(3.0) and costs.cycle_in_steps(8) is None
+    assert costs.cycle_in_steps(1) == pytest.approx(3.0)
+    assert costs.cycle_in_steps(7) == pytest.approx(3.0)  # bucket 8 has no step yet: the nearest measured one
+    costs.record(6, False, 4e-3)  # pooled with 8
+    assert costs.cycle_in_steps(8) == pytest.approx(4.0) and costs.cycle_in_steps(5) == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("arch,temperature", [("qwen3", 0.0), ("qwen3", 1.0), ("phi3", 0.0), ("phi3", 1.0)])

@@ -77,21 +77,36 @@ class StepCosts:
         self.smoothing = smoothing
         self.seconds: dict[tuple[int, bool], float] = {}
 
+    @staticmethod
+    def bucket(rows: int) -> int:
+        """Row counts are pooled in powers of two (a served batch moves through every count)."""
+        return 1 << max(0, rows - 1).bit_length()
+
     def record(self, rows: int, drafted: bool, seconds: float) -> None:
-        key = (rows, drafted)
+        key = (self.bucket(rows), drafted)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
 
     def cycle_in_steps(self, rows: int) -> float | None:
-        """A drafting cycle's cost in one-token steps at this row count (None until both were measured)."""
-        cycle, step = self.seconds.get((rows, True)), self.seconds.get((rows, False))
-        return cycle / step if cycle is not None and step else None
+        """A drafting cycle's cost in one-token steps at this row count: measured at its bucket, else at the
+        nearest bucket where both were measured (None until some bucket has both)."""
+        measured = {b for b, d in self.seconds if (b, not d) in self.seconds}
+        if not measured:
+            return None
+        target = self.bucket(rows)
+        b = min(measured, key=lambda m: (abs(m.bit_length() - target.bit_length()), m))
+        return self.seconds[(b, True)] / self.seconds[(b, False)]
 
 
 class CostAwareFallback(MinTauFallback):
     def __init__(self, costs: StepCosts):
         self.costs = costs
         super().__init__(min_tau=1.0)
+        MinTauFallback.rows_joined(self)  # the one reset: at the start
+
+    def rows_joined(self) -> None:
+        """Rows joining a served batch do not reset the judgment (under load they join every few cycles; the
+        batch's smoothed acceptance takes them in within a few cycles, and a fallback run still ends in a probe)."""
 
     def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
         if seconds is not None:
