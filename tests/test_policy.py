@@ -40,9 +40,18 @@ def test_costs_are_kept_per_row_count():
     costs.record(1, False, 1e-3)
     costs.record(8, True, 16e-3)
     assert costs.cycle_in_steps(1) == pytest.approx(3.0)
-    assert costs.cycle_in_steps(7) == pytest.approx(3.0)  # bucket 8 has no step yet: the nearest measured one
+    assert costs.cycle_in_steps(7) is None  # bucket 8 has no one-token step yet
     costs.record(6, False, 4e-3)  # pooled with 8
     assert costs.cycle_in_steps(8) == pytest.approx(4.0) and costs.cycle_in_steps(5) == pytest.approx(4.0)
+
+
+def test_a_new_row_count_is_measured_before_it_is_judged():
+    costs = StepCosts()
+    policy = CostAwareFallback(costs)
+    _run(policy, 10, tau=2.0, cycle_s=1.5e-3, step_s=1e-3, rows=1)  # measured at 1 row: drafting pays there
+    widths = _run(policy, 3, tau=2.0, cycle_s=12e-3, step_s=2e-3, rows=8)  # 8 rows: a cycle costs 6 steps
+    assert widths[:2] == [16, 1] and costs.cycle_in_steps(8) == pytest.approx(6.0)
+    assert _run(policy, 20, tau=2.0, cycle_s=12e-3, step_s=2e-3, rows=8).count(1) > 10  # then it falls back
 
 
 @pytest.mark.parametrize("arch,temperature", [("qwen3", 0.0), ("qwen3", 1.0), ("phi3", 0.0), ("phi3", 1.0)])

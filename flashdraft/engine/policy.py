@@ -88,14 +88,10 @@ class StepCosts:
         self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
 
     def cycle_in_steps(self, rows: int) -> float | None:
-        """A drafting cycle's cost in one-token steps at this row count: measured at its bucket, else at the
-        nearest bucket where both were measured (None until some bucket has both)."""
-        measured = {b for b, d in self.seconds if (b, not d) in self.seconds}
-        if not measured:
-            return None
-        target = self.bucket(rows)
-        b = min(measured, key=lambda m: (abs(m.bit_length() - target.bit_length()), m))
-        return self.seconds[(b, True)] / self.seconds[(b, False)]
+        """A drafting cycle's cost in one-token steps at this row count's bucket (None until both were measured
+        there: costs at other row counts say little, a verify grows with rows x block, a step with rows)."""
+        cycle, step = self.seconds.get((self.bucket(rows), True)), self.seconds.get((self.bucket(rows), False))
+        return cycle / step if cycle is not None and step else None
 
 
 class CostAwareFallback(MinTauFallback):
@@ -112,7 +108,7 @@ class CostAwareFallback(MinTauFallback):
         if seconds is not None:
             self.costs.record(rows, drafted, seconds)
         ratio = self.costs.cycle_in_steps(rows)
-        if ratio is None:  # no one-token step measured at this row count yet: take one after a few drafts
+        if ratio is None:  # no one-token step measured at this row count yet: take one (after a few drafts at first)
             if drafted:
                 self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
                 self.recent_drafts += 1
