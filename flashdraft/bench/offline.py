@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from flashdraft.bench.datasets import dataset_label, load_prompts
 from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
 from flashdraft.bench.metrics import acceptance_summary, timing_summary
-from flashdraft.bench.reference import TARGET_GENERATE, target_greedy_generate
+from flashdraft.bench.reference import TARGET_GENERATE, first_difference, target_greedy_generate
 from flashdraft.engine import EngineConfig, SamplingParams
 from flashdraft.loading import DEFAULT_PAIR_DIR
 
@@ -178,10 +178,10 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
                        if out.acceptance_lengths else None,
                        "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted}
                 if greedy and m.lossless:
-                    rec["identical_to_target"] = out.token_ids == ref
-                    if not rec["identical_to_target"]:
-                        n = min(len(ref), len(out.token_ids))
-                        rec["first_difference_at"] = next((j for j in range(n) if ref[j] != out.token_ids[j]), n)
+                    first = first_difference(out.token_ids, ref)
+                    rec["identical_to_target"] = first is None
+                    if first is not None:
+                        rec["first_difference_at"] = first
                 if m.name in ("ar", "dflash") or not rec.get("identical_to_target", True):
                     rec["text"] = out.text
                 records[m.name].append(rec)

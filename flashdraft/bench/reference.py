@@ -52,14 +52,19 @@ def compare_with_target(target, prompt_ids: list[int], params, result) -> dict:
                          and not (ours and ours[-1] in params.stop_token_ids))
     if stopped_by_string:
         ref = ref[:len(ours)]
-    identical = ours == ref
-    first = None
-    if not identical:
-        n = min(len(ours), len(ref))
-        first = next((j for j in range(n) if ours[j] != ref[j]), n)
-    return {"identical": identical, "tokens": len(ours), "target_tokens": len(ref), "first_difference_at": first,
+    first = first_difference(ours, ref)
+    return {"identical": first is None, "tokens": len(ours), "target_tokens": len(ref), "first_difference_at": first,
             "ours_at_difference": ours[first] if first is not None and first < len(ours) else None,
             "target_at_difference": ref[first] if first is not None and first < len(ref) else None}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's length if one extends the other);
+    None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def describe_difference(check: dict) -> str:

@@ -116,18 +116,16 @@ def verify(
     next_tokens = torch.zeros(b, dtype=torch.long, device=device)
     for row, p in enumerate(params):
         logits = target_logits[row]
-        if p.greedy:
-            argmax = logits.argmax(dim=-1)
-            acc = int((draft_tokens[row] == argmax[:k]).long().cumprod(0).sum())
-            num_accepted[row], next_tokens[row] = acc, argmax[acc]
+        if p.greedy or noise is not None:
+            # the target's own token at every block position (its argmax, or the winner of its race under the
+            # row's noise): accept drafts while they equal it, then commit it
+            chosen = logits.argmax(dim=-1) if p.greedy else race(
+                target_probs(logits, p.temperature, p.top_p, p.top_k), noise[row])
+            acc = int((draft_tokens[row] == chosen[:k]).long().cumprod(0).sum())
+            num_accepted[row], next_tokens[row] = acc, chosen[acc]
             continue
         probs = target_probs(logits, p.temperature, p.top_p, p.top_k)  # [k+1, V]
         drafts = draft_tokens[row]
-        if noise is not None:
-            winners = race(probs, noise[row])
-            acc = int((drafts == winners[:k]).long().cumprod(0).sum())
-            num_accepted[row], next_tokens[row] = acc, winners[acc]
-            continue
         gen = generators[row] if generators else None
         p_draft = probs[:k].gather(-1, drafts[:, None])[:, 0]
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs[row].float().gather(-1, drafts[:, None])[:, 0]

@@ -27,17 +27,11 @@ from tqdm import tqdm
 
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
 from flashdraft.bench.datasets import source_contexts
+from flashdraft.bench.reference import first_difference
 from flashdraft.loading import DEFAULT_PAIR_DIR
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 METHODS = ("plain", "dflash", "plain-exact", "dflash-exact")
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def run_precision(dtype, contexts, args, tokenizer) -> dict:
