@@ -126,6 +126,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --output-dir")
     p.add_argument("--device", type=device_arg, default=None)
     p.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--shard-target", action="store_true",
+                   help="under torchrun: shard the frozen target's decoder layers over the processes (FSDP2) "
+                        "instead of holding it whole in each; the drafter stays data-parallel")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_train)
     return p
@@ -146,7 +149,7 @@ def config_from_args(args):
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
-        export_dtype=args.export_dtype,
+        export_dtype=args.export_dtype, shard_target=args.shard_target,
         progress=not args.no_progress,
     )
 

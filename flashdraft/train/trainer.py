@@ -26,6 +26,10 @@ Design:
   checkpoints already written stay as they were. The export refuses a drafter with non-finite weights too.
 - Evaluation: tau and per-position acceptance on held-out prompts with the real `SpecEngine` (rank 0), at start,
   every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
+- `shard_target` (under torchrun): the frozen target's decoder layers are sharded over the processes with FSDP2
+  (`sharding.py`; embedding, final norm and lm_head stay whole), the drafter is still trained data-parallel (DDP)
+  beside it. Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation
+  and the feature cache need the whole target in one process, so they are refused with it.
 
 What this module does not know about: drafters with sliding-window layers (one mask serves every layer, so they are
 refused), sequence packing, multi-node launch details beyond what torchrun's environment provides, and the files
@@ -106,6 +110,7 @@ class TrainConfig:
     export_dtype: str | None = None  # default bfloat16 on CUDA, float32 on CPU
     loss_chunk_size: int = 4096
     progress: bool = True
+    shard_target: bool = False  # FSDP2 over the target's decoder layers (torchrun); see sharding.py
 
 
 class NonFiniteLoss(RuntimeError):
@@ -139,6 +144,11 @@ def check_config(cfg: "TrainConfig") -> None:
     need(0 <= cfg.distill_weight <= 1, "distill_weight", "in [0, 1]")
     need(finite(cfg.distill_temperature) and cfg.distill_temperature > 0, "distill_temperature",
          "a finite number > 0")
+    need(not (cfg.shard_target and cfg.feature_cache), "feature_cache",
+         "None with shard_target (the cache is built by ranks working apart; a sharded target runs in lockstep)")
+    need(not (cfg.shard_target and cfg.eval_prompts), "eval_prompts",
+         "None with shard_target (the tau evaluation needs the whole target in one process: run `flashdraft bench` "
+         "on the exported drafter)")
     if cfg.target_layer_ids is not None:
         need(len(cfg.target_layer_ids) > 0 and min(cfg.target_layer_ids) >= 0, "target_layer_ids",
              "a non-empty list of layer indices >= 0")
@@ -234,15 +244,32 @@ class Trainer:
                 raise ValueError("TrainConfig.target (path to the target model) is required")
             from flashdraft.loading import load_target
 
-            target_model, loaded_tok = load_target(config.target, device=str(self.device))  # weights checked there
+            from flashdraft.loading import resolve_dtype
+
+            # a sharded target is loaded on the host and moved to the device one layer shard at a time
+            target_model, loaded_tok = load_target(  # weights checked there
+                config.target, device="cpu" if config.shard_target else str(self.device),
+                dtype=resolve_dtype(None, str(self.device)))
             tokenizer = tokenizer or loaded_tok
         else:
             from flashdraft.loading import check_finite_weights
 
             check_finite_weights(target_model, "target model")
-        target_model = target_model.to(self.device).eval()
+        if eval_prompts and config.shard_target:
+            raise ValueError("eval_prompts with shard_target: the tau evaluation needs the whole target in one "
+                             "process; evaluate the exported drafter with `flashdraft bench`")
+        target_model = target_model.eval()
         for p in target_model.parameters():
             p.requires_grad_(False)
+        if config.shard_target and self.world_size > 1:
+            from flashdraft.train.sharding import shard_frozen_target
+
+            shard_frozen_target(target_model, self.device, self.world_size)
+        else:
+            target_model = target_model.to(self.device)
+        from flashdraft.train.sharding import parameter_bytes_per_process
+
+        self.target_bytes_per_process = parameter_bytes_per_process(target_model)
         self.tokenizer = tokenizer
         vocab = int(target_model.get_output_embeddings().weight.shape[0])
         self.mask_token_id = resolve_mask_token_id(config.mask_token_id, tokenizer, vocab)
@@ -438,7 +465,8 @@ class Trainer:
             self._log({"event": "start", "step": self.step, "total_steps": self.total_steps,
                        "steps_per_epoch": self.steps_per_epoch, "examples": len(self.examples),
                        "world_size": self.world_size, "global_batch": self.global_batch, "attention": self.attention,
-                       "drafter_parameters": self.drafter.num_parameters(), "config": asdict(cfg)})
+                       "drafter_parameters": self.drafter.num_parameters(),
+                       "target_bytes_per_process": self.target_bytes_per_process, "config": asdict(cfg)})
         if cfg.eval_at_start and self.step == 0 and self.eval_prompts:
             result.eval_start = self._evaluate()
         bar = None

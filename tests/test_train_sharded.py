@@ -1,0 +1,41 @@
+"""FSDP2-sharded frozen target (`--shard-target`, torchrun, gloo on CPU): training equals one unsharded process."""
+
+import pytest
+import torch
+
+from test_train_distributed import COMMON, _cli, _in_process, _log, _weights, setup  # noqa: F401  (fixture)
+
+torch.set_num_threads(1)
+
+
+def test_sharded_target_two_processes_equal_one_process(setup, tmp_path):  # noqa: F811
+    """2 ranks x 2 sequences with the target's layers sharded across them == 1 rank x 4 with the whole target.
+
+    The sharded forward all-gathers each layer's weights before running it, so the features are the unsharded
+    ones; what differs is float summation order (DDP's gradient all-reduce), hence the DDP test's tolerances.
+    """
+    _cli([*COMMON, "--max-steps", "4", "--save-every", "4", "--target", str(setup / "target"),
+          "--data", str(setup / "data.jsonl"), "--output-dir", str(tmp_path / "fsdp"), "--batch-size", "2",
+          "--shard-target"], nproc=2)
+    single = _in_process(setup, tmp_path / "one", max_steps=4, save_every=4, batch_size=4)
+    log = _log(tmp_path / "fsdp")
+    start = next(r for r in log if r.get("event") == "start")
+    assert start["world_size"] == 2 and start["config"]["shard_target"]
+    one_start = next(r for r in _log(tmp_path / "one") if r.get("event") == "start")
+    # each rank holds half of every decoder layer (the embedding, norm and lm_head whole): strictly less than all
+    assert start["target_bytes_per_process"] < one_start["target_bytes_per_process"]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 4 and max(losses) - min(losses) > 1e-3  # it trained
+    assert torch.allclose(torch.tensor(losses), torch.tensor(single.losses), atol=1e-4), (losses, single.losses)
+    w, w_one = _weights(tmp_path / "fsdp" / "final"), _weights(tmp_path / "one" / "final")
+    assert w.keys() == w_one.keys()
+    for k in w:
+        assert torch.allclose(w[k], w_one[k], atol=2e-5, rtol=1e-4), (k, (w[k] - w_one[k]).abs().max())
+
+
+def test_sharded_target_refuses_what_needs_the_whole_target(setup, tmp_path):  # noqa: F811
+    from flashdraft.train.trainer import TrainConfig, check_config
+
+    for extra in ({"feature_cache": str(tmp_path / "fc")}, {"eval_prompts": str(setup / "data.jsonl")}):
+        with pytest.raises(ValueError, match="shard_target"):
+            check_config(TrainConfig(shard_target=True, **extra))
