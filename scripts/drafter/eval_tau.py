@@ -1,0 +1,242 @@
+"""Greedy tau of a drafter as a distribution over prompts, in-domain and out-of-domain, by prompt ending and length.
+
+    python scripts/drafter/eval_tau.py [--draft DIR] [--target DIR] [--num 32] [--lengths prompt,256,1024,1800]
+                                       [--threads 1] [--out runs/eval_tau/NAME] [--draft-vocab-size N]
+
+Sets (each cut deterministically, seed 0):
+- `in-domain`: the default pair's held-out corpus split (stdlib files the target and the drafter never trained on).
+  Length `prompt`: the shipped held-out prompts (starts of functions, ending mid-line), and the same prompts
+  followed by a newline.
+- `ood`: Python sources of installed third-party packages (transformers, torch): code neither model saw. Length
+  `prompt`: the `ood-code` / `ood-code-nl` bench prompts (about 320 characters).
+Lengths 256 / 1024 / 1800: contexts of that many tokens starting at a line start of a random file, ending mid-line
+(`mid-line`) or right after a newline (`newline`); the target's window is 2048, so 1800 + 128 new tokens fit.
+
+Every prompt runs alone (batch 1), block 16, greedy, up to `--max-new-tokens` (stopping at eos); tau of a prompt =
+its mean acceptance length over cycles. Per (set, ending, length) cell: min / p10 / median / mean over prompts, and
+the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
+Writes `results.json`, `results.md` and `tau.png` (box plots per cell) into `--out`.
+
+`--draft-vocab-size N` restricts an existing full-vocabulary drafter to the N most frequent target tokens of
+`--vocab-counts` (`scripts/drafter/draft_vocab.py`): its read-out becomes those rows of the target's lm_head.
+
+What this script does not know about: training, and timings (`scripts/drafter/vocab_curve.py` measures draft time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from scripts.default_pair.coverage import cut_context  # noqa: E402
+
+ENDINGS = ("mid-line", "newline")
+SETS = ("in-domain", "ood")
+
+
+def cut_contexts(documents: list[str], tokenizer, num: int, tokens: int, ending: str, seed: int = 0) -> list[list[int]]:
+    """`num` contexts of about `tokens` tokens, each from a random line start of a random document."""
+    rng, out, tries = random.Random(f"{seed}:{tokens}:{ending}"), [], 0
+    docs = [d for d in documents if d.count("\n") >= 20]
+    while len(out) < num:
+        tries += 1
+        if tries > 200 * num:
+            raise RuntimeError(f"could not cut {num} contexts of {tokens} tokens ending {ending}")
+        lines = rng.choice(docs).splitlines(keepends=True)
+        start = rng.randrange(len(lines) - 10)
+        text = cut_context("".join(lines[start:start + tokens // 2 + 40]), tokenizer, tokens, ending)
+        if text is not None:
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def heldout_documents() -> list[str]:
+    from scripts.default_pair.corpus import load_corpus
+
+    return [d["text"] for d in load_corpus("heldout")]
+
+
+def package_documents(packages=("transformers", "torch")) -> list[str]:
+    from flashdraft.bench.datasets import _source_files
+
+    return [p.read_text(errors="replace") for p in _source_files(packages)]
+
+
+def short_prompts(name: str, ending: str, num: int) -> list[str]:
+    """Natural short prompts: the shipped held-out prompts (in-domain) or the bench's ood-code prompts."""
+    if name == "in-domain":
+        from flashdraft.demo import load_heldout_prompts
+
+        prompts = load_heldout_prompts(num)
+        return prompts if ending == "mid-line" else [p + "\n" for p in prompts]
+    from flashdraft.bench.datasets import source_prompts
+
+    return source_prompts(num, end_at_line_start=ending == "newline")
+
+
+def build_cells(tokenizer, num: int, lengths: list[str]) -> dict[tuple[str, str, str], list[list[int]]]:
+    """{(set, ending, length): [prompt ids]} for every cell."""
+    docs = {"in-domain": heldout_documents(), "ood": package_documents()}
+    cells = {}
+    for name in SETS:
+        for ending in ENDINGS:
+            for length in lengths:
+                if length == "prompt":
+                    cells[(name, ending, length)] = [tokenizer(p, add_special_tokens=False)["input_ids"]
+                                                     for p in short_prompts(name, ending, num)]
+                else:
+                    cells[(name, ending, length)] = cut_contexts(docs[name], tokenizer, num, int(length), ending)
+    return cells
+
+
+def percentile(values: list[float], q: float) -> float:
+    from flashdraft.bench.metrics import percentile as pct
+
+    return pct(values, q)
+
+
+def distribution(taus: list[float], lengths: list[int]) -> dict:
+    return {"prompts": len(taus), "min": min(taus), "p10": percentile(taus, 0.1), "median": statistics.median(taus),
+            "mean": statistics.fmean(taus), "pooled": sum(lengths) / len(lengths)}
+
+
+def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from flashdraft.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                            stop_token_ids=(eos,) if eos is not None else ())
+    results = {}
+    bar = tqdm(total=sum(len(v) for v in cells.values()), desc="eval tau", unit="prompt", disable=not progress,
+               dynamic_ncols=True)
+    for key, prompts in cells.items():
+        taus, all_lengths, context = [], [], []
+        for ids in prompts:
+            out = engine.generate([ids], params)[0]
+            bar.update(1)
+            if out.stats.acceptance_lengths:  # an immediate eos drafts nothing
+                taus.append(out.stats.tau)
+                all_lengths += out.stats.acceptance_lengths
+                context.append(len(ids))
+        results["|".join(key)] = {**distribution(taus, all_lengths), "mean_context_tokens": statistics.fmean(context),
+                                  "per_prompt_tau": [round(t, 4) for t in taus]}
+        bar.set_postfix_str(f"{'/'.join(key)} mean {results['|'.join(key)]['mean']:.2f}")
+    bar.close()
+    return results
+
+
+def restrict_vocab(drafter, target, counts_path: Path, size: int):
+    """A copy of a full-vocabulary drafter whose read-out covers the `size` most frequent tokens of `counts_path`
+    only (its own lm_head = those rows of the target's lm_head, `d2t` = their offsets)."""
+    from flashdraft.model.draft_vocab import restrict_drafter, select_draft_vocab
+
+    counts = json.loads(counts_path.read_text())["counts"]
+    return restrict_drafter(drafter, target.get_output_embeddings().weight, select_draft_vocab(counts, size))
+
+
+def markdown(results: dict, lengths: list[str], label: str) -> str:
+    lines = [f"greedy tau per prompt, {label}: min / p10 / median / mean (pooled)", "",
+             "| set | ending | " + " | ".join(lengths) + " |", "|---|---|" + "---|" * len(lengths)]
+    for name in SETS:
+        for ending in ENDINGS:
+            row = []
+            for length in lengths:
+                r = results.get(f"{name}|{ending}|{length}")
+                row.append("-" if r is None else
+                           f"{r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / **{r['mean']:.2f}** ({r['pooled']:.2f})")
+            lines.append(f"| {name} | {ending} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, lengths: list[str], label: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, name in zip(axes, SETS):
+        data, ticks, colors = [], [], []
+        for length in lengths:
+            for ending, color in zip(ENDINGS, ("tab:blue", "tab:orange")):
+                r = results.get(f"{name}|{ending}|{length}")
+                data.append(r["per_prompt_tau"] if r else [])
+                ticks.append(f"{length}\n{ending}")
+                colors.append(color)
+        box = ax.boxplot(data, whis=(10, 90), showmeans=True, patch_artist=True)
+        for patch, color in zip(box["boxes"], colors):
+            patch.set_facecolor(color)
+            patch.set_alpha(0.5)
+        ax.set_xticks(range(1, len(ticks) + 1), ticks, fontsize=8)
+        ax.set_title(f"{name}")
+        ax.set_xlabel("context length (tokens) / prompt ending")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("greedy tau per prompt (whiskers p10-p90, triangle = mean)")
+    fig.suptitle(f"tau distribution over prompts: {label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None, help="target directory (default: the shipped pair's)")
+    ap.add_argument("--draft", default=None, help="drafter directory (default: the shipped pair's)")
+    ap.add_argument("--num", type=int, default=32, help="prompts per cell")
+    ap.add_argument("--lengths", default="prompt,256,1024,1800")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-counts)")
+    ap.add_argument("--vocab-counts", type=Path, default=None, help="token counts JSON (scripts/drafter/draft_vocab.py)")
+    ap.add_argument("--label", default=None, help="name of the drafter in the table and plot")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "eval_tau" / "default")
+    args = ap.parse_args(argv)
+    lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
+    bad = [x for x in lengths if x != "prompt" and not (x.isdigit() and 16 <= int(x) <= 1900)]
+    if bad:
+        ap.error(f"--lengths: {bad} (use 'prompt' or token counts from 16 to 1900)")
+    if args.draft_vocab_size and not args.vocab_counts:
+        ap.error("--draft-vocab-size needs --vocab-counts")
+
+    import torch
+
+    from flashdraft.engine import EngineConfig, SpecEngine
+    from flashdraft.loading import load_pair
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = load_pair(args.target, args.draft, "cpu" if not torch.cuda.is_available() else None)
+    if args.draft_vocab_size:
+        drafter = restrict_vocab(drafter, target, args.vocab_counts, args.draft_vocab_size)
+    label = args.label or (args.draft or "shipped drafter") + (f", draft vocab {args.draft_vocab_size}"
+                                                              if args.draft_vocab_size else "")
+    cells = build_cells(tokenizer, args.num, lengths)
+    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size))
+    t0 = time.perf_counter()
+    results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown(results, lengths, label)
+    (args.out / "results.json").write_text(json.dumps(
+        {"label": label, "draft": args.draft, "target": args.target, "num": args.num, "lengths": lengths,
+         "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
+         "draft_vocab_size": args.draft_vocab_size, "wall_s": round(time.perf_counter() - t0, 1),
+         "cells": results}, indent=1))
+    (args.out / "results.md").write_text(table)
+    plot(results, lengths, label, args.out / "tau.png")
+    print(table)
+    print(f"wrote {args.out}/results.json, results.md, tau.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
