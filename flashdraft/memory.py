@@ -1,0 +1,110 @@
+"""KV-cache memory at real model sizes: bytes per cache position, what a batch reserves, rows that fit a budget.
+
+The engine's reservation rule (flashdraft.engine.generate, `cache_capacity`): a row needs
+`cache_capacity(prompt + max_new_tokens + block)` positions, a power of two of at least 256, reserved up front; a
+batch holds every row at its largest row's capacity (rows join and leave; the batch shrinks when its longest row
+leaves), with power-of-two row counts when compiled (`RowBuckets`). Each position costs:
+- target K/V: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes;
+- drafter context K/V: the same over the drafter's layers (its cache holds one scratch slot more per row).
+`reserved_positions` and `positions_for_budget` turn that into the server's admission figure
+(`--kv-cache-memory`, scheduler.py); `REAL_SHAPES` holds the configs of Qwen3-8B and Llama-3.1-70B (written out
+here: no hub access) for `scripts/memory/project.py`.
+
+What this module does not know about: activations, the prefill's transient buffers, the features queued between
+cycles, the allocator's fragmentation (keep a margin), and caches that grow with the tokens held (the engine
+reserves up front; see docs/design.md, 'Memory').
+"""
+
+from __future__ import annotations
+
+import torch
+
+GiB = 1024**3
+
+# config.json fields of real targets (published configs, copied by hand), for building them on the meta device
+REAL_SHAPES = {
+    "Qwen3-8B": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "Llama-3.1-70B": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+}
+
+
+def real_config(name: str):
+    """A transformers config of one of `REAL_SHAPES` (no weights, no hub access)."""
+    from transformers import AutoConfig
+
+    fields = dict(REAL_SHAPES[name])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def kv_bytes_per_position(config, dtype: torch.dtype) -> int:
+    """K and V bytes of one cache position over every layer of a model with this (text) config."""
+    tc = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    return 2 * tc.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def engine_bytes_per_position(engine) -> tuple[int, int]:
+    """(target, drafter) K/V bytes per cache position of a SpecEngine (drafter 0 without a drafting model)."""
+    target = kv_bytes_per_position(engine.target.config, engine.target.dtype)
+    drafter = getattr(engine, "drafter", None)
+    config = getattr(drafter, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        return target, 0
+    dtype = getattr(drafter, "dtype", engine.target.dtype)
+    return target, kv_bytes_per_position(config, dtype)
+
+
+def row_capacity(prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """Cache positions the engine reserves for one row (its rule, imported: the figures cannot drift from it)."""
+    from flashdraft.engine.generate import cache_capacity
+
+    return cache_capacity(prompt_tokens + max_new_tokens + block_size)
+
+
+def reserved_positions(capacities: list[int], cache_rows=lambda n: n) -> int:
+    """Positions a static batch of rows with these capacities holds: every row (and every padding row
+    `cache_rows(n)` adds for compiled row buckets) at the largest capacity, plus the drafter's scratch slot."""
+    if not capacities:
+        return 0
+    return cache_rows(len(capacities)) * (max(capacities) + 1)
+
+
+def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: int) -> int:
+    """Cache positions (target and drafter K/V together) that `budget_bytes` holds."""
+    return int(budget_bytes // max(1, target_bytes + drafter_bytes))
+
+
+def rows_that_fit(budget_bytes: int, prompt_tokens: int, max_new_tokens: int, block_size: int, target_bytes: int,
+                  drafter_bytes: int) -> int:
+    """Rows of this length a budget holds under the engine's reservation rule (uncompiled: no padding rows)."""
+    per_row = row_capacity(prompt_tokens, max_new_tokens, block_size) + 1
+    return positions_for_budget(budget_bytes, target_bytes, drafter_bytes) // per_row
+
+
+def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, prompt_tokens: int,
+             max_new_tokens: int, block_size: int) -> str:
+    """One line: bytes per position and what a row of this length reserves (and how many fit the budget)."""
+    capacity = row_capacity(prompt_tokens, max_new_tokens, block_size)
+    per_row = (capacity + 1) * (target_bytes + drafter_bytes)
+    text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "
+            f"position; a row of {prompt_tokens} prompt + {max_new_tokens} new tokens reserves {capacity} positions "
+            f"= {per_row / GiB:.3f} GiB")
+    if budget_bytes is not None:
+        fit = rows_that_fit(budget_bytes, prompt_tokens, max_new_tokens, block_size, target_bytes, drafter_bytes)
+        positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes)
+        text += f"; the budget of {budget_bytes / GiB:.2f} GiB holds {positions} positions = {fit} such rows"
+    return text

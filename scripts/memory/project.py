@@ -1,0 +1,74 @@
+"""KV-cache projection for real model shapes: bytes per position and rows that fit a budget at given lengths.
+
+    python scripts/memory/project.py                       # Qwen3-8B and Llama-3.1-70B, the default table
+    python scripts/memory/project.py --model Qwen3-8B --budget-gib 40 --length 1024:512 --length 7168:1024
+
+Targets are built from their config only (flashdraft.memory.REAL_SHAPES, no weights, no hub access), with a
+5-layer drafter of the same attention shape (`make_draft_config`), in bf16. A length is PROMPT:MAX_TOKENS;
+MAX_TOKENS `rest` is what a chat request without max_tokens reserves (the rest of the context, here
+--context). Rows are counted with the engine's own reservation rule (flashdraft.memory.rows_that_fit), the figure
+`flashdraft serve` logs at start-up; in parentheses, the rows a cache holding exactly prompt + max_tokens + block
+positions per row (no power of two, no largest-row padding) would fit: what paged KV would win. The weights are counted on the meta device, so budgets can be read against a
+GPU: KV budget = GPU memory - weights - activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from flashdraft.memory import GiB, REAL_SHAPES, kv_bytes_per_position, real_config, row_capacity, rows_that_fit
+from flashdraft.model.drafter import make_draft_config
+
+
+def parse_length(text: str) -> tuple[int, str]:
+    prompt, _, new = text.partition(":")
+    if not prompt.isdigit() or not (new.isdigit() or new == "rest"):
+        raise argparse.ArgumentTypeError(f"expected PROMPT:MAX_TOKENS (MAX_TOKENS a number or 'rest'), got {text!r}")
+    return int(prompt), new
+
+
+def weight_bytes(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(REAL_SHAPES), action="append", default=None)
+    p.add_argument("--budget-gib", type=float, action="append", default=None, help="KV budgets (default 20 and 60)")
+    p.add_argument("--length", type=parse_length, action="append", default=None,
+                   help="PROMPT:MAX_TOKENS (default 512:512, 2048:1024, 512:rest, 4096:rest)")
+    p.add_argument("--context", type=int, default=8192, help="context a chat request's max_tokens defaults to")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    args = p.parse_args(argv)
+    budgets = args.budget_gib or [20.0, 60.0]
+    lengths = args.length or [(512, "512"), (2048, "1024"), (512, "rest"), (4096, "rest")]
+    for name in args.model or sorted(REAL_SHAPES):
+        config = real_config(name)
+        drafter = make_draft_config(config, num_layers=args.draft_layers, block_size=args.block_size, mask_token_id=0)
+        t_bytes = kv_bytes_per_position(config, torch.bfloat16)
+        d_bytes = kv_bytes_per_position(drafter, torch.bfloat16)
+        print(f"\n{name}: weights {weight_bytes(config) / GiB:.1f} GiB (bf16); K/V per position: target "
+              f"{t_bytes / 1024:.0f} KiB, {args.draft_layers}-layer drafter {d_bytes / 1024:.0f} KiB")
+        print("| prompt | max_tokens | reserved positions / row | GiB / row | "
+              + " | ".join(f"rows in {b:g} GiB (exact)" for b in budgets) + " |")
+        print("|---:|---:|---:|---:|" + "---:|" * len(budgets))
+        for prompt, new in lengths:
+            max_new = args.context - prompt if new == "rest" else int(new)
+            capacity = row_capacity(prompt, max_new, args.block_size)
+            per_row = (capacity + 1) * (t_bytes + d_bytes) / GiB
+            fits = [f"{rows_that_fit(int(b * GiB), prompt, max_new, args.block_size, t_bytes, d_bytes)} "
+                    f"({int(b * GiB // ((prompt + max_new + args.block_size) * (t_bytes + d_bytes)))})"
+                    for b in budgets]
+            shown = f"{max_new} (rest of {args.context})" if new == "rest" else str(max_new)
+            print(f"| {prompt} | {shown} | {capacity} | {per_row:.2f} | " + " | ".join(map(str, fits)) + " |")
+
+
+if __name__ == "__main__":
+    main()
