@@ -95,16 +95,61 @@ def rows_that_fit(budget_bytes: int, prompt_tokens: int, max_new_tokens: int, bl
     return positions_for_budget(budget_bytes, target_bytes, drafter_bytes) // per_row
 
 
-def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, prompt_tokens: int,
-             max_new_tokens: int, block_size: int) -> str:
-    """One line: bytes per position and what a row of this length reserves (and how many fit the budget)."""
-    capacity = row_capacity(prompt_tokens, max_new_tokens, block_size)
+def memory_budget_arg(text: str) -> tuple[str, float]:
+    """`--kv-cache-memory`: "24" or "24GiB" (GiB), or "90%" (of the device's memory: `resolve_memory_budget`)."""
+    import argparse
+    import math
+
+    value = text.strip()
+    kind = "percent" if value.endswith("%") else "GiB"
+    number = value.rstrip("%") if kind == "percent" else value.removesuffix("GiB").removesuffix("G")
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = float("nan")
+    if not math.isfinite(amount) or amount <= 0 or (kind == "percent" and amount > 100):
+        raise argparse.ArgumentTypeError(f"expected GiB (e.g. 24 or 24GiB) or a percentage of the device's memory "
+                                         f"(e.g. 90%), got {text!r}")
+    return kind, amount
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, in use) bytes of the device: CUDA's own figures, or on CPU the machine's RAM and this process's RSS."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, total - free
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return total, rss
+
+
+def resolve_memory_budget(spec: tuple[str, float], device: torch.device) -> int:
+    """Bytes of K/V budget: GiB as given, or P% of the device's memory less what is in use already (the weights:
+    vLLM's `gpu_memory_utilization` reading). Refused when nothing is left."""
+    kind, amount = spec
+    if kind == "GiB":
+        return int(amount * GiB)
+    total, used = device_memory(device)
+    budget = int(total * amount / 100) - used
+    if budget <= 0:
+        raise ValueError(f"--kv-cache-memory {amount:g}%: {amount:g}% of {total / GiB:.1f} GiB leaves nothing for the "
+                         f"KV cache beside the {used / GiB:.1f} GiB in use (weights); raise it or give GiB")
+    return budget
+
+
+def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, tokens: int, block_size: int) -> str:
+    """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) reserves, and how many such rows
+    the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context)."""
+    capacity = row_capacity(tokens, 0, block_size)
     per_row = (capacity + 1) * (target_bytes + drafter_bytes)
     text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "
-            f"position; a row of {prompt_tokens} prompt + {max_new_tokens} new tokens reserves {capacity} positions "
+            f"position; a row of {tokens} tokens (prompt + max_tokens) reserves {capacity} positions "
             f"= {per_row / GiB:.3f} GiB")
     if budget_bytes is not None:
-        fit = rows_that_fit(budget_bytes, prompt_tokens, max_new_tokens, block_size, target_bytes, drafter_bytes)
+        fit = rows_that_fit(budget_bytes, tokens, 0, block_size, target_bytes, drafter_bytes)
         positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes)
-        text += f"; the budget of {budget_bytes / GiB:.2f} GiB holds {positions} positions = {fit} such rows"
+        text += f"; the budget of {budget_bytes / GiB:.3f} GiB holds {positions} positions = {fit} such rows"
     return text

@@ -44,11 +44,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from flashdraft import memory
 from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.memory import engine_bytes_per_position
 from flashdraft.serve import protocol
 from flashdraft.serve.metrics import Metrics
 from flashdraft.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, clip
-from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed
+from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed, TooLarge
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -70,6 +72,7 @@ class ServeConfig:
     body_timeout: float = 30.0  # seconds a client gets to send the whole body (else 408)
     max_prompt_bytes: int | None = None  # default: max_model_len x the bytes of the longest vocabulary entry
     tokenizer_workers: int = 2  # threads that parse and tokenize requests (off the event loop)
+    kv_cache_bytes: int | None = None  # target + drafter K/V budget; admission waits beyond it (None: no bound)
 
 
 class Server:
@@ -92,14 +95,25 @@ class Server:
         self.vocab_size = engine.target.vocab_size
         self.max_prompt_bytes = config.max_prompt_bytes or self.max_model_len * _longest_token_bytes(self.tokenizer)
         self.metrics = Metrics(config.model_name)
+        self.kv_cache_positions = self._kv_cache_positions(config.kv_cache_bytes)
         self.scheduler = Scheduler(engine, config.max_batch_size, config.max_queue, config.max_prefill_tokens,
-                                   self.metrics, threads=config.threads)
+                                   self.metrics, threads=config.threads, kv_cache_positions=self.kv_cache_positions)
         self.pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="flashdraft-tokenize")
         self.eos_ids = _eos_ids(engine)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())
         self.draining = False
         self._closing: asyncio.Event | None = None  # set when draining starts (created on the serving loop)
+
+    def _kv_cache_positions(self, budget: int | None) -> int | None:
+        """Cache positions the budget holds (None: unbounded); logs the projection's figure for this pair."""
+        if budget is not None and budget < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {budget}")
+        target_bytes, drafter_bytes = engine_bytes_per_position(self.engine)
+        log.info("%s%s", memory.describe(target_bytes, drafter_bytes, budget, self.max_model_len,
+                                         self.engine.block_size),
+                 "" if budget else " (no --kv-cache-memory: only --max-batch-size bounds the batch)")
+        return None if budget is None else memory.positions_for_budget(budget, target_bytes, drafter_bytes)
 
     # ---- the body: bounded in size and time -------------------------------------------------------------------
 
@@ -271,6 +285,9 @@ class Server:
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, str(e), code="queue_full") from None
+        except TooLarge as e:
+            self.metrics.rejected("kv_cache_budget")
+            raise APIError(400, str(e), param="max_tokens", code="kv_cache_budget") from None
         except SchedulerClosed as e:
             self.metrics.rejected("shutting_down")
             raise APIError(503, str(e), code="shutting_down") from None

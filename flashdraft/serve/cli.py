@@ -26,6 +26,7 @@ import sys
 import time
 
 from flashdraft.args import add_model_args, engine_from_args, int_at_least, int_in
+from flashdraft.memory import memory_budget_arg, resolve_memory_budget
 
 API_KEY_ENV = "FLASHDRAFT_API_KEY"
 
@@ -61,6 +62,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
                    help="prompt tokens prefilled per scheduler step when requests join (default 8192)")
+    p.add_argument("--kv-cache-memory", type=memory_budget_arg, default=None,
+                   help="memory for the target's and drafter's KV caches: GiB (24 or 24GiB), or a percentage of the "
+                        "device's memory for the whole server (90%%: less what the weights already use; CPU: of "
+                        "RAM). Requests wait in the queue while the batch's reserved cache would exceed it; one that "
+                        "cannot fit alone is a 400 (default: no bound beyond --max-batch-size)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; without either the "
                         "server is open; an empty key is an error)")
@@ -171,7 +177,9 @@ def run_serve(args) -> int:
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                          api_key=api_key, drain_timeout=args.drain_timeout, threads=args.threads,
                          max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                         max_prompt_bytes=args.max_prompt_bytes)
+                         max_prompt_bytes=args.max_prompt_bytes,
+                         kv_cache_bytes=args.kv_cache_memory and resolve_memory_budget(args.kv_cache_memory,
+                                                                                       engine.target.device))
     app = create_app(engine, config)
     log = logging.getLogger("flashdraft.serve")
     if api_key is None and not _is_loopback(args.host):

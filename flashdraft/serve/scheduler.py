@@ -3,11 +3,17 @@
 Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches it. Its loop, per iteration:
 1. cancel  - rows whose clients went away are dropped from the batch (`engine.cancel`), freeing their cache rows;
 2. admit   - waiting requests join the batch (`engine.add`: one prefill for all of them) while it has free slots
-             (`max_batch_size`) and the prefill token budget allows;
+             (`max_batch_size`), the prefill token budget allows, and (with `kv_cache_positions`, the server's
+             `--kv-cache-memory`) the cache positions the batch would reserve fit the budget;
 3. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
 4. deliver - each request's new tokens are handed to its asyncio queue with `loop.call_soon_threadsafe`.
 With nothing to do the thread sleeps on a condition variable. Requests beyond the batch wait in a bounded FIFO
 queue; `submit` on a full queue raises `QueueFull` at once (the server answers 429) instead of blocking.
+Memory admission: the engine reserves each row's cache up front, `cache_capacity(prompt + max_new_tokens + block)`
+positions, and a batch holds every row (and the padding rows of compiled row buckets) at its largest row's
+capacity (`flashdraft.memory.reserved_positions`). The head of the queue joins only while that figure, with it
+added, stays within `kv_cache_positions`; otherwise it waits (FIFO: later, smaller requests do not overtake it)
+until running rows finish. A request that could not fit even alone is refused at `submit` (`TooLarge`, HTTP 400).
 Each request carries its own SamplingParams (temperature, stop ids/strings, max tokens); the engine applies them
 per row, so mixing greedy and sampled requests in one batch is fine.
 
@@ -27,12 +33,17 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine, StreamEvent
+from flashdraft.memory import reserved_positions, row_capacity
 
 log = logging.getLogger("flashdraft.serve")
 
 
 class QueueFull(Exception):
     """The waiting queue is at its bound; retry later (HTTP 429)."""
+
+
+class TooLarge(ValueError):
+    """The request's cache reservation alone exceeds the memory budget (HTTP 400)."""
 
 
 class SchedulerClosed(Exception):
@@ -62,10 +73,15 @@ class Request:
 
 class Scheduler:
     def __init__(self, engine: SpecEngine, max_batch_size: int = 16, max_queue: int = 64,
-                 max_prefill_tokens: int = 8192, metrics=None, threads: int | None = None):
+                 max_prefill_tokens: int = 8192, metrics=None, threads: int | None = None,
+                 kv_cache_positions: int | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queue >= 0")
+        if kv_cache_positions is not None and kv_cache_positions < 1:
+            raise ValueError(f"kv_cache_positions must be >= 1 or None, got {kv_cache_positions}")
         self.engine = engine
+        self.kv_cache_positions = kv_cache_positions
+        self._cache_rows = getattr(getattr(engine, "buckets", None), "rows", lambda n: n)
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -104,6 +120,7 @@ class Scheduler:
         """Queue a request; its events arrive on `request.queue` (in `loop`). Raises QueueFull / SchedulerClosed."""
         loop = loop or asyncio.get_running_loop()
         req = Request(rid, list(prompt), params, loop)
+        self._check_fits_alone(req)
         with self._cond:
             if not self._accepting or not self.alive:
                 raise SchedulerClosed("the server is shutting down")
@@ -116,6 +133,30 @@ class Scheduler:
             self._cond.notify()
         self._gauges()
         return req
+
+    def capacity(self, req: Request) -> int:
+        """Cache positions the engine reserves for this request's row."""
+        return row_capacity(len(req.prompt), req.params.max_new_tokens, self.engine.block_size)
+
+    def reserved_positions(self, reqs) -> int:
+        """Positions a batch of these requests holds (every row at the largest row's capacity)."""
+        return reserved_positions([self.capacity(r) for r in reqs], self._cache_rows)
+
+    def _check_fits_alone(self, req: Request) -> None:
+        budget = self.kv_cache_positions
+        if budget is None or self.reserved_positions([req]) <= budget:
+            return
+        raise TooLarge(
+            f"this request needs a KV cache of {self.capacity(req)} positions ({len(req.prompt)} prompt tokens + "
+            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.block_size}, rounded up to a power "
+            f"of two), more than the server's whole budget of {budget} positions (--kv-cache-memory); lower "
+            "max_tokens or shorten the prompt")
+
+    def _fits(self, admit: list[Request], candidate: Request) -> bool:
+        """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget."""
+        if self.kv_cache_positions is None:
+            return True
+        return self.reserved_positions([*self._running.values(), *admit, candidate]) <= self.kv_cache_positions
 
     def cancel(self, rid: str) -> None:
         """Drop a request (waiting or running); nothing more is delivered for it. Safe to call more than once."""
@@ -164,7 +205,8 @@ class Scheduler:
             else:
                 admit, budget = [], self.max_prefill_tokens
                 free = self.max_batch_size - len(self._batch.rows)
-                while self._waiting and len(admit) < free and (not admit or len(self._waiting[0].prompt) <= budget):
+                while (self._waiting and len(admit) < free and (not admit or len(self._waiting[0].prompt) <= budget)
+                       and self._fits(admit, self._waiting[0])):
                     req = self._waiting.popleft()
                     budget -= len(req.prompt)
                     admit.append(req)

@@ -1,0 +1,109 @@
+"""Admission by a KV-cache memory budget (`--kv-cache-memory`): rows wait while the batch's reserved cache would
+exceed the budget, outputs stay the target's own greedy ones, a request that cannot fit alone is a clear 400 (chat
+requests without max_tokens reserve the whole context), and the server logs the projection's figure at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from test_serve import MAX_LEN, MODEL, live, make_engine, pair  # noqa: E402,F401  (fixture)
+from tiny import greedy_reference, make_drafter, make_target  # noqa: E402
+
+from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.engine.generate import cache_capacity  # noqa: E402
+from flashdraft.memory import engine_bytes_per_position, memory_budget_arg, resolve_memory_budget  # noqa: E402
+from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
+from flashdraft.serve.scheduler import Failure, Scheduler, TooLarge  # noqa: E402
+
+
+def _record_rows(engine: SpecEngine) -> list[int]:
+    """Rows in the batch after every step (the engine's own count, not the scheduler's)."""
+    seen: list[int] = []
+    step = engine.step
+
+    def recording(batch):
+        seen.append(len(batch.rows))
+        return step(batch)
+
+    engine.step = recording
+    return seen
+
+
+def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + i)] for i in range(6)}
+    expected = {rid: greedy_reference(target, p, 10) for rid, p in prompts.items()}
+    per_row = cache_capacity(len(prompts["r5"]) + 10 + engine.block_size) + 1  # 256 + the drafter's scratch slot
+    sched = Scheduler(engine, max_batch_size=8, max_queue=16, kv_cache_positions=2 * per_row + per_row // 2)
+    rows = _record_rows(engine)
+    sched.start()
+
+    async def main():
+        reqs = [sched.submit(p, SamplingParams(max_new_tokens=10), rid) for rid, p in prompts.items()]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+        # one that cannot fit even alone is refused at once, naming its reservation and the budget
+        with pytest.raises(TooLarge, match=r"1024 positions .* budget of 642 positions.*lower max_tokens"):
+            sched.submit([1] * 200, SamplingParams(max_new_tokens=400), "big", loop=asyncio.new_event_loop())
+    finally:
+        sched.stop()
+    for rid, tokens in zip(prompts, outcomes):
+        assert tokens == expected[rid], rid
+    assert max(rows) == 2, rows  # 8 batch slots, but the budget holds two rows' caches: the others waited
+
+
+async def _collect(req) -> list[int]:
+    tokens = []
+    while True:
+        item = await req.queue.get()
+        assert not isinstance(item, Failure), item.message
+        tokens += item.token_ids
+        if item.finished:
+            return tokens
+
+
+def test_server_budget_chat_default_max_tokens_is_a_400_and_setting_it_fits(pair, caplog):  # noqa: F811
+    engine = make_engine(pair)
+    target_bytes, drafter_bytes = engine_bytes_per_position(engine)
+    assert target_bytes > 0 and drafter_bytes > 0
+    budget = 300 * (target_bytes + drafter_bytes)  # a 256-position row fits; a whole-context (512) row does not
+    with caplog.at_level(logging.INFO, logger="flashdraft.serve"):
+        app = create_app(engine, ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, kv_cache_bytes=budget))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
+    assert f"a row of {MAX_LEN} tokens (prompt + max_tokens) reserves 512 positions" in line
+    assert "holds 300 positions = 0 such rows" in line
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
+    with live(app) as s:
+        resp = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=60)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "kv_cache_budget" and "lower max_tokens" in err["message"]
+        ok = httpx.post(f"{s.url}/v1/chat/completions", json=dict(chat, max_tokens=16), timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_kv_cache_memory_flag_values():
+    import argparse
+
+    import torch
+
+    assert memory_budget_arg("24") == ("GiB", 24.0) and memory_budget_arg("1.5GiB") == ("GiB", 1.5)
+    assert memory_budget_arg("90%") == ("percent", 90.0)
+    for bad in ("0", "-1", "abc", "150%", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory_budget_arg(bad)
+    assert resolve_memory_budget(("GiB", 2.0), torch.device("cpu")) == 2 * 1024**3
+    assert resolve_memory_budget(("percent", 100.0), torch.device("cpu")) > 0  # RAM less this process's RSS
+    with pytest.raises(ValueError, match="leaves nothing"):
+        resolve_memory_budget(("percent", 1e-9), torch.device("cpu"))
