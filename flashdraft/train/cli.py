@@ -126,6 +126,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --output-dir")
     p.add_argument("--device", type=device_arg, default=None)
     p.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--draft-vocab-size", type=positive_int, default=None,
+                   help="read out over the N most frequent response tokens only (own lm_head + d2t, as EAGLE-3 and "
+                        "vLLM store it); default: the target's whole vocabulary")
+    p.add_argument("--init-from", type=model_path_arg("drafter"), default=None,
+                   help="start from this drafter's weights (all but the read-out) instead of random ones")
     p.add_argument("--shard-target", action="store_true",
                    help="under torchrun: shard the frozen target's decoder layers over the processes (FSDP2) "
                         "instead of holding it whole in each; the drafter stays data-parallel")
@@ -149,7 +154,8 @@ def config_from_args(args):
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
-        export_dtype=args.export_dtype, shard_target=args.shard_target,
+        export_dtype=args.export_dtype, shard_target=args.shard_target, draft_vocab_size=args.draft_vocab_size,
+        init_from=args.init_from,
         progress=not args.no_progress,
     )
 

@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from flashdraft.model.draft_vocab import (copy_weights, draft_targets, reduced_config, response_token_counts,
+                                          select_draft_vocab, set_draft_vocab)
 from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
 from flashdraft.model.target import TargetModel
 from flashdraft.train import checkpoint
@@ -111,6 +113,9 @@ class TrainConfig:
     loss_chunk_size: int = 4096
     progress: bool = True
     shard_target: bool = False  # FSDP2 over the target's decoder layers (torchrun); see sharding.py
+    # read out over the N most frequent response tokens only (own lm_head + d2t, `model/draft_vocab.py`); None: all
+    draft_vocab_size: int | None = None
+    init_from: str | None = None  # a drafter checkpoint whose weights (all but the read-out) start the training
 
 
 class NonFiniteLoss(RuntimeError):
@@ -144,6 +149,9 @@ def check_config(cfg: "TrainConfig") -> None:
     need(0 <= cfg.distill_weight <= 1, "distill_weight", "in [0, 1]")
     need(finite(cfg.distill_temperature) and cfg.distill_temperature > 0, "distill_temperature",
          "a finite number > 0")
+    need(cfg.draft_vocab_size is None or cfg.draft_vocab_size >= 1, "draft_vocab_size", "None or >= 1")
+    need(not (cfg.draft_vocab_size and cfg.distill_weight > 0), "distill_weight",
+         "0 with draft_vocab_size (the target's distribution has mass outside the draft vocabulary)")
     need(not (cfg.shard_target and cfg.feature_cache), "feature_cache",
          "None with shard_target (the cache is built by ranks working apart; a sharded target runs in lockstep)")
     need(not (cfg.shard_target and cfg.eval_prompts), "eval_prompts",
@@ -310,6 +318,7 @@ class Trainer:
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         self.attention = resolve_attention(config.attention, self.device, need_backward=True)
 
+        self._shape_drafter(target_model)
         self.model = self.drafter
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -326,6 +335,25 @@ class Trainer:
                 raise ValueError("distillation needs target logits: use online features (no feature_cache)")
             self.feature_cache = FeatureCache(config.feature_cache)
             self.feature_cache.build(self.target, self.examples, self.rank, self.world_size, barrier=self._barrier)
+
+    def _shape_drafter(self, target_model) -> None:
+        """`draft_vocab_size`: the drafter reads out over the most frequent response tokens of the training data
+        through its own lm_head, initialised with those rows of the target's; `init_from`: the weights of a trained
+        drafter (all but the read-out) instead of random ones."""
+        cfg = self.cfg
+        if cfg.draft_vocab_size:
+            head = target_model.get_output_embeddings().weight
+            if cfg.draft_vocab_size > head.shape[0]:
+                raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} exceeds the target's vocabulary "
+                                 f"({head.shape[0]})")
+            ids = select_draft_vocab(response_token_counts(self.examples, head.shape[0]), cfg.draft_vocab_size)
+            small = DFlashDraftModel(reduced_config(self.drafter.config, ids.numel()), own_lm_head=True)
+            small.to(self.device)
+            copy_weights(self.drafter, small)
+            set_draft_vocab(small, head, ids)
+            self.drafter = small.train()
+        if cfg.init_from:
+            copy_weights(DFlashDraftModel.from_pretrained(cfg.init_from, dtype=torch.float32), self.drafter)
 
     # ---- distributed ----------------------------------------------------------------------------------------
 
@@ -390,6 +418,11 @@ class Trainer:
         cfg = self.cfg
         epoch, es, layout = self.step_indices(step)
         micros = [self._micro(layout[a, self.rank].tolist(), epoch) for a in range(cfg.grad_accum)]
+        if self.drafter.d2t is not None:  # labels outside the draft vocabulary carry no loss: they are never drafted
+            in_vocab = torch.zeros(self.drafter.config.vocab_size, dtype=torch.bool)
+            in_vocab[draft_targets(self.drafter.d2t.cpu())] = True
+            for m in micros:
+                m.weights = m.weights * in_vocab[m.blocks.labels.cpu()].to(m.weights.device)
         local = torch.tensor([float(sum(m.weights.sum() for m in micros)), float(sum(m.tokens for m in micros))],
                              dtype=torch.float64, device=self.device)
         weight_sum, tokens = self._all_reduce(local).tolist()
