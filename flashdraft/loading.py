@@ -211,10 +211,22 @@ def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target_dtype: tor
     return resolve_dtype(draft_dtype, device)
 
 
+def load_drafter(path: str | Path, dtype: torch.dtype | None = None, device: str | None = None):
+    """A drafter checkpoint as the class its config.json names: `DFlash2DraftModel` for z-lab's DFlash2
+    architecture, `DFlashDraftModel` for every other (DFlash-1 variants, docs/checkpoints.md)."""
+    from flashdraft.model import DFlash2DraftModel, DFlashDraftModel
+    from flashdraft.model.dflash2 import is_dflash2_checkpoint
+    from flashdraft.model.drafter import _resolve_checkpoint_dir
+
+    config = _resolve_checkpoint_dir(path, weights=False) / "config.json"  # a hub id: its JSON files only
+    cls = DFlash2DraftModel if is_dflash2_checkpoint(config) else DFlashDraftModel
+    return cls.from_pretrained(path, dtype=dtype, device=device)
+
+
 def load_pair(target: str | Path | None = None, draft: str | Path | None = None, device: str | None = None,
               dtype: str | torch.dtype | None = None, draft_dtype: str | torch.dtype | None = None):
     """(target model, tokenizer, drafter or None). No target and no draft: the shipped default pair."""
-    from flashdraft.model import DFlashDraftModel, TargetModel, validate_pair
+    from flashdraft.model import TargetModel, validate_pair
 
     if target is None:
         default_target, default_drafter = default_pair_paths()
@@ -223,7 +235,7 @@ def load_pair(target: str | Path | None = None, draft: str | Path | None = None,
     model, tokenizer = load_target(target, device, dtype)
     drafter = None
     if draft is not None:
-        drafter = DFlashDraftModel.from_pretrained(draft, dtype=resolve_draft_dtype(draft_dtype, model.dtype, device),
+        drafter = load_drafter(draft, dtype=resolve_draft_dtype(draft_dtype, model.dtype, device),
                                                    device=device)
         validate_pair(drafter, TargetModel(model))
     return model, tokenizer, drafter

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.model.cpu_linear import packed_linear
+from flashdraft.model.draft_vocab import draft_targets
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
 
@@ -96,10 +97,20 @@ class DraftRows:
 
 
 class DFlashProposer:
-    """Drafts a block with a DFlash drafter; drafts are the drafter's argmax (one-hot draft distribution)."""
+    """Drafts a block with a DFlash drafter; drafts are the drafter's argmax (one-hot draft distribution).
+
+    Built for a DFlash2 drafter (one with a candidate selector), it is a `DFlash2Proposer` (`dflash2_proposer.py`),
+    which reuses everything here but the choice of tokens (`_draft_tokens`, `_proposal`)."""
 
     needs_features = True
     needs_histories = False
+
+    def __new__(cls, drafter, *args, **kwargs):
+        if cls is DFlashProposer and getattr(drafter, "candidate_selector", None) is not None:
+            from flashdraft.engine.dflash2_proposer import DFlash2Proposer
+
+            cls = DFlash2Proposer
+        return super().__new__(cls)
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False,
                  pack_weights: bool = False):
@@ -108,12 +119,14 @@ class DFlashProposer:
         # the drafter may run in another dtype than the target (e.g. bf16 drafts for an fp32 target on CPU):
         # drafts only steer acceptance, the verifier alone decides the output
         self.embedding_weight = target.embedding_weight.to(drafter.dtype)
-        lm_head = target.lm_head
+        lm_head = drafter.readout(target.lm_head)
         if lm_head.weight.dtype != drafter.dtype:
             lm_head = copy.deepcopy(lm_head).to(drafter.dtype)
         # CPU: the vocabulary projection through oneDNN on a packed copy (`cpu_linear.py`; the drafter's own
         # projections gained nothing measurable end to end, so they stay as they are)
         self.lm_head = packed_linear(lm_head) if pack_weights else lm_head
+        # a reduced draft vocabulary: the target id of each draft id (`draft_vocab.py`); None: the target's own ids
+        self.draft_targets = draft_targets(drafter.d2t) if getattr(drafter, "d2t", None) is not None else None
         self.compiled = compile
         self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
         self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None
@@ -121,7 +134,7 @@ class DFlashProposer:
     def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> DraftRows:
         return DraftRows(buckets)
 
-    def propose(self, state: DraftRows, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, None]:
+    def propose(self, state: DraftRows, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.device
         live = inp.bonus.shape[0]
         b = state.buckets.rows(live)  # padding rows draft garbage that nobody reads
@@ -136,11 +149,14 @@ class DFlashProposer:
         noise = scale = None
         if inp.noise is not None:  # padding rows: noise 1 and temperature 1 (their drafts are never read)
             noise = torch.cat([inp.noise, inp.noise.new_ones((b - live, *inp.noise.shape[1:]))]).to(dev)
+        if inp.temperatures is not None:  # 1 / T per row (1 for greedy and padding rows; greedy rows draft argmax)
             temps = inp.temperatures.to(dev, torch.float32)
             scale = torch.cat([torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0), temps.new_ones(b - live)])
+            if noise is None:  # sampled rows without noise (rejection sampling): 0 marks the greedy ones
+                scale = torch.cat([torch.where(temps > 0, scale[:live], 0.0), scale[live:]])
         if not self.compiled:
-            return self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
-                                      inp.context_len, noise, scale)[:live].to(inp.bonus.device), None
+            return self._proposal(self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
+                                                     inp.context_len, noise, scale), live, inp.bonus.device)
         # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
         # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
         pad = -features.shape[1] % block_size
@@ -153,18 +169,32 @@ class DFlashProposer:
         for chunk in chunks[:-1]:
             self._write_step(state.kv, *chunk)
         drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale)
-        return drafts[:live].to(inp.bonus.device), None
+        return self._proposal(drafts, live, inp.bonus.device)
+
+    def _proposal(self, drafts: torch.Tensor, live: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(drafts [live, k], draft distributions or None for one-hot drafts) from what `_draft_tokens` returned."""
+        return drafts[:live].to(device), None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
                       positions: torch.Tensor, context_len: int | None, noise: torch.Tensor | None = None,
                       inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
         """Write the newly committed context into the drafter's cache, then draft one block per row: the argmax,
         or with `noise` the winner of the exponential race on softmax(logits / T) (greedy rows: noise 1, 1/T 1)."""
+        hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
+        logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
+        if noise is None:
+            return self._target_ids(logits.argmax(dim=-1))
+        if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
+            noise = noise.index_select(-1, self.draft_targets)
+        probs = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
+        return self._target_ids((probs / noise).argmax(dim=-1))
+
+    def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids as target ids (identity unless the drafter has a reduced vocabulary)."""
+        return draft_ids if self.draft_targets is None else self.draft_targets[draft_ids]
+
+    def _draft_hidden(self, kv, features, feature_positions, feature_valid, block, positions, context_len):
+        """The drafter's hidden states [b, k, H] at the k draft positions, after writing the new context."""
         self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
-        hidden = self.drafter.draft(kv, embeds, positions, context_len)
-        logits = self.drafter.compute_logits(hidden[:, 1:], self.lm_head)
-        if noise is None:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
-        return (probs / noise).argmax(dim=-1)
+        return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]

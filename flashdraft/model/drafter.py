@@ -95,9 +95,9 @@ _MUSE_DEFAULTS = {
     "target_layer_ids": [1, 13, 25, 37, 49], "attention_dropout": 0.0,
 }
 _MUSE_DEFAULT_THETA = 500000.0
-# architectures that are not this drafter although their configs look alike: refused by name (DFlash2DraftModel adds
-# grouped convolutions and a candidate selector that this drafter does not have)
-_UNSUPPORTED_ARCHITECTURES = ("DFlash2",)
+# DFlash2 checkpoints (grouped convolutions + a candidate selector, `dflash2.py`) look alike: each class loads only
+# its own architecture, `flashdraft.loading.load_drafter` picks the class by name
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 
 
 def _eagle_layer_ids(raw: dict) -> tuple[list[int] | None, str | None]:
@@ -117,7 +117,7 @@ def _eagle_layer_ids(raw: dict) -> tuple[list[int] | None, str | None]:
     return None, None
 
 
-def normalize_draft_config(raw: dict, source: str = "config.json") -> dict:
+def normalize_draft_config(raw: dict, source: str = "config.json", architecture: str = "DFlashDraftModel") -> dict:
     """The raw config.json of any known DFlash checkpoint variant, rewritten into our layout (a copy).
 
     Resolved into `dflash_config`: `mask_token_id`, `target_layer_ids` (DFlash numbering: tap the OUTPUT of these
@@ -131,10 +131,10 @@ def normalize_draft_config(raw: dict, source: str = "config.json") -> dict:
     if not isinstance(eagle, dict):
         raise CheckpointError(f"{source}: eagle_config must be a JSON object")
     archs = cfg.get("architectures") or ["DFlashDraftModel"]
-    unsupported = [a for a in archs if str(a).startswith(_UNSUPPORTED_ARCHITECTURES)]
-    if unsupported:
-        raise CheckpointError(f"{source}: architectures {unsupported} is not the DFlash drafter this loader runs (its "
-                              "extra modules - grouped convolutions, candidate selector - are not implemented)")
+    if (DFLASH2_ARCHITECTURE in archs) != (architecture == DFLASH2_ARCHITECTURE):
+        raise CheckpointError(f"{source}: architectures {archs} is not {architecture}; load it with "
+                              f"{'DFlash2DraftModel' if DFLASH2_ARCHITECTURE in archs else 'DFlashDraftModel'} "
+                              "(flashdraft.loading.load_drafter picks the class by architecture)")
     muse = cfg.get("model_type") == MUSE_ASSISTANT or "MuseGlimmerAssistantModel" in archs
     if muse:
         # transformers' own DFlash assistant: DFlash fields at top level, every layer bidirectional (its attention
@@ -444,6 +444,8 @@ def block_attention_mask(
 class DFlashDraftModel(nn.Module):
     """The DFlash drafter. See the module docstring for the design."""
 
+    ARCHITECTURE = "DFlashDraftModel"  # config.json `architectures`; subclasses with other modules name their own
+
     def __init__(self, config: Qwen3Config, own_embedding: bool = False, own_lm_head: bool = False,
                  mask_embedding: bool = False):
         """`own_embedding` / `own_lm_head` / `mask_embedding`: the checkpoint ships `embed_tokens.weight` /
@@ -527,7 +529,8 @@ class DFlashDraftModel(nn.Module):
 
         `context_valid` [b, c] marks real slots (padding otherwise). `attention_mask` [b, 1, q, c + q] (bool, True
         = attend) overrides the default one-block-per-row mask; training uses it to put many blocks of a sequence
-        in one pass. Decoding keeps the context in a cache instead: `write_context` + `draft`.
+        in one pass, as a dict {(sliding_window, is_causal): mask} when the layers differ (sliding-window
+        drafters). Decoding keeps the context in a cache instead: `write_context` + `draft`.
         """
         ctx = self.project_context(target_hidden)
         if context_valid is None:
@@ -573,7 +576,9 @@ class DFlashDraftModel(nn.Module):
         masks: dict = {}
         for layer, layer_ctx_kv in zip(self.layers, ctx_kv):
             attn = layer.self_attn
-            if attention_mask is not None:
+            if isinstance(attention_mask, dict):  # training: one mask per (sliding window, causal) of the layers
+                mask = attention_mask[(attn.sliding_window, attn.is_causal)]
+            elif attention_mask is not None:
                 mask = attention_mask
             else:
                 key = (attn.sliding_window, attn.is_causal)
@@ -599,25 +604,34 @@ class DFlashDraftModel(nn.Module):
             out.append((apply_rope(a.k_norm(k).transpose(1, 2), cos, sin, a.interleaved), v.transpose(1, 2)))
         return out
 
+    def readout(self, lm_head: nn.Module) -> nn.Module:
+        """The projection drafts are read out through: the drafter's own lm_head where the checkpoint ships one
+        (over the draft vocabulary), else `lm_head` (the TARGET's)."""
+        return self.lm_head if self.lm_head is not None else lm_head
+
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Read the draft hidden states out through the TARGET's lm_head (the drafter's own, where the checkpoint
         ships one), times `logit_scale` (vLLM) and `output_multiplier` (reference), softcapped where configured.
         A reduced draft vocabulary (`draft_vocab_size` + `d2t`) is scattered onto the target's vocabulary, every
         other id at -inf, as vLLM does."""
-        if self.lm_head is not None:
-            lm_head = self.lm_head
-        logits = lm_head(hidden.to(lm_head.weight.dtype))
+        logits = self.draft_logits(hidden, self.readout(lm_head))
+        if self.d2t is not None:
+            full = logits.new_full((*logits.shape[:-1], int(self.config.vocab_size)), float("-inf"))
+            targets = torch.arange(self.d2t.shape[0], device=logits.device) + self.d2t
+            full[..., targets] = logits
+            logits = full
+        return logits
+
+    def draft_logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """Logits over the draft vocabulary (draft id d = target id d + d2t[d] with a reduced one), through `head`
+        as given (`readout`, or a packed copy of it), scaled and softcapped as `compute_logits`; not scattered."""
+        logits = head(hidden.to(head.weight.dtype))
         scale = self.output_multiplier * self.logit_scale
         if scale != 1.0:
             logits = logits * scale
         if self.final_logit_softcapping:
             cap = float(self.final_logit_softcapping)
             logits = torch.tanh(logits / cap) * cap
-        if self.d2t is not None:
-            full = logits.new_full((*logits.shape[:-1], int(self.config.vocab_size)), float("-inf"))
-            targets = torch.arange(self.d2t.shape[0], device=logits.device) + self.d2t
-            full[..., targets] = logits
-            logits = full
         return logits
 
     def embed(self, input_ids: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
@@ -644,14 +658,20 @@ class DFlashDraftModel(nn.Module):
         dtype = dtype or self.dtype
         state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
                  for k, v in self.state_dict().items() if not k.startswith("rotary_emb.")}
-        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(self.checkpoint_names(state), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
         if self.mask_embedding is not None:
             torch.save({"mask_token_id": self.mask_token_id, "embedding": state["mask_embedding"].clone()},
                        out / MASK_EMBEDDING_NAME)
+        config = self.export_config(dtype)
         with open(out / CONFIG_NAME, "w") as f:
-            json.dump(self.export_config(dtype), f, indent=2, sort_keys=True)
-        shutil.copyfile(REMOTE_CODE, out / REMOTE_CODE.name)
+            json.dump(config, f, indent=2, sort_keys=True)
+        if "auto_map" in config:  # the remote code runs DFlash-1 only
+            shutil.copyfile(REMOTE_CODE, out / REMOTE_CODE.name)
         return out
+
+    def checkpoint_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our state dict under the names the checkpoint format stores (the same names here; see dflash2.py)."""
+        return state
 
     def export_config(self, dtype: torch.dtype | None = None) -> dict:
         """config.json as every reader needs it (docs/checkpoints.md): the rope base as transformers 5.x reads it
@@ -664,7 +684,7 @@ class DFlashDraftModel(nn.Module):
             cfg.pop(key, None)
         if getattr(self.config, "vocab_size_declared", True) is False:
             cfg.pop("vocab_size", None)
-        cfg["architectures"] = ["DFlashDraftModel"]
+        cfg["architectures"] = [self.ARCHITECTURE]
         cfg["model_type"] = "qwen3"
         rope = dict(getattr(self.config, "rope_parameters", None) or {})
         rope.setdefault("rope_type", "default")
@@ -720,7 +740,7 @@ class DFlashDraftModel(nn.Module):
         if not config_path.is_file():
             raise CheckpointError(f"{directory}: no {CONFIG_NAME}; not a DFlash drafter checkpoint")
         raw = check_draft_config_file(config_path)
-        config = draft_config_from_dict(raw, source=str(config_path))
+        config = draft_config_from_dict(raw, source=str(config_path), architecture=cls.ARCHITECTURE)
         if not Path(path_or_hub_id).exists():
             directory = _resolve_checkpoint_dir(path_or_hub_id, revision, weights=True)
         state = normalize_state_names(_load_safetensors(directory), source=str(directory))
@@ -736,6 +756,8 @@ class DFlashDraftModel(nn.Module):
                         mask_embedding="mask_embedding" in state)
         except CheckpointError as exc:
             raise CheckpointError(f"{config_path}: {exc}") from exc
+        if any(t.dtype == torch.float64 for t in state.values()):
+            model.double()  # a float64 checkpoint loads exactly, not through float32 parameters
         model.load_checkpoint_state(state, source=str(directory))
         model.to(device=device, dtype=dtype or _checkpoint_dtype(state))
         return model.eval()
@@ -797,9 +819,9 @@ def check_draft_config_file(config_path: Path) -> dict:
     return raw
 
 
-def draft_config_from_dict(raw: dict, source: str = "config.json") -> Qwen3Config:
+def draft_config_from_dict(raw: dict, source: str = "config.json", architecture: str = "DFlashDraftModel") -> Qwen3Config:
     """A Qwen3Config for the drafter from a raw config.json of any known variant (`normalize_draft_config`)."""
-    cfg = normalize_draft_config(raw, source)
+    cfg = normalize_draft_config(raw, source, architecture)
     try:
         return Qwen3Config.from_dict(cfg)
     except Exception as exc:  # malformed fields

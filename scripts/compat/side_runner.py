@@ -3,7 +3,8 @@
 Runs with a side environment's python and imports nothing from flashdraft:
 
 - `--mode zlab`: z-lab's own package (PyPI `dflash` 0.1.0, transformers 5.15): the drafter through
-  `dflash.DFlashDraftModel.from_pretrained`, decoding with their `dflash.model.dflash_generate`, unmodified (their
+  `dflash.DFlashDraftModel.from_pretrained` (`dflash.DFlash2DraftModel` for a config naming that architecture;
+  its drafts are then the candidate selector's), decoding with their `dflash.model.dflash_generate`, unmodified (their
   CUDA timer is swapped for `time.perf_counter` on CPU, as in scripts/speed/zlab_runner.py).
 - `--mode remote`: the remote-code line of z-lab's hub checkpoints, `AutoModel.from_pretrained(drafter,
   trust_remote_code=True)` (the `dflash.py` beside the weights), decoding with its `spec_generate`; meant for a
@@ -53,16 +54,29 @@ def main(argv=None) -> int:
         from importlib.metadata import version
 
         info.update(dflash_version=version("dflash"), dflash_file=dflash.__file__)
-        draft = dflash.DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, attn_implementation="sdpa").eval()
+        with open(f"{args.draft}/config.json") as f:
+            archs = json.load(f).get("architectures") or []
+        cls = dflash.DFlash2DraftModel if "DFlash2DraftModel" in archs else dflash.DFlashDraftModel
+        draft = cls.from_pretrained(args.draft, dtype=dtype, attn_implementation="sdpa").eval()
         zmodel._cuda_time = time.perf_counter  # their timer calls torch.cuda.synchronize(); CPU has none
-        original = draft.compute_logits
+        if cls is dflash.DFlash2DraftModel:  # drafts come from the candidate selector's walk
+            original = draft.propose
 
-        def recording(hidden, head):
-            logits = original(hidden, head)
-            drafts.append(logits[0].argmax(-1).tolist())
-            return logits
+            def recording(hidden, anchor, head, temperature):
+                out = original(hidden, anchor, head, temperature)
+                drafts.append(out[0][0].tolist())
+                return out
 
-        draft.compute_logits = recording
+            draft.propose = recording
+        else:
+            original = draft.compute_logits
+
+            def recording(hidden, head):
+                logits = original(hidden, head)
+                drafts.append(logits[0].argmax(-1).tolist())
+                return logits
+
+            draft.compute_logits = recording
 
         def generate(ids, n):
             res = zmodel.dflash_generate(draft, target, ids, n, None, temperature=0.0, return_stats=True)
@@ -107,7 +121,8 @@ def main(argv=None) -> int:
                         "drafts": [list(d) for d in drafts]})
     info["results"] = results
     if req.get("save_to") and args.mode == "zlab":
-        draft.compute_logits = original
+        for name in ("propose", "compute_logits"):  # the class's own methods again, not the recording wrappers
+            draft.__dict__.pop(name, None)
         draft.save_pretrained(req["save_to"])
         info["saved_to"] = req["save_to"]
     sys.stdout.write(json.dumps(info) + "\n")

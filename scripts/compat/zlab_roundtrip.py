@@ -93,12 +93,13 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
     import torch
     from transformers import AutoModelForCausalLM
 
-    from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
+    from flashdraft import SamplingParams, SpecEngine
     from flashdraft.engine.proposers import DFlashProposer
+    from flashdraft.loading import load_drafter
 
     dt = getattr(torch, dtype)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dt).eval()
-    drafter = DFlashDraftModel.from_pretrained(draft_dir, dtype=dt)
+    drafter = load_drafter(draft_dir, dtype=dt)  # DFlash-1 or DFlash2, by the config's architecture
     drafts: list[list[int]] = []
     original = DFlashProposer.propose
 

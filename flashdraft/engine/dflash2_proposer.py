@@ -1,0 +1,110 @@
+"""Drafting with a DFlash2 drafter (`model/dflash2.py`): the DFlash forward of `DFlashProposer`, then the candidate
+selector's walk along the block instead of a per-position argmax.
+
+How the walk picks each position's token among its candidates (scores s over the marginal's top-k), per row:
+- greedy rows: argmax s (z-lab's `dflash_generate` at temperature 0);
+- sampled rows with counter-based noise (the default "gumbel" sampler, `noise.py`): the exponential race on the
+  selector's own q = softmax(s / T) with the position's noise at the candidates' token ids, argmax q(c) / E(c). The
+  target commits the race winner of its p under the same noise, so a draft is accepted exactly when both races
+  pick the same token; committed text is plain decoding's whatever the drafts are.
+- sampled rows without noise (the "rejection" sampler): a sample of q, and q itself (zero outside the candidates)
+  goes to the verifier as the draft distribution, so speculative rejection sampling stays exact (z-lab's sampling;
+  drawing each position from its marginal independently instead ignores the chosen prefix, z-lab #169). These rows
+  draw from torch's global generator, not the request's seeded one: such output is exact in distribution but not
+  reproducible per seed. The engine passes temperatures to proposers only with noise today (`ProposalInput`); until
+  it passes them for rejection-sampled rows too, those rows get greedy selector drafts, one-hot, still exact.
+
+Per-position confidence for a draft policy: with `confidence=True`, after each `propose` the field
+`last_confidence` (`DraftConfidence`) holds, per live row and draft position, the selector's probability of the
+token it chose (q at the row's temperature, T = 1 for greedy rows) and the marginal's probability of the same token
+(softmax of the drafter's logits at that temperature). Nothing reads them yet (`scripts/dflash2/calibration.py`
+measures how well they predict acceptance).
+
+What this module does not know about: the target's KV cache, verification and how many tokens to draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.engine.proposers import DFlashProposer
+
+
+@dataclass
+class DraftConfidence:
+    """Per live row and draft position [b, k]: the probability the selector gave the drafted token, and the
+    probability the drafter's marginal gave it."""
+
+    selector: torch.Tensor
+    marginal: torch.Tensor
+
+
+def greedy_choice(i: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    return scores.argmax(-1)
+
+
+def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
+    """The winner of each row's exponential race on softmax(scores / T) with the noise at the candidates' ids
+    (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
+
+    def choose(i, scores, candidates):
+        q = torch.softmax(scores.float() * inverse_temperature[:, None], dim=-1)
+        return (q / noise[:, i].gather(-1, candidates)).argmax(-1)
+
+    return choose
+
+
+def sample_choice(inverse_temperature: torch.Tensor):
+    """A sample of softmax(scores / T) per row; rows with 1/T = 0 (greedy) take the argmax."""
+
+    def choose(i, scores, candidates):
+        q = torch.softmax(scores.float() * inverse_temperature[:, None], dim=-1)
+        sampled = torch.multinomial(q, 1)[:, 0]
+        return torch.where(inverse_temperature > 0, sampled, scores.argmax(-1))
+
+    return choose
+
+
+class DFlash2Proposer(DFlashProposer):
+    """`DFlashProposer` for a DFlash2 drafter (what `DFlashProposer(drafter, ...)` builds for one)."""
+
+    def __init__(self, drafter, target, compile: bool = False, pack_weights: bool = False, confidence: bool = False):
+        super().__init__(drafter, target, compile=compile, pack_weights=pack_weights)
+        self.confidence = confidence
+        self.last_confidence: DraftConfidence | None = None
+
+    def _draft_tokens(self, kv, features, feature_positions, feature_valid, block, positions, context_len,
+                      noise=None, inverse_temperature=None):
+        """(drafts [b, k], q over the vocabulary [b, k, V] for rejection-sampled rows or None, then the selector's
+        and the marginal's probability of each draft [b, k], or None without `confidence`)."""
+        hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
+        sampling = noise is None and inverse_temperature is not None
+        if noise is not None:
+            choose = race_choice(noise, inverse_temperature)
+        elif sampling:
+            choose = sample_choice(inverse_temperature)
+        else:
+            choose = greedy_choice
+        walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose)
+        tokens, candidates = walk["tokens"], walk["candidates"]
+        if not (sampling or self.confidence):
+            return tokens, None, None, None
+        # the row's temperature for sampled rows, 1 for greedy ones
+        scale = torch.ones(tokens.shape[0], device=tokens.device) if inverse_temperature is None else \
+            torch.where(inverse_temperature > 0, inverse_temperature, 1.0)
+        q = torch.softmax(walk["scores"].float() * scale[:, None, None], dim=-1)  # [b, k, top_k]
+        draft_probs = torch.zeros(*tokens.shape, walk["logits"].shape[-1], device=q.device).scatter_(
+            -1, candidates, q) if sampling else None
+        if not self.confidence:
+            return tokens, draft_probs, None, None
+        chosen = (candidates == tokens[..., None]).float().argmax(-1, keepdim=True)
+        marginal = torch.softmax(walk["logits"].float() * scale[:, None, None], dim=-1)
+        return tokens, draft_probs, q.gather(-1, chosen)[..., 0], marginal.gather(-1, tokens[..., None])[..., 0]
+
+    def _proposal(self, drafts, live: int, device):
+        tokens, draft_probs, selector, marginal = drafts
+        if selector is not None:
+            self.last_confidence = DraftConfidence(selector[:live].to(device), marginal[:live].to(device))
+        return tokens[:live].to(device), None if draft_probs is None else draft_probs[:live].to(device)

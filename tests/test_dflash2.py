@@ -1,0 +1,209 @@
+"""DFlash2 drafters (`flashdraft/model/dflash2.py`, `flashdraft/engine/dflash2_proposer.py`): z-lab's checkpoint
+layout, the convolution's block-causality, greedy output equal to the target's own `generate` (fast and generic
+target paths, eager and compiled, batch > 1), and sampled output distributed as the target's with DFlash2 drafts:
+under the default sampler (the selector runs the race with the position's noise) and under rejection sampling with
+the selector's own q given to the verifier. Exactness against z-lab's package: tests/test_zlab_roundtrip.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_sampling import N_LONG, N_LONG_SAMPLES, N_SAMPLES, P_MIN, PROMPT, VOCAB, empirical, exact_distribution, \
+    fit, null_total_variation, per_position_pvalues
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny import MASK_ID, greedy_reference, make_target
+
+from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
+from flashdraft.engine.dflash2_proposer import DFlash2Proposer
+from flashdraft.engine.proposers import DFlashProposer, ProposalInput
+from flashdraft.loading import load_drafter
+from flashdraft.model import CheckpointError, DFlash2DraftModel, TargetModel, make_dflash2_config
+from flashdraft.model.dflash2 import CODEBOOKS, dynamic_causal_conv
+
+PROMPTS = [[3, 4, 5, 6], [10, 11], [20, 21, 22, 23, 24, 25, 26]]
+
+
+def make_dflash2(target, block_size=4, seed=1, top_k=4, dtype=torch.float64, mask_token_id=MASK_ID):
+    """A random DFlash2 drafter whose convolutions and selector are far from the identity / from zero, so that both
+    change what it drafts."""
+    torch.manual_seed(seed)
+    cfg = make_dflash2_config(target.config, num_layers=2, block_size=block_size, mask_token_id=mask_token_id,
+                              selector_rank=8, selector_top_k=top_k, conv_kernel_size=3, conv_group_size=8)
+    drafter = DFlash2DraftModel(cfg)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.normal_(0, 0.5)
+                conv.kernel_projection.weight.normal_(0, 0.3)
+        drafter.candidate_selector.hidden_projection.weight.normal_(0, 2.0)
+    return drafter.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return make_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    """An 8-token target whose first three tokens' joint distribution can be enumerated (as tests/test_sampling.py)."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = Qwen3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return model
+
+
+def test_checkpoint_is_zlabs_layout_and_loads_both_codebook_spellings(qwen3, tmp_path):
+    drafter = make_dflash2(qwen3)
+    out = drafter.save_pretrained(tmp_path / "d2")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in cfg
+    assert not (out / "dflash.py").exists()
+    assert {k: cfg["dflash_config"][k] for k in ("selector_rank", "selector_top_k", "conv_kernel_size",
+                                                 "conv_group_size")} == {"selector_rank": 8, "selector_top_k": 4,
+                                                                         "conv_kernel_size": 3, "conv_group_size": 8}
+    state = load_file(str(out / "model.safetensors"))
+    assert set(CODEBOOKS) <= set(state) and not any(f"{c}.weight" in state for c in CODEBOOKS)
+    assert "layers.1.mlp_conv.base_kernel" in state and "layers.0.attention_conv.kernel_projection.weight" in state
+    again = load_drafter(out)
+    assert type(again) is DFlash2DraftModel
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
+    # what a fresh model's transformers save_pretrained writes: the codebooks with `.weight`
+    save_file({f"{k}.weight" if k in CODEBOOKS else k: v for k, v in state.items()}, str(out / "model.safetensors"))
+    assert torch.equal(load_drafter(out).candidate_selector.successor_codebook.weight,
+                       drafter.candidate_selector.successor_codebook.weight)
+
+
+def test_each_class_loads_only_its_architecture(qwen3, tmp_path):
+    out = make_dflash2(qwen3).save_pretrained(tmp_path / "d2")
+    with pytest.raises(CheckpointError, match="load it with DFlash2DraftModel"):
+        DFlashDraftModel.from_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["dflash_config"]["selector_top_k"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="selector_top_k"):
+        DFlash2DraftModel.from_pretrained(out)
+    from tiny import make_drafter
+
+    one = make_drafter(qwen3).save_pretrained(tmp_path / "d1")
+    with pytest.raises(CheckpointError, match="load it with DFlashDraftModel"):
+        DFlash2DraftModel.from_pretrained(one)
+    assert type(load_drafter(one)) is DFlashDraftModel
+
+
+def test_convolution_is_causal_inside_each_block():
+    torch.manual_seed(0)
+    x, dynamic, base = torch.randn(2, 8, 16), torch.randn(2, 8, 3, 2), torch.randn(3, 16)
+    both = dynamic_causal_conv(x, dynamic, base, segment=4)
+    halves = [dynamic_causal_conv(x[:, i:i + 4], dynamic[:, i:i + 4], base, segment=4) for i in (0, 4)]
+    assert torch.equal(both, torch.cat(halves, 1))  # blocks never see each other
+    changed = x.clone()
+    changed[:, 2] += 1.0
+    moved = dynamic_causal_conv(changed, dynamic, base, segment=8)
+    assert torch.equal(moved[:, :2], dynamic_causal_conv(x, dynamic, base, segment=8)[:, :2])
+    assert not torch.equal(moved[:, 2:5], dynamic_causal_conv(x, dynamic, base, segment=8)[:, 2:5])
+
+
+def test_fresh_convolutions_are_the_identity(qwen3):
+    torch.manual_seed(0)
+    cfg = make_dflash2_config(qwen3.config, num_layers=1, block_size=4, mask_token_id=MASK_ID, conv_group_size=8)
+    conv = DFlash2DraftModel(cfg).layers[0].attention_conv
+    x = torch.randn(3, 4, qwen3.config.hidden_size)
+    out, dynamic = conv.prepare(x, 4)
+    assert torch.equal(out, x) and torch.equal(conv.finish(x, dynamic, 4), x)
+
+
+def test_selector_changes_the_drafts(qwen3):
+    """The walk is not the marginal's argmax: the selector's pair scores decide some positions."""
+    drafter = make_dflash2(qwen3, block_size=8)
+    proposer = DFlashProposer(drafter, TargetModel(qwen3))
+    assert type(proposer) is DFlash2Proposer
+    torch.manual_seed(3)
+    hidden = torch.randn(16, 7, qwen3.config.hidden_size, dtype=torch.float64)
+    walk = drafter.select(hidden, proposer.lm_head, torch.randint(0, 90, (16,)), lambda i, s, c: s.argmax(-1))
+    assert (walk["tokens"] != walk["logits"].argmax(-1)).any()
+    assert (walk["tokens"][..., None] == walk["candidates"]).any(-1).all()
+
+
+@pytest.mark.parametrize("arch,compile", [("qwen3", False), ("phi3", False), ("qwen3", True)],
+                         ids=["fast-path", "generic-path", "compiled"])
+def test_greedy_output_is_the_targets_own(arch, compile):
+    target = make_target(arch)
+    drafter = make_dflash2(target)
+    refs = [greedy_reference(target, p, 24) for p in PROMPTS]
+    with SpecEngine(target, drafter, compile=compile) as engine:
+        assert type(engine.proposer) is DFlash2Proposer
+        results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24))
+        assert [r.token_ids for r in results] == refs
+        assert [engine.generate([p], SamplingParams(max_new_tokens=24))[0].token_ids for p in PROMPTS] == refs
+
+
+def test_gumbel_sampled_text_is_plain_decodings(qwen3):
+    """Under the default sampler a seeded request's text is plain decoding's with that seed, DFlash2 drafts or not,
+    alone or in a batch (with a greedy row beside it)."""
+    params = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
+    plain = [SpecEngine(qwen3).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    with SpecEngine(qwen3, make_dflash2(qwen3)) as engine:
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
+
+
+class RowTemperatures:
+    """Gives the proposer each row's temperature under rejection sampling too (what the engine hands proposers only
+    with noise today; docs/design.md, 'DFlash2'), so the selector samples and its q reaches the verifier."""
+
+    needs_features, needs_histories = True, False
+
+    def __init__(self, proposer, temperature):
+        self.proposer, self.temperature, self.soft_drafts = proposer, temperature, 0
+
+    def new_batch_state(self, buckets):
+        return self.proposer.new_batch_state(buckets)
+
+    def propose(self, state, inp: ProposalInput, block_size):
+        inp.temperatures = torch.full((inp.bonus.shape[0],), self.temperature)
+        drafts, q = self.proposer.propose(state, inp, block_size)
+        assert q is not None and torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)), atol=1e-5)
+        self.soft_drafts += int((q.max(-1).values < 0.999).sum())
+        return drafts, q
+
+
+@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
+def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler):
+    """The first three tokens' joint distribution (chi-square, TV) and every position up to the tenth, as
+    tests/test_sampling.py checks DFlash-1, with a DFlash2 drafter over the same 8-token vocabulary."""
+    params = SamplingParams(temperature=1.0)
+    drafter = make_dflash2(sampling_target, top_k=3, mask_token_id=VOCAB - 1)
+    if sampler == "gumbel":
+        engine = SpecEngine(sampling_target, drafter)
+        proposer = None
+    else:
+        target = TargetModel(sampling_target)
+        target.set_layer_ids(drafter.target_layer_ids)
+        proposer = RowTemperatures(DFlash2Proposer(drafter, target), params.temperature)
+        engine = SpecEngine(target, proposer=proposer, block_size=drafter.block_size, sampler="rejection")
+    exact = exact_distribution(sampling_target, params)
+    counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
+    p_value, tv = fit(exact, counts)
+    assert p_value > P_MIN and tv < 1.5 * null_total_variation(exact, N_SAMPLES) + 0.01, (p_value, tv)
+    assert min(per_position_pvalues(sampling_target, params, long)) > P_MIN / N_LONG
+    if proposer is not None:
+        assert proposer.soft_drafts > 1000  # q really was a distribution, not one-hot drafts
+
+
+def test_confidence_per_position(qwen3):
+    drafter = make_dflash2(qwen3, block_size=6)
+    target = TargetModel(qwen3)
+    target.set_layer_ids(drafter.target_layer_ids)
+    proposer = DFlash2Proposer(drafter, target, confidence=True)
+    with SpecEngine(target, proposer=proposer, block_size=6) as engine:
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
+    conf = proposer.last_confidence
+    assert conf.selector.shape == conf.marginal.shape and conf.selector.shape[1] == 5
+    assert ((conf.selector > 0) & (conf.selector <= 1) & (conf.marginal > 0) & (conf.marginal <= 1)).all()
