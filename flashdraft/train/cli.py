@@ -28,6 +28,15 @@ def _int_list(text: str) -> list[int]:
     return numbers
 
 
+def _layer_types(text: str) -> list[str]:
+    names = {"full": "full_attention", "sliding": "sliding_attention", "full_attention": "full_attention",
+             "sliding_attention": "sliding_attention"}
+    kinds = [k.strip() for k in text.split(",")]
+    if not all(k in names for k in kinds):
+        raise argparse.ArgumentTypeError(f"expected comma-separated full / sliding per draft layer, got {text!r}")
+    return [names[k] for k in kinds]
+
+
 def _new_or_dir(value: str) -> str:
     """--feature-cache: a directory (created when missing); an existing file is refused."""
     return output_dir_arg(value)
@@ -131,6 +140,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "vLLM store it); default: the target's whole vocabulary")
     p.add_argument("--init-from", type=model_path_arg("drafter"), default=None,
                    help="start from this drafter's weights (all but the read-out) instead of random ones")
+    p.add_argument("--pack-sequences", action="store_true",
+                   help="put several examples back to back in rows of up to --max-length tokens (attention never "
+                        "crosses examples); for data of many short examples")
+    p.add_argument("--layer-types", type=_layer_types, default=None,
+                   help="per draft layer, comma-separated: full (full_attention) or sliding (sliding_attention); "
+                        "default all full")
+    p.add_argument("--sliding-window", type=positive_int, default=None,
+                   help="window of the sliding_attention layers (positions a query sees, itself included)")
     p.add_argument("--shard-target", action="store_true",
                    help="under torchrun: shard the frozen target's decoder layers over the processes (FSDP2) "
                         "instead of holding it whole in each; the drafter stays data-parallel")
@@ -154,7 +171,8 @@ def config_from_args(args):
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
-        export_dtype=args.export_dtype, shard_target=args.shard_target, draft_vocab_size=args.draft_vocab_size,
+        export_dtype=args.export_dtype, shard_target=args.shard_target, pack_sequences=args.pack_sequences,
+        layer_types=args.layer_types, sliding_window=args.sliding_window, draft_vocab_size=args.draft_vocab_size,
         init_from=args.init_from,
         progress=not args.no_progress,
     )

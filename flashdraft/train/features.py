@@ -85,12 +85,20 @@ def pad_batch(seqs: list[torch.Tensor], pad_value=0) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def target_features(target, seqs: list[torch.Tensor], keep_logits: bool = False):
-    """(features [b, T, n_taps*H] with padding zeroed, logits [b, T, V] or None, valid [b, T]) for right-padded seqs."""
-    ids, valid = pad_batch(seqs)
+def target_features(target, seqs: list[torch.Tensor] | None, keep_logits: bool = False, packed=None):
+    """(features [b, T, n_taps*H] with padding zeroed, logits [b, T, V] or None, valid [b, T]) for right-padded seqs,
+    or for a `packing.PackedBatch` (its examples attend only within themselves, at their own positions)."""
     dev = target.device
-    ids, valid = ids.to(dev), valid.to(dev)
-    pos = torch.arange(ids.shape[1], device=dev)[None].expand_as(ids)
-    logits, feats = target.forward(ids, pos, valid.long(), None, logits_to_keep=0 if keep_logits else 1, capture=True)
+    if packed is None:
+        ids, valid = pad_batch(seqs)
+        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+        mask = valid.long()
+    else:
+        from flashdraft.train.packing import segment_causal_mask
+
+        ids, valid, pos = packed.input_ids, packed.valid, packed.positions
+        mask = segment_causal_mask(packed.segments, target.dtype)
+    ids, valid, pos, mask = ids.to(dev), valid.to(dev), pos.to(dev), mask.to(dev)
+    logits, feats = target.forward(ids, pos, mask, None, logits_to_keep=0 if keep_logits else 1, capture=True)
     feats = feats.masked_fill(~valid[..., None], 0.0)
     return feats, (logits if keep_logits else None), valid

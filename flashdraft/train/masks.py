@@ -7,6 +7,8 @@ keys are `[T context slots ; the Q block slots]`. Context slot c holds the targe
   config sets `is_causal`); blocks never see each other;
 - `sliding_window` (optional) additionally limits context to `anchor_j + k - c < window`, as the drafter's
   sliding layers do at inference.
+- `segments` (optional, [b, T], packed rows: `packing.py`) additionally limits context to slots of the anchor's
+  own example (segment id equal); -1 marks padding.
 Every query sees at least its own slot, so padding blocks never produce an all-masked row (no NaN).
 
 Two builds of the same predicate, both vectorised:
@@ -15,8 +17,8 @@ Two builds of the same predicate, both vectorised:
 - `flex_training_mask`: a FlexAttention `BlockMask` (sparse; what long sequences need on GPU). CPU FlexAttention
   runs forward only (no backward) and eagerly, so `flex_supported` says no for CPU training.
 
-What this module does not know about: the anchors (`anchors.py`) and the model; per-layer masks (the drafter
-applies one mask to every layer, so training refuses drafters with sliding layers - see `trainer.py`).
+What this module does not know about: the anchors (`anchors.py`) and the model; which layers slide (the trainer
+builds one mask per distinct (window, causal) of the drafter's layers).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def dense_training_mask(
     block_size: int,
     is_causal: bool = False,
     sliding_window: int | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask [b, 1, Q, T + Q], True = attend. anchors [b, N]; context_valid [b, T] bool."""
     b, n = anchors.shape
@@ -39,6 +42,8 @@ def dense_training_mask(
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, Q]
     ctx_pos = torch.arange(t, device=dev)
     ctx = (ctx_pos[None, None, :] < q_anchor[:, :, None]) & context_valid.bool()[:, None, :]
+    if segments is not None:
+        ctx = ctx & (segments[:, None, :] == segments.gather(1, q_anchor.clamp(max=t - 1))[:, :, None])
     q_idx = torch.arange(q, device=dev)
     blk = (q_idx[:, None] // block_size) == (q_idx[None, :] // block_size)
     if is_causal:
@@ -69,6 +74,7 @@ def flex_training_mask(
     is_causal: bool = False,
     sliding_window: int | None = None,
     block_sparsity: int = 128,
+    segments: torch.Tensor | None = None,
 ):
     """The same predicate as `dense_training_mask` as a FlexAttention BlockMask over [b, 1, Q, T + Q]."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -79,12 +85,15 @@ def flex_training_mask(
     q_anchor = anchors.repeat_interleave(block_size, dim=1).contiguous()
     valid = context_valid.bool().contiguous()
     window = sliding_window
+    seg = segments.contiguous() if segments is not None else None
 
     def mask_mod(bi, hi, qi, ki):
         a = q_anchor[bi, qi]
         is_ctx = ki < t
         kc = ki.clamp(max=t - 1)
         ctx_ok = is_ctx & (ki < a) & valid[bi, kc]
+        if seg is not None:
+            ctx_ok = ctx_ok & (seg[bi, kc] == seg[bi, a.clamp(max=t - 1)])
         kb = (ki - t).clamp(min=0)
         blk_ok = (~is_ctx) & (kb // block_size == qi // block_size)
         if is_causal:
@@ -104,12 +113,13 @@ def training_mask(
     block_size: int,
     is_causal: bool = False,
     sliding_window: int | None = None,
+    segments: torch.Tensor | None = None,
 ):
     """`kind` is "sdpa" (dense bool) or "flex" (BlockMask)."""
     if kind == "flex":
-        return flex_training_mask(anchors, context_valid, block_size, is_causal, sliding_window)
+        return flex_training_mask(anchors, context_valid, block_size, is_causal, sliding_window, segments=segments)
     if kind == "sdpa":
-        return dense_training_mask(anchors, context_valid, block_size, is_causal, sliding_window)
+        return dense_training_mask(anchors, context_valid, block_size, is_causal, sliding_window, segments)
     raise ValueError(f"unknown attention kind {kind!r}; use 'sdpa' or 'flex'")
 
 

@@ -6,7 +6,11 @@ Design:
   (`warmup_ratio`) then cosine to zero, grad-norm clip, gradient accumulation, bf16 autocast on CUDA.
 - Features: online by default (a no-grad target forward with layer hooks inside each micro-step); with
   `feature_cache` they are computed once into safetensors shards (`features.py`) and read back.
-- Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation of the examples; global
+- Rows: one example each, or with `pack_sequences` several consecutive examples back to back in rows of up to
+  `max_length` tokens (`packing.py`; attention never crosses examples, in the target's feature pass nor in the
+  drafter's). The data order below permutes rows; anchors stay per example, so a packed row trains on exactly the
+  blocks its examples give unpacked.
+- Data order is a pure function of (seed, epoch, step): each epoch is a seeded permutation of the rows; global
   step s takes the permutation slice [e*G, (e+1)*G) with G = world_size * batch_size * grad_accum, laid out as
   [grad_accum, world_size, batch_size] (micro-step a of rank r takes its own slice). The last partial global batch
   of an epoch is dropped. Anchors are seeded by (seed, epoch, example index). So the data position is the step
@@ -31,8 +35,10 @@ Design:
   beside it. Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation
   and the feature cache need the whole target in one process, so they are refused with it.
 
-What this module does not know about: drafters with sliding-window layers (one mask serves every layer, so they are
-refused), sequence packing, multi-node launch details beyond what torchrun's environment provides, and the files
+- Sliding-window drafters (`layer_types` / `sliding_window`): the drafter gets one training mask per distinct
+  (window, causal) of its layers, the same predicate its sliding layers apply when decoding.
+
+What this module does not know about: multi-node launch details beyond what torchrun's environment provides, and the files
 of a checkpoint (`checkpoint.py` alone reads and writes them).
 """
 
@@ -59,9 +65,10 @@ from flashdraft.train.anchors import anchor_generator, build_blocks, candidate_a
 from flashdraft.train.checkpoint import LOG_NAME, STATE_NAME  # noqa: F401  (re-exported)
 from flashdraft.train.data import Example, load_examples, load_prompts
 from flashdraft.train.evaluate import evaluate_tau
-from flashdraft.train.features import FeatureCache, pad_batch, target_features
+from flashdraft.train.features import FeatureCache, target_features
 from flashdraft.train.loss import dflash_loss, gather_teacher_logits, slot_weights
 from flashdraft.train.masks import resolve_attention, training_mask
+from flashdraft.train.packing import PackedBatch, pack_batch, pack_rows
 
 # Fields the reference loader, vLLM and SGLang read from a drafter's config.json (docs/design.md, 'Checkpoint format').
 REQUIRED_CONFIG_FIELDS = (
@@ -113,6 +120,9 @@ class TrainConfig:
     loss_chunk_size: int = 4096
     progress: bool = True
     shard_target: bool = False  # FSDP2 over the target's decoder layers (torchrun); see sharding.py
+    pack_sequences: bool = False  # several examples per row of up to max_length tokens (packing.py)
+    layer_types: list[str] | None = None  # per draft layer: full_attention | sliding_attention (default: all full)
+    sliding_window: int | None = None  # the window of sliding_attention layers
     # read out over the N most frequent response tokens only (own lm_head + d2t, `model/draft_vocab.py`); None: all
     draft_vocab_size: int | None = None
     init_from: str | None = None  # a drafter checkpoint whose weights (all but the read-out) start the training
@@ -157,6 +167,14 @@ def check_config(cfg: "TrainConfig") -> None:
     need(not (cfg.shard_target and cfg.eval_prompts), "eval_prompts",
          "None with shard_target (the tau evaluation needs the whole target in one process: run `flashdraft bench` "
          "on the exported drafter)")
+    if cfg.layer_types is not None:
+        need(len(cfg.layer_types) == cfg.num_draft_layers and set(cfg.layer_types) <= {"full_attention",
+             "sliding_attention"}, "layer_types", "None or one of full_attention / sliding_attention per draft layer")
+    sliding = "sliding_attention" in (cfg.layer_types or [])
+    need(cfg.sliding_window is None or (isinstance(cfg.sliding_window, int) and cfg.sliding_window >= 1),
+         "sliding_window", "None or an integer >= 1")
+    need(sliding == (cfg.sliding_window is not None), "sliding_window",
+         "set exactly when layer_types has sliding_attention layers")
     if cfg.target_layer_ids is not None:
         need(len(cfg.target_layer_ids) > 0 and min(cfg.target_layer_ids) >= 0, "target_layer_ids",
              "a non-empty list of layer indices >= 0")
@@ -213,12 +231,15 @@ def _cosine_lambda(total_steps: int, warmup_steps: int):
 
 @dataclass
 class _Micro:
-    indices: list[int]
+    indices: list[int]  # example indices, row after row
     blocks: object
     weights: torch.Tensor
     valid: torch.Tensor
     input_ids: torch.Tensor
     tokens: int
+    rows: list[list[int]]  # the example indices of each row
+    packed: PackedBatch  # the rows laid out (positions and segment ids per example)
+    block_positions: torch.Tensor  # [b, Q] positions of the block slots inside their own examples
 
 
 @dataclass
@@ -286,14 +307,15 @@ class Trainer:
         draft_cfg = make_draft_config(
             target_model.config, num_layers=config.num_draft_layers, block_size=config.block_size,
             mask_token_id=self.mask_token_id, target_layer_ids=config.target_layer_ids, num_taps=config.num_taps,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=config.intermediate_size, layer_types=config.layer_types,
+            sliding_window=config.sliding_window,
         )
         self.drafter = DFlashDraftModel(draft_cfg).to(self.device)
-        if any(t != "full_attention" for t in draft_cfg.layer_types):
-            raise ValueError("training drafters with sliding-window layers is not supported (one mask for all layers)")
         self.drafter.train()
         self.target = TargetModel(target_model, self.drafter.target_layer_ids)
-        self.is_causal = bool(getattr(draft_cfg, "is_causal", False) or False)
+        # (window, causal) of every draft layer: one training mask each
+        self.layer_attention = sorted({(layer.self_attn.sliding_window, layer.self_attn.is_causal)
+                                       for layer in self.drafter.layers}, key=str)
 
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         if examples is None:
@@ -310,10 +332,13 @@ class Trainer:
         self.eval_prompts = eval_prompts[: config.eval_limit] if eval_prompts else None
         self.stop_ids = tuple(int(i) for i in ([eos] if isinstance(eos, int) else []))
 
+        lengths = [len(e) for e in self.examples]
+        self.rows = (pack_rows(lengths, config.max_length) if config.pack_sequences
+                     else [[i] for i in range(len(lengths))])
         self.global_batch = self.world_size * config.batch_size * config.grad_accum
-        self.steps_per_epoch = len(self.examples) // self.global_batch
+        self.steps_per_epoch = len(self.rows) // self.global_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(f"{len(self.examples)} usable examples are fewer than one global batch "
+            raise ValueError(f"{len(self.rows)} rows of usable examples are fewer than one global batch "
                              f"({self.world_size} ranks x {config.batch_size} x {config.grad_accum} accumulation)")
         self.total_steps = config.max_steps or config.epochs * self.steps_per_epoch
         self.attention = resolve_attention(config.attention, self.device, need_backward=True)
@@ -385,32 +410,50 @@ class Trainer:
     # ---- data -----------------------------------------------------------------------------------------------
 
     def step_indices(self, step: int) -> tuple[int, int, torch.Tensor]:
-        """(epoch, step in epoch, [grad_accum, world_size, batch_size] example indices) of global step `step`."""
+        """(epoch, step in epoch, [grad_accum, world_size, batch_size] row indices) of global step `step` (a row is
+        one example unless sequences are packed: `self.rows`)."""
         epoch, es = divmod(step, self.steps_per_epoch)
-        perm = epoch_permutation(self.cfg.seed, epoch, len(self.examples))
+        perm = epoch_permutation(self.cfg.seed, epoch, len(self.rows))
         idx = perm[es * self.global_batch:(es + 1) * self.global_batch]
         return epoch, es, idx.view(self.cfg.grad_accum, self.world_size, self.cfg.batch_size)
 
-    def _micro(self, indices: list[int], epoch: int) -> _Micro:
+    def _micro(self, row_indices: list[int], epoch: int) -> _Micro:
         cfg = self.cfg
-        exs = [self.examples[i] for i in indices]
-        ids, valid = pad_batch([e.input_ids for e in exs])
-        loss_mask, _ = pad_batch([e.loss_mask for e in exs], False)
-        anchors = [sample_anchors(e.loss_mask, cfg.block_size, cfg.num_anchors, anchor_generator(cfg.seed, epoch, i))
-                   for e, i in zip(exs, indices)]
+        rows = [self.rows[r] for r in row_indices]
+        packed = pack_batch([[self.examples[i].input_ids for i in row] for row in rows],
+                            [[self.examples[i].loss_mask for i in row] for row in rows])
+        # anchors per example (seeded by its index), shifted to where it starts in its row
+        anchors = [torch.cat([sample_anchors(self.examples[i].loss_mask, cfg.block_size, cfg.num_anchors,
+                                             anchor_generator(cfg.seed, epoch, i)) + start
+                              for i, start in zip(row, starts)]) for row, starts in zip(rows, packed.offsets)]
         anchors, anchor_valid = pad_anchors(anchors)
-        blocks = build_blocks(ids, loss_mask, anchors, anchor_valid, cfg.block_size, self.mask_token_id)
+        blocks = build_blocks(packed.input_ids, packed.loss_mask, anchors, anchor_valid, cfg.block_size,
+                              self.mask_token_id)
         weights = slot_weights(blocks.block_offset, blocks.label_valid, cfg.block_size, cfg.gamma)
-        return _Micro(list(indices), blocks, weights, valid, ids, int(valid.sum()))
+        # the drafter sees positions inside each example; `blocks.position_ids` index the row (labels, teacher logits)
+        block_positions = packed.positions.gather(1, anchors).repeat_interleave(cfg.block_size, 1) + blocks.block_offset
+        return _Micro([i for row in rows for i in row], blocks, weights, packed.valid, packed.input_ids,
+                      int(packed.valid.sum()), rows, packed, block_positions)
 
     def _features(self, micro: _Micro):
         keep_logits = self.cfg.distill_weight > 0
-        if self.feature_cache is not None:
-            feats, _ = _pad_features([self.feature_cache.get(i) for i in micro.indices])
+        if self.feature_cache is not None:  # an example's features do not depend on its row: concatenated
+            feats, _ = _pad_features([torch.cat([self.feature_cache.get(i) for i in row]) for row in micro.rows])
             return feats.to(self.device), None
-        exs = [self.examples[i].input_ids for i in micro.indices]
-        feats, logits, _ = target_features(self.target, exs, keep_logits=keep_logits)
+        if self.cfg.pack_sequences:
+            feats, logits, _ = target_features(self.target, None, keep_logits=keep_logits, packed=micro.packed)
+        else:
+            feats, logits, _ = target_features(self.target, [self.examples[i].input_ids for i in micro.indices],
+                                               keep_logits=keep_logits)
         return feats, logits
+
+    def _masks(self, micro: _Micro) -> dict:
+        """The drafter's training mask for each (sliding window, causal) of its layers."""
+        dev = self.device
+        segments = micro.packed.segments.to(dev) if self.cfg.pack_sequences else None
+        return {(window, causal): training_mask(self.attention, micro.blocks.anchors.to(dev), micro.valid.to(dev),
+                                                self.cfg.block_size, causal, window, segments)
+                for window, causal in self.layer_attention}
 
     # ---- one step -------------------------------------------------------------------------------------------
 
@@ -434,13 +477,13 @@ class Trainer:
             blk = m.blocks
             dev = self.device
             ctx_valid = m.valid.to(dev)
-            mask = training_mask(self.attention, blk.anchors.to(dev), ctx_valid, cfg.block_size, self.is_causal)
-            ctx_pos = torch.arange(ctx_valid.shape[1], device=dev)[None].expand_as(ctx_valid)
+            mask = self._masks(m)
+            ctx_pos = m.packed.positions.to(dev)
             sync = a == len(micros) - 1 or self.world_size == 1
             ctx_mgr = self.model.no_sync() if not sync else contextlib.nullcontext()
             with ctx_mgr, autocast:
                 noise = self.drafter.embed(blk.block_ids.to(dev), self.target.embedding_weight)
-                hidden = self.model(noise, blk.position_ids.to(dev), feats, ctx_pos, ctx_valid, mask)
+                hidden = self.model(noise, m.block_positions.to(dev), feats, ctx_pos, ctx_valid, mask)
                 teacher = gather_teacher_logits(tlogits, blk.position_ids.to(dev)) if tlogits is not None else None
                 out = dflash_loss(
                     hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head), blk.labels.to(dev),
@@ -457,7 +500,7 @@ class Trainer:
         loss = float(stats[0]) / max(weight_sum, 1e-8)
         if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)
-            self._stop_nonfinite(step, epoch, es, loss, float(grad_norm), layout.flatten().tolist())
+            self._stop_nonfinite(step, epoch, es, loss, float(grad_norm), self._examples_of(layout))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -465,7 +508,11 @@ class Trainer:
         acc = [round(float(c / n), 4) if n > 0 else None for c, n in zip(correct[1:], count[1:])]
         return {"step": step + 1, "epoch": epoch, "epoch_step": es, "loss": loss,
                 "lr": lr, "grad_norm": float(grad_norm), "tokens": int(tokens), "label_weight": weight_sum,
-                "acc_per_position": acc, "samples": layout.flatten().tolist()}
+                "acc_per_position": acc, "samples": self._examples_of(layout)}
+
+    def _examples_of(self, layout: torch.Tensor) -> list[int]:
+        """The example indices of a step's rows (the rows themselves unless sequences are packed)."""
+        return [i for r in layout.flatten().tolist() for i in self.rows[r]]
 
     def _stop_nonfinite(self, step: int, epoch: int, epoch_step: int, loss: float, grad_norm: float,
                         samples: list[int]) -> None:
@@ -496,7 +543,7 @@ class Trainer:
         result = TrainResult(steps=self.step, final_dir=None, log_path=str(log_path))
         if self.rank == 0:
             self._log({"event": "start", "step": self.step, "total_steps": self.total_steps,
-                       "steps_per_epoch": self.steps_per_epoch, "examples": len(self.examples),
+                       "steps_per_epoch": self.steps_per_epoch, "examples": len(self.examples), "rows": len(self.rows),
                        "world_size": self.world_size, "global_batch": self.global_batch, "attention": self.attention,
                        "drafter_parameters": self.drafter.num_parameters(),
                        "target_bytes_per_process": self.target_bytes_per_process, "config": asdict(cfg)})
