@@ -1,7 +1,8 @@
 """Greedy tau of a drafter as a distribution over prompts, in-domain and out-of-domain, by prompt ending and length.
 
     python scripts/drafter/eval_tau.py [--draft DIR] [--target DIR] [--num 32] [--lengths prompt,256,1024,1800]
-                                       [--threads 1] [--out runs/eval_tau/NAME] [--draft-vocab-size N]
+                                       [--threads 1] [--out runs/eval_tau/NAME]
+                                       [--draft-vocab-size N --vocab-data data/default_pair/regen_mix]
 
 Sets (each cut deterministically, seed 0):
 - `in-domain`: the default pair's held-out corpus split (stdlib files the target and the drafter never trained on).
@@ -17,10 +18,11 @@ its mean acceptance length over cycles. Per (set, ending, length) cell: min / p1
 the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
 Writes `results.json`, `results.md` and `tau.png` (box plots per cell) into `--out`.
 
-`--draft-vocab-size N` restricts an existing full-vocabulary drafter to the N most frequent target tokens of
-`--vocab-counts` (`scripts/drafter/draft_vocab.py`): its read-out becomes those rows of the target's lm_head.
+`--draft-vocab-size N` restricts an existing full-vocabulary drafter to the N most frequent response tokens of the
+regenerated training data `--vocab-data` (as `flashdraft train --draft-vocab-size` chooses them): its read-out
+becomes those rows of the target's lm_head.
 
-What this script does not know about: training, and timings (`scripts/drafter/vocab_curve.py` measures draft time).
+What this script does not know about: training, and timings (`vocab_curve.py` measures draft time).
 """
 
 from __future__ import annotations
@@ -134,12 +136,20 @@ def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress:
     return results
 
 
-def restrict_vocab(drafter, target, counts_path: Path, size: int):
-    """A copy of a full-vocabulary drafter whose read-out covers the `size` most frequent tokens of `counts_path`
-    only (its own lm_head = those rows of the target's lm_head, `d2t` = their offsets)."""
+def response_counts(data: Path, tokenizer, vocab_size: int):
+    """Token counts of the responses in regenerated training data (what `flashdraft train --draft-vocab-size`
+    chooses its vocabulary from)."""
+    from flashdraft.model.draft_vocab import response_token_counts
+    from flashdraft.train.data import load_examples
+
+    return response_token_counts(load_examples(data, tokenizer, eos_token_id=tokenizer.eos_token_id), vocab_size)
+
+
+def restrict_vocab(drafter, target, counts, size: int):
+    """A copy of a full-vocabulary drafter whose read-out covers the `size` most frequent tokens of `counts` only
+    (its own lm_head = those rows of the target's lm_head, `d2t` = their offsets)."""
     from flashdraft.model.draft_vocab import restrict_drafter, select_draft_vocab
 
-    counts = json.loads(counts_path.read_text())["counts"]
     return restrict_drafter(drafter, target.get_output_embeddings().weight, select_draft_vocab(counts, size))
 
 
@@ -197,8 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
-                    help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-counts)")
-    ap.add_argument("--vocab-counts", type=Path, default=None, help="token counts JSON (scripts/drafter/draft_vocab.py)")
+                    help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
+    ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
     ap.add_argument("--label", default=None, help="name of the drafter in the table and plot")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "eval_tau" / "default")
     args = ap.parse_args(argv)
@@ -206,8 +216,8 @@ def main(argv=None) -> int:
     bad = [x for x in lengths if x != "prompt" and not (x.isdigit() and 16 <= int(x) <= 1900)]
     if bad:
         ap.error(f"--lengths: {bad} (use 'prompt' or token counts from 16 to 1900)")
-    if args.draft_vocab_size and not args.vocab_counts:
-        ap.error("--draft-vocab-size needs --vocab-counts")
+    if args.draft_vocab_size and not args.vocab_data:
+        ap.error("--draft-vocab-size needs --vocab-data")
 
     import torch
 
@@ -217,7 +227,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(args.target, args.draft, "cpu" if not torch.cuda.is_available() else None)
     if args.draft_vocab_size:
-        drafter = restrict_vocab(drafter, target, args.vocab_counts, args.draft_vocab_size)
+        counts = response_counts(args.vocab_data, tokenizer, target.config.vocab_size)
+        drafter = restrict_vocab(drafter, target, counts, args.draft_vocab_size)
     label = args.label or (args.draft or "shipped drafter") + (f", draft vocab {args.draft_vocab_size}"
                                                               if args.draft_vocab_size else "")
     cells = build_cells(tokenizer, args.num, lengths)
