@@ -142,19 +142,14 @@ class CandidateSelector(nn.Module):
         return {"tokens": torch.stack(tokens, 1), "candidates": candidates, "scores": torch.stack(scores, 1)}
 
     def teacher_forced(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training: scores [M, top_k] of M slots whose previous token is the true one, over the marginal's top-k
-        (the unary part detached) with the label put in place of the last candidate where it is missing, and the
-        label's index among them [M]."""
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Training: for M slots whose previous token is the true one, the scores [M, top_k] over the marginal's
+        top-k (its logits detached: this trains the pair term), the label's index among them [M] and whether it is
+        among them at all [M] (where it is not, the selector has no choice to learn)."""
         unary, candidates = torch.topk(logits.detach(), self.top_k, dim=-1)
         hit = candidates == labels[:, None]
-        missing = ~hit.any(-1)
-        candidates = candidates.clone()
-        candidates[missing, -1] = labels[missing]
-        unary = torch.where(missing[:, None] & (torch.arange(self.top_k, device=labels.device) == self.top_k - 1),
-                            logits.detach().gather(-1, labels[:, None]), unary)
-        target = (candidates == labels[:, None]).float().argmax(-1)
-        return unary + self.pair_scores(self.hidden_projection(hidden), previous, candidates), target
+        scores = unary + self.pair_scores(self.hidden_projection(hidden), previous, candidates)
+        return scores, hit.float().argmax(-1), hit.any(-1)
 
 
 class DFlash2DraftModel(DFlashDraftModel):

@@ -140,6 +140,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "vLLM store it); default: the target's whole vocabulary")
     p.add_argument("--init-from", type=model_path_arg("drafter"), default=None,
                    help="start from this drafter's weights (all but the read-out) instead of random ones")
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash2: grouped dynamic convolutions around each layer's attention and MLP and a candidate "
+                        "selector (z-lab's DFlash2DraftModel layout); default dflash")
+    for flag, what in (("selector-rank", "rank of the selector's pair score"), ("selector-top-k", "candidates per "
+                       "position"), ("conv-kernel-size", "convolution taps"), ("conv-group-size", "channels sharing "
+                       "one dynamic weight; divides the hidden size")):
+        p.add_argument(f"--{flag}", type=positive_int, default=None, help=f"--arch dflash2: {what} (default: ours, "
+                       "flashdraft/model/dflash2.py DEFAULT_DFLASH2)")
     p.add_argument("--pack-sequences", action="store_true",
                    help="put several examples back to back in rows of up to --max-length tokens (attention never "
                         "crosses examples); for data of many short examples")
@@ -173,7 +181,9 @@ def config_from_args(args):
         log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
         export_dtype=args.export_dtype, shard_target=args.shard_target, pack_sequences=args.pack_sequences,
         layer_types=args.layer_types, sliding_window=args.sliding_window, draft_vocab_size=args.draft_vocab_size,
-        init_from=args.init_from,
+        init_from=args.init_from, arch=args.arch, selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k, conv_kernel_size=args.conv_kernel_size,
+        conv_group_size=args.conv_group_size,
         progress=not args.no_progress,
     )
 

@@ -51,6 +51,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ import torch.distributed as dist
 
 from flashdraft.model.draft_vocab import (copy_weights, draft_targets, reduced_config, response_token_counts,
                                           select_draft_vocab, set_draft_vocab)
+from flashdraft.model.dflash2 import SELECTOR_FIELDS, DFlash2DraftModel, make_dflash2_config
 from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
 from flashdraft.model.target import TargetModel
 from flashdraft.train import checkpoint
@@ -68,6 +70,7 @@ from flashdraft.train.evaluate import evaluate_tau
 from flashdraft.train.features import FeatureCache, target_features
 from flashdraft.train.loss import dflash_loss, gather_teacher_logits, slot_weights
 from flashdraft.train.masks import resolve_attention, training_mask
+from flashdraft.train.selector import selector_loss
 from flashdraft.train.packing import PackedBatch, pack_batch, pack_rows
 
 # Fields the reference loader, vLLM and SGLang read from a drafter's config.json (docs/design.md, 'Checkpoint format').
@@ -126,6 +129,12 @@ class TrainConfig:
     # read out over the N most frequent response tokens only (own lm_head + d2t, `model/draft_vocab.py`); None: all
     draft_vocab_size: int | None = None
     init_from: str | None = None  # a drafter checkpoint whose weights (all but the read-out) start the training
+    arch: str = "dflash"  # dflash | dflash2 (convolutions + candidate selector, `model/dflash2.py`, `selector.py`)
+    # dflash2 only; None: `model/dflash2.py: DEFAULT_DFLASH2`
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
 
 
 class NonFiniteLoss(RuntimeError):
@@ -160,6 +169,13 @@ def check_config(cfg: "TrainConfig") -> None:
     need(finite(cfg.distill_temperature) and cfg.distill_temperature > 0, "distill_temperature",
          "a finite number > 0")
     need(cfg.draft_vocab_size is None or cfg.draft_vocab_size >= 1, "draft_vocab_size", "None or >= 1")
+    need(cfg.arch in ("dflash", "dflash2"), "arch", "dflash or dflash2")
+    for name in SELECTOR_FIELDS:
+        value = getattr(cfg, name)
+        need(value is None or (cfg.arch == "dflash2" and isinstance(value, int) and value >= 1), name,
+             "None, or an integer >= 1 with arch dflash2")
+    need(not (cfg.arch == "dflash2" and cfg.draft_vocab_size), "draft_vocab_size",
+         "None with arch dflash2 (the selector's codebooks span the target's vocabulary)")
     need(not (cfg.draft_vocab_size and cfg.distill_weight > 0), "distill_weight",
          "0 with draft_vocab_size (the target's distribution has mass outside the draft vocabulary)")
     need(not (cfg.shard_target and cfg.feature_cache), "feature_cache",
@@ -210,8 +226,8 @@ def check_export_config(directory: str | Path) -> list[str]:
         missing.append("rope_theta|rope_parameters")
     dcfg = cfg.get("dflash_config") or {}
     missing += [f"dflash_config.{k}" for k in REQUIRED_DFLASH_FIELDS if k not in dcfg]
-    if cfg.get("architectures") != ["DFlashDraftModel"]:
-        missing.append("architectures=[DFlashDraftModel]")
+    if cfg.get("architectures") not in (["DFlashDraftModel"], ["DFlash2DraftModel"]):
+        missing.append("architectures=[DFlashDraftModel] or [DFlash2DraftModel]")
     return missing
 
 
@@ -304,13 +320,17 @@ class Trainer:
         self.mask_token_id = resolve_mask_token_id(config.mask_token_id, tokenizer, vocab)
 
         torch.manual_seed(config.seed)
-        draft_cfg = make_draft_config(
+        make_config, drafter_class = make_draft_config, DFlashDraftModel
+        if config.arch == "dflash2":
+            make_config = partial(make_dflash2_config, **{name: getattr(config, name) for name in SELECTOR_FIELDS})
+            drafter_class = DFlash2DraftModel
+        draft_cfg = make_config(
             target_model.config, num_layers=config.num_draft_layers, block_size=config.block_size,
             mask_token_id=self.mask_token_id, target_layer_ids=config.target_layer_ids, num_taps=config.num_taps,
             intermediate_size=config.intermediate_size, layer_types=config.layer_types,
             sliding_window=config.sliding_window,
         )
-        self.drafter = DFlashDraftModel(draft_cfg).to(self.device)
+        self.drafter = drafter_class(draft_cfg).to(self.device)
         self.drafter.train()
         self.target = TargetModel(target_model, self.drafter.target_layer_ids)
         # (window, causal) of every draft layer: one training mask each
@@ -471,6 +491,7 @@ class Trainer:
         weight_sum, tokens = self._all_reduce(local).tolist()
         normaliser = max(weight_sum, 1e-8) / self.world_size
         stats = torch.zeros(1 + 2 * cfg.block_size, dtype=torch.float64, device=self.device)
+        selector_stats = torch.zeros(2, dtype=torch.float64, device=self.device)  # DFlash2: hits, slots
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         for a, m in enumerate(micros):
             feats, tlogits = self._features(m)
@@ -490,7 +511,15 @@ class Trainer:
                     m.weights.to(dev), blk.block_offset.to(dev), cfg.block_size, normaliser=normaliser,
                     teacher_logits=teacher, distill_weight=cfg.distill_weight, temperature=cfg.distill_temperature,
                     chunk_size=cfg.loss_chunk_size)
-            out.loss.backward()
+                loss = out.loss
+                if isinstance(self.drafter, DFlash2DraftModel):  # the candidate selector's own loss (selector.py)
+                    picked = selector_loss(
+                        self.drafter, hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head),
+                        blk.block_ids.to(dev), blk.labels.to(dev), m.weights.to(dev), blk.block_offset.to(dev),
+                        normaliser, cfg.loss_chunk_size)
+                    loss = loss + picked.loss
+                    selector_stats += torch.stack([picked.hits, picked.count]).double()
+            loss.backward()
             stats[0] += out.weighted_sum.double()
             stats[1:1 + cfg.block_size] += out.correct.double()
             stats[1 + cfg.block_size:] += out.count.double()
@@ -508,7 +537,8 @@ class Trainer:
         acc = [round(float(c / n), 4) if n > 0 else None for c, n in zip(correct[1:], count[1:])]
         return {"step": step + 1, "epoch": epoch, "epoch_step": es, "loss": loss,
                 "lr": lr, "grad_norm": float(grad_norm), "tokens": int(tokens), "label_weight": weight_sum,
-                "acc_per_position": acc, "samples": self._examples_of(layout)}
+                "acc_per_position": acc, **({"selector_acc": round(float(selector_stats[0] / selector_stats[1]), 4)}
+                                             if selector_stats[1] > 0 else {}), "samples": self._examples_of(layout)}
 
     def _examples_of(self, layout: torch.Tensor) -> list[int]:
         """The example indices of a step's rows (the rows themselves unless sequences are packed)."""

@@ -1,0 +1,68 @@
+"""The DFlash2 candidate selector's training loss (docs/design.md, 'DFlash2: training the selector').
+
+Teacher forcing: at block slot k the selector scores the marginal's top-k candidates given the TRUE token at k-1
+(the anchor at k = 1), and the loss is the cross-entropy of softmax(scores) against the true token at k, where that
+token is among the candidates (elsewhere the selector has no choice to learn; the marginal's own loss has to bring
+the token into the top-k). The marginal logits enter detached: this loss trains the pair term (codebooks, hidden
+projection) and, through the projection, the draft layers. Each slot carries the marginal loss's position weight,
+and the sum is normalised like the marginal loss (`loss.py`), so accumulation and ranks see one big batch.
+
+Why teacher forcing is the right conditioning here: a drafted token only counts while every token before it in the
+block was accepted, i.e. equalled the target's; the training labels are the target's own tokens, so conditioning on
+them trains the selector in exactly the situations whose outcome matters.
+
+What this module does not know about: anchors, masks and the trainer's loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class SelectorLoss:
+    loss: torch.Tensor  # scalar, differentiable: sum(w * ce) / normaliser over slots whose label is a candidate
+    hits: torch.Tensor  # detached: slots where the selector's argmax is the label
+    count: torch.Tensor  # detached: weighted slots (label among the candidates or not)
+
+
+def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor, block_offset: torch.Tensor) -> torch.Tensor:
+    """[b, Q]: the true token before each block slot: the anchor (slot 0's token) for slot 1, the label of slot k-1
+    for slot k >= 2 (blocks lie back to back along Q)."""
+    return torch.where(block_offset == 1, block_ids.roll(1, dims=1), labels.roll(1, dims=1))
+
+
+def _chunk(selector, hidden, logits_fn, previous, labels, weights):
+    with torch.no_grad():
+        logits = logits_fn(hidden)
+    scores, target, present = selector.teacher_forced(hidden, logits, previous, labels)
+    ce = F.cross_entropy(scores.float(), target, reduction="none")
+    hits = (scores.argmax(-1) == target) & present
+    return (ce * weights * present).sum(), hits.float().sum()
+
+
+def selector_loss(drafter, hidden: torch.Tensor, logits_fn, block_ids: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, block_offset: torch.Tensor, normaliser: float | torch.Tensor,
+                  chunk_size: int = 4096) -> SelectorLoss:
+    """hidden [b, Q, H] (the drafter's, before the read-out); block_ids / labels / weights / block_offset [b, Q] as
+    `build_blocks` and `slot_weights` give them; `logits_fn(hidden_rows) -> [M, V]` the marginal read-out."""
+    selected = weights > 0
+    previous = previous_tokens(block_ids, labels, block_offset)[selected]
+    h, y, w = hidden[selected], labels[selected], weights[selected].float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    hits = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, h.shape[0], chunk_size):
+        part = (drafter.candidate_selector, h[start:start + chunk_size], logits_fn, previous[start:start + chunk_size],
+                y[start:start + chunk_size], w[start:start + chunk_size])
+        if torch.is_grad_enabled() and h.shape[0] > chunk_size:
+            loss, hit = checkpoint(_chunk, *part, use_reentrant=False)
+        else:
+            loss, hit = _chunk(*part)
+        total, hits = total + loss, hits + hit.detach()
+    if h.shape[0] == 0:
+        total = hidden.sum() * 0.0
+    return SelectorLoss(total / normaliser, hits, torch.tensor(float(h.shape[0]), device=hidden.device))

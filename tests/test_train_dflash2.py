@@ -1,0 +1,137 @@
+"""Training DFlash2 drafters (`flashdraft train --arch dflash2`): the training pass (many blocks of a sequence in one
+forward, the convolutions restarting at every block) gives each block the hidden states decoding gives it; the
+selector's loss is teacher-forced and trains the pair term only; a short CPU run trains convolutions and selector,
+exports z-lab's layout, and drafts losslessly in our engine."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3ForCausalLM
+
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.loading import load_drafter
+from flashdraft.model import DFlash2DraftModel, make_dflash2_config
+from flashdraft.train.anchors import build_blocks, pad_anchors
+from flashdraft.train.data import Example
+from flashdraft.train.masks import training_mask
+from flashdraft.train.selector import previous_tokens, selector_loss
+from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config
+from flashdraft.train.trainer import TrainConfig, Trainer, check_config
+
+torch.set_num_threads(1)
+
+
+def _target():
+    torch.manual_seed(0)
+    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _drafter(target, block=4):
+    torch.manual_seed(1)
+    drafter = DFlash2DraftModel(make_dflash2_config(target.config, num_layers=2, block_size=block, mask_token_id=MASK,
+                                                    selector_rank=4, selector_top_k=4, conv_kernel_size=3,
+                                                    conv_group_size=8))
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.normal_(0, 0.5)
+                conv.kernel_projection.weight.normal_(0, 0.3)
+    return drafter
+
+
+def test_training_pass_equals_decoding_per_block():
+    target = _target().double()
+    drafter = _drafter(target).double().eval()
+    t, block = 40, 4
+    ids = torch.randint(3, 60, (1, t))
+    feats = torch.randn(1, t, len(drafter.target_layer_ids) * 32, dtype=torch.float64)
+    anchors, anchor_valid = pad_anchors([torch.tensor([3, 11, 20, 33])])
+    blk = build_blocks(ids, torch.ones(1, t, dtype=torch.bool), anchors, anchor_valid, block, MASK)
+    noise = drafter.embed(blk.block_ids, target.get_input_embeddings().weight)
+    valid = torch.ones(1, t, dtype=torch.bool)
+    ctx_pos = torch.arange(t)[None]
+    mask = training_mask("sdpa", anchors, valid, block, False)
+    with torch.no_grad():
+        trained = drafter(noise, blk.position_ids, feats, ctx_pos, valid, mask)
+        for j, a in enumerate(anchors[0].tolist()):
+            cache = drafter.new_cache(1, t + block)
+            drafter.write_context(cache, feats[:, :a], ctx_pos[:, :a], valid[:, :a])
+            span = slice(j * block, (j + 1) * block)
+            decoded = drafter.draft(cache, noise[:, span], blk.position_ids[:, span])
+            assert torch.allclose(trained[:, span], decoded, atol=1e-10), j
+
+
+def test_selector_loss_is_teacher_forced_and_trains_the_pair_term():
+    block_ids = torch.tensor([[7, MASK, MASK, MASK, 9, MASK, MASK, MASK]])
+    labels = torch.tensor([[0, 11, 12, 13, 0, 21, 22, 23]])
+    offset = torch.arange(4).repeat(2)[None]
+    prev = previous_tokens(block_ids, labels, offset)
+    assert prev[0, [1, 2, 3, 5, 6, 7]].tolist() == [7, 11, 12, 9, 21, 22]
+    target = _target()
+    drafter = _drafter(target)
+    hidden = torch.randn(1, 8, 32, requires_grad=True)
+    weights = (offset > 0).float()
+    marginal = torch.nn.Linear(32, 64, bias=False)
+    with torch.no_grad():  # every label among the top 4 of the marginal
+        marginal.weight.mul_(0.01)
+        marginal.weight[[11, 12, 13, 21, 22, 23]] += 1.0
+    out = selector_loss(drafter, hidden, marginal, block_ids, labels, weights, offset, normaliser=weights.sum())
+    out.loss.backward()
+    assert out.loss > 0 and out.count == 6
+    selector = drafter.candidate_selector
+    assert selector.predecessor_codebook.weight.grad[[7, 11, 12, 9, 21, 22]].abs().sum() > 0
+    assert selector.predecessor_codebook.weight.grad[[13, 23]].abs().sum() == 0  # no slot follows them
+    assert marginal.weight.grad is None and hidden.grad.abs().sum() > 0  # the marginal's logits enter detached
+
+
+def _examples():
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for i in range(16):
+        n = int(torch.randint(30, 48, (1,), generator=g))
+        ids = [BOS] + progression(i * 3, 1 + i % 3, n - 1, 60)
+        examples.append(Example(torch.tensor(ids), torch.tensor([False] * 4 + [True] * (n - 4))))
+    return examples
+
+
+def test_dflash2_trains_exports_zlabs_layout_and_drafts_losslessly(tmp_path):
+    target = _target()
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=2, mask_token_id=MASK,
+                      num_anchors=8, lr=3e-3, max_length=64, batch_size=4, max_steps=12, progress=False,
+                      eval_at_start=False, seed=0, save_every=12, arch="dflash2", selector_rank=4, selector_top_k=4,
+                      conv_kernel_size=3, conv_group_size=8, export_dtype="float32")
+    trainer = Trainer(cfg, target_model=target, examples=_examples())
+    start = {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
+    result = trainer.train()
+    assert all(torch.isfinite(torch.tensor(result.losses))) and result.losses[-1] < result.losses[0]
+    records = [json.loads(line) for line in open(result.log_path) if '"selector_acc"' in line]
+    assert records and 0.0 <= records[-1]["selector_acc"] <= 1.0
+    final = result.final_dir
+    config = json.loads(open(f"{final}/config.json").read())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
+    state = load_file(f"{final}/model.safetensors")
+    assert "candidate_selector.predecessor_codebook" in state
+    drafter = load_drafter(final)
+    assert type(drafter) is DFlash2DraftModel
+    trained = drafter.state_dict()
+    for name in ("layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
+                 "candidate_selector.successor_codebook.weight", "candidate_selector.hidden_projection.weight"):
+        assert not torch.equal(trained[name], start[name]), name
+    prompts = [[BOS] + progression(5, 2, 6, 60), [BOS] + progression(30, 1, 4, 60)]
+    refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    with SpecEngine(target, drafter) as engine:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert [r.token_ids for r in results] == refs
+
+
+def test_dflash2_options_need_the_arch():
+    with pytest.raises(ValueError, match="selector_rank"):
+        check_config(TrainConfig(selector_rank=8))
+    with pytest.raises(ValueError, match="arch"):
+        check_config(TrainConfig(arch="dflash3"))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        check_config(TrainConfig(arch="dflash2", draft_vocab_size=100))
