@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Fine-tunes the shipped default drafter on coverage data (issue 17): contexts of 16-1900 tokens from the TRAIN split
+# ending at line starts, mid-line, mid-token, after blank lines and in comments (scripts/default_pair/coverage.py),
+# answered by the target itself, next to a replay of the function-start prompts it was first trained on.
+#   1. prompts     train_prompts.jsonl (function starts) + coverage_prompts.jsonl (prompts.py --coverage)
+#   2. regenerate  the target's greedy responses (128 new tokens): function starts -> regen_mix (first REPLAY
+#                  prompts), coverage -> regen_cov (shards of 250, so a partial run is usable)
+#   3. train       from the shipped drafter's weights (--init-from), max length 2048 (the target's window),
+#                  optionally with a reduced draft vocabulary (DRAFT_VOCAB=N -> --draft-vocab-size N)
+#   4. evaluate    scripts/drafter/eval_tau.py on the result (in-domain / out-of-domain, endings, lengths)
+# Each step is skipped when its outputs exist. Env: PY, STEPS (default 1500), DRAFT_VOCAB (default: none),
+# COVERAGE (default 4000), REPLAY (default 1000), RUN (default runs/coverage_drafter), NICE (default 15).
+# Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+PY="${PY:-python}"
+STEPS="${STEPS:-1500}"
+COVERAGE="${COVERAGE:-4000}"
+REPLAY="${REPLAY:-1000}"
+RUN="${RUN:-runs/coverage_drafter}"
+RUNNER=(nice -n "${NICE:-15}")
+TARGET=flashdraft/assets/default_pair/target
+DATA=data/default_pair
+VOCAB=()
+[ -n "${DRAFT_VOCAB:-}" ] && VOCAB=(--draft-vocab-size "$DRAFT_VOCAB")
+
+echo "== [1/4] prompts"
+[ -f "$DATA/coverage_prompts.jsonl" ] || "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64 --coverage "$COVERAGE"
+
+echo "== [2/4] regenerate (greedy, 128 new tokens)"
+"${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data "$DATA/train_prompts.jsonl" --limit "$REPLAY" \
+    --output-dir "$DATA/regen_mix" --max-new-tokens 128 --batch-size 32 --shard-size 500 --device cpu
+"${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data "$DATA/coverage_prompts.jsonl" \
+    --output-dir "$DATA/regen_cov" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
+# one directory of shards for `flashdraft train` (links: the replay shards, then the coverage shards)
+mkdir -p "$DATA/regen_train"
+for f in "$DATA"/regen_mix/shard-*.jsonl; do ln -sf "../regen_mix/$(basename "$f")" "$DATA/regen_train/replay-$(basename "$f")"; done
+for f in "$DATA"/regen_cov/shard-*.jsonl; do ln -sf "../regen_cov/$(basename "$f")" "$DATA/regen_train/coverage-$(basename "$f")"; done
+
+echo "== [3/4] train from the shipped drafter"
+RESUME=()
+[ -d "$RUN/checkpoints" ] && RESUME=(--resume)
+"${RUNNER[@]}" "$PY" -m flashdraft.cli train --target "$TARGET" --data "$DATA/regen_train" --output-dir "$RUN" \
+    --init-from flashdraft/assets/default_pair/drafter --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
+    --max-steps "$STEPS" --batch-size 8 --max-length 2048 --num-anchors 32 --lr 3e-4 --seed 0 \
+    --save-every 100 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${RESUME[@]}" "$@"
+
+echo "== [4/4] evaluate"
+"${RUNNER[@]}" "$PY" scripts/drafter/eval_tau.py --draft "$RUN/final" --threads 1 --label "$RUN" --out "$RUN/eval_tau"
