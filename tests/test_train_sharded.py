@@ -1,9 +1,14 @@
-"""FSDP2-sharded frozen target (`--shard-target`, torchrun, gloo on CPU): training equals one unsharded process."""
+"""FSDP2-sharded frozen target (`--shard-target`, torchrun, gloo on CPU): training equals one unsharded process, and
+a target built sharded from its files (meta device) equals the same target loaded whole."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from test_train_distributed import COMMON, _cli, _in_process, _log, _weights, setup  # noqa: F401  (fixture)
+from test_train_distributed import COMMON, _cli, _in_process, _log, _run, _weights, setup  # noqa: F401  (fixture)
 
 torch.set_num_threads(1)
 
@@ -39,3 +44,18 @@ def test_sharded_target_refuses_what_needs_the_whole_target(setup, tmp_path):  #
     for extra in ({"feature_cache": str(tmp_path / "fc")}, {"eval_prompts": str(setup / "data.jsonl")}):
         with pytest.raises(ValueError, match="shard_target"):
             check_config(TrainConfig(shard_target=True, **extra))
+
+
+def test_target_built_sharded_from_its_files_equals_it_whole(setup, tmp_path):  # noqa: F811
+    """Qwen3 (untied, default RoPE) and Llama (tied embeddings, llama3 RoPE scaling, an odd row count that shards
+    unevenly): features and logits of the sharded build equal the whole model's, in 2 processes."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=51, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64})
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    script = Path(__file__).with_name("sharded_features.py")
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+          str(setup / "target"), str(tmp_path / "llama")])

@@ -13,11 +13,16 @@ Design:
   gradient reduce-scatter. Every process must therefore run the same number of target forwards in the same order
   (the trainer's micro-batches do: grad_accum per step on every rank); inputs may differ in shape.
 - The drafter is not sharded: it is small and trained data-parallel beside the target (DDP), as without sharding.
+- `load_sharded_target` never holds the whole target anywhere: the model is built on the meta device, sharded,
+  materialised on the device (`to_empty`: each process allocates its shards and the whole embedding / norm /
+  lm_head), then filled from the checkpoint's safetensors files, each process reading only its rows of every layer
+  weight (`get_slice`), one tensor at a time. Rotary tables (buffers computed at construction, not stored) are
+  computed again on the device; any other buffer the checkpoint lacks is refused by name.
 - `parameter_bytes_per_process` counts the bytes of weights one process holds (a DTensor counts its local
   shard), which is what `scripts/memory/fsdp_target.py` reports for an 8B-shaped target built on the meta device.
 
-What this module does not know about: loading weights shard by shard (the target is loaded whole on CPU by each
-process and sharded onto the device layer by layer, so host RAM must hold one copy per process), tensor
+What this module does not know about: hub downloads (meta loading reads a local directory; a target passed in
+memory is sharded from its whole weights), checkpoints whose tensor names differ from the model's own, tensor
 parallelism, the engine's fast path (it reads whole weights, so a sharded target cannot run the tau evaluation;
 the trainer refuses that combination), and the drafter.
 """
@@ -44,12 +49,101 @@ def shard_frozen_target(model: nn.Module, device: torch.device, world_size: int,
     in_layers = {id(p) for p in layers.parameters()}
     whole = {p for p in model.parameters() if id(p) not in in_layers}
     fully_shard(model, mesh=mesh, ignored_params=whole)
-    for p in whole:  # ignored parameters are left where they were
-        p.data = p.data.to(device)
+    for p in whole:  # ignored parameters are left where they were (on the meta device: `to_empty` places them)
+        if not p.is_meta:
+            p.data = p.data.to(device)
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
-            module._buffers[name] = buf.to(device)
+            if not buf.is_meta:
+                module._buffers[name] = buf.to(device)
     return model
+
+
+def load_sharded_target(path, device: torch.device, world_size: int, rank: int, dtype: torch.dtype):
+    """(model, tokenizer): the frozen target of the local directory `path`, sharded over `world_size` processes
+    without ever being whole in one (see the module docstring). Errors name the tensor or file at fault."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flashdraft.loading import check_finite_weights, check_model_path, load_tokenizer
+
+    local = check_model_path(path, "target")
+    files = sorted(local.glob("*.safetensors")) if local is not None else []
+    if not files:
+        raise ValueError(f"--target {path}: --shard-target reads the weights from a local directory of safetensors "
+                         "files (download the model first)")
+    config = AutoConfig.from_pretrained(str(local))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    shard_frozen_target(model, device, world_size)
+    model.to_empty(device=device)
+    model.tie_weights()  # `to_empty` unties: tied embeddings are one parameter again, read once as stored
+    _fill_from_safetensors(model, files, rank, world_size, dtype, str(path))
+    check_finite_weights(model, f"--target {path}")  # this process's shards and the whole tensors
+    return model, load_tokenizer(local)
+
+
+def _fill_from_safetensors(model: nn.Module, files, rank: int, world_size: int, dtype: torch.dtype,
+                           what: str) -> None:
+    from safetensors import safe_open
+
+    wanted = dict(model.named_parameters())
+    wanted.update((name, buf) for name, buf in model.named_buffers() if name not in _computed_buffers(model))
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = wanted.pop(name, None)
+                    if tensor is not None:
+                        _copy_rows(tensor, f.get_slice(name), rank, world_size, dtype, f"{what}: {name}")
+        if wanted:
+            missing = sorted(wanted)
+            raise ValueError(f"--target {what}: the checkpoint lacks {', '.join(missing[:4])}"
+                             f"{' ...' if len(missing) > 4 else ''}; load it without --shard-target")
+        _compute_rotary_tables(model)
+
+
+def _copy_rows(tensor: torch.Tensor, source, rank: int, world_size: int, dtype: torch.dtype, what: str) -> None:
+    """Copy this process's part of a checkpoint tensor into `tensor`: its dim-0 shard (FSDP2's `Shard(0)`, chunks
+    of ceil(rows / world_size)) for a sharded parameter, all of it otherwise."""
+    shape = tuple(source.get_shape())
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if hasattr(tensor, "to_local"):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{what}: checkpoint shape {shape}, model shape {tuple(tensor.shape)}")
+        chunk = -(-shape[0] // world_size)
+        start = min(shape[0], rank * chunk)
+        rows = source[start:min(shape[0], start + chunk)]
+    else:
+        rows = source[:]
+    if tuple(rows.shape) != tuple(local.shape):
+        raise ValueError(f"{what}: checkpoint gives {tuple(rows.shape)} here, the model holds {tuple(local.shape)}")
+    local.copy_(rows.to(local.dtype if local.is_floating_point() else rows.dtype))
+
+
+def _rotary_modules(model: nn.Module):
+    return [m for m in model.modules() if hasattr(m, "rope_type") and isinstance(getattr(m, "inv_freq", None),
+                                                                                 torch.Tensor)]
+
+
+def _computed_buffers(model: nn.Module) -> set[str]:
+    rotary = {id(m) for m in _rotary_modules(model)}
+    return {f"{name}.{b}" if name else b for name, m in model.named_modules() if id(m) in rotary
+            for b, _ in m.named_buffers(recurse=False)}
+
+
+def _compute_rotary_tables(model: nn.Module) -> None:
+    """Rotary inverse frequencies, as transformers computes them at construction, on the model's device."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module in _rotary_modules(model):
+        fn = (module.compute_default_rope_parameters if module.rope_type == "default"
+              else ROPE_INIT_FUNCTIONS[module.rope_type])
+        inv_freq, scaling = fn(module.config, device=module.inv_freq.device)
+        module.inv_freq = inv_freq.to(module.inv_freq.device)
+        if hasattr(module, "original_inv_freq"):
+            module.original_inv_freq = inv_freq.clone().to(module.inv_freq.device)
+        module.attention_scaling = scaling
 
 
 def local_numel(p: torch.Tensor) -> int:

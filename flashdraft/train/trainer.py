@@ -31,8 +31,8 @@ Design:
 - Evaluation: tau and per-position acceptance on held-out prompts with the real `SpecEngine` (rank 0), at start,
   every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
 - `shard_target` (under torchrun): the frozen target's decoder layers are sharded over the processes with FSDP2
-  (`sharding.py`; embedding, final norm and lm_head stay whole), the drafter is still trained data-parallel (DDP)
-  beside it. Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation
+  (`sharding.py`; embedding, final norm and lm_head stay whole; a target given by path is built sharded from its
+  safetensors files, never whole in any process), the drafter is still trained data-parallel (DDP) beside it. Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation
   and the feature cache need the whole target in one process, so they are refused with it.
 
 - Sliding-window drafters (`layer_types` / `sliding_window`): the drafter gets one training mask per distinct
@@ -290,12 +290,15 @@ class Trainer:
             from flashdraft.loading import load_target
 
             from flashdraft.loading import resolve_dtype
+            from flashdraft.train.sharding import load_sharded_target
 
-            # a sharded target is loaded on the host and moved to the device one layer shard at a time
-            target_model, loaded_tok = load_target(  # weights checked there
-                config.target, device="cpu" if config.shard_target else str(self.device),
-                dtype=resolve_dtype(None, str(self.device)))
-            tokenizer = tokenizer or loaded_tok
+            dtype = resolve_dtype(None, str(self.device))
+            if config.shard_target and self.world_size > 1:  # built sharded: never whole in any process
+                target_model, loaded_tok = load_sharded_target(config.target, self.device, self.world_size,
+                                                               self.rank, dtype)
+            else:
+                target_model, loaded_tok = load_target(config.target, device=str(self.device), dtype=dtype)
+            tokenizer = tokenizer or loaded_tok  # weights checked by either loader
         else:
             from flashdraft.loading import check_finite_weights
 
@@ -306,12 +309,12 @@ class Trainer:
         target_model = target_model.eval()
         for p in target_model.parameters():
             p.requires_grad_(False)
-        if config.shard_target and self.world_size > 1:
+        if not (config.shard_target and self.world_size > 1):
+            target_model = target_model.to(self.device)
+        elif not _is_sharded(target_model):  # a model passed in whole
             from flashdraft.train.sharding import shard_frozen_target
 
             shard_frozen_target(target_model, self.device, self.world_size)
-        else:
-            target_model = target_model.to(self.device)
         from flashdraft.train.sharding import parameter_bytes_per_process
 
         self.target_bytes_per_process = parameter_bytes_per_process(target_model)
@@ -683,6 +686,10 @@ class Trainer:
             self._log({"event": "export", "step": self.step, "path": str(out)})
         self._barrier()
         return out
+
+
+def _is_sharded(model) -> bool:
+    return any(hasattr(p, "to_local") for p in model.parameters())
 
 
 def _pad_features(feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
