@@ -32,9 +32,9 @@ Design:
   every `eval_every` steps and at the end. Metrics go to `output_dir/train_log.jsonl`; tqdm on rank 0.
 - `shard_target` (under torchrun): the frozen target's decoder layers are sharded over the processes with FSDP2
   (`sharding.py`; embedding, final norm and lm_head stay whole; a target given by path is built sharded from its
-  safetensors files, never whole in any process), the drafter is still trained data-parallel (DDP) beside it. Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation
-  and the feature cache need the whole target in one process, so they are refused with it.
-
+  safetensors files, never whole in any process), the drafter is still trained data-parallel (DDP) beside it.
+  Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation and the
+  feature cache need the whole target in one process, so they are refused with it.
 - Sliding-window drafters (`layer_types` / `sliding_window`): the drafter gets one training mask per distinct
   (window, causal) of its layers, the same predicate its sliding layers apply when decoding.
 
