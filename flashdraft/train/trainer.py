@@ -38,8 +38,8 @@ Design:
 - Sliding-window drafters (`layer_types` / `sliding_window`): the drafter gets one training mask per distinct
   (window, causal) of its layers, the same predicate its sliding layers apply when decoding.
 
-What this module does not know about: multi-node launch details beyond what torchrun's environment provides, and the files
-of a checkpoint (`checkpoint.py` alone reads and writes them).
+What this module does not know about: multi-node launch details beyond what torchrun's environment provides, and
+the files of a checkpoint (`checkpoint.py` alone reads and writes them).
 """
 
 from __future__ import annotations
