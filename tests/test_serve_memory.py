@@ -91,12 +91,24 @@ def test_server_budget_chat_default_max_tokens_is_a_400_and_setting_it_fits(pair
         ok = httpx.post(f"{s.url}/v1/chat/completions", json=dict(chat, max_tokens=16), timeout=60)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] >= 1
+        assert s.metric("kv_cache_budget_positions") == 300
+        assert s.metric("requests_rejected_total", reason="kv_cache_budget") == 1
+        assert s.wait_idle()["running"] == 0 and s.metric("kv_cache_reserved_positions") == 0
 
 
-def test_kv_cache_memory_flag_values():
+def test_kv_cache_memory_flag_values(capsys):
     import argparse
 
     import torch
+
+    from flashdraft.serve.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--kv-cache-memory", "90%"]).kv_cache_memory == ("percent", 90.0)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["serve", "--kv-cache-memory", "lots"])
+    assert exit_info.value.code == 2 and "--kv-cache-memory" in capsys.readouterr().err
 
     assert memory_budget_arg("24") == ("GiB", 24.0) and memory_budget_arg("1.5GiB") == ("GiB", 1.5)
     assert memory_budget_arg("90%") == ("percent", 90.0)

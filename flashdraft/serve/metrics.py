@@ -46,6 +46,10 @@ class Metrics:
         self._rejected = counter("requests_rejected", "Requests refused before generation.", ["reason"])
         self._running = Gauge("num_requests_running", "Requests in the running batch.", m, registry=r)
         self._waiting = Gauge("num_requests_waiting", "Requests waiting for a batch slot.", m, registry=r)
+        self._kv_reserved = Gauge("kv_cache_reserved_positions", "KV-cache positions the running batch reserves "
+                                  "(target and drafter; every row at the largest row's capacity).", m, registry=r)
+        self._kv_budget = Gauge("kv_cache_budget_positions", "KV-cache positions --kv-cache-memory allows "
+                                "(0: no budget).", m, registry=r)
         self._e2e = Histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", m,
                               buckets=LATENCY_BUCKETS, registry=r)
         self._ttft = Histogram("time_to_first_token_seconds", "Arrival to first token.", m, buckets=TTFT_BUCKETS,
@@ -56,6 +60,8 @@ class Metrics:
         self.generation_tokens = self._generation_tokens.labels(model_name)
         self.running = self._running.labels(model_name)
         self.waiting = self._waiting.labels(model_name)
+        self.kv_reserved = self._kv_reserved.labels(model_name)
+        self.kv_budget = self._kv_budget.labels(model_name)
         self.ttft = self._ttft.labels(model_name)
         self._block_size = 0
         for c in (self._num_drafts, self._draft_tokens, self._accepted):  # present (at zero) from the start

@@ -323,3 +323,5 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.running.set(self.num_running)
             self.metrics.waiting.set(len(self._waiting))
+            self.metrics.kv_reserved.set(self.reserved_positions(list(self._running.values())))
+            self.metrics.kv_budget.set(self.kv_cache_positions or 0)
