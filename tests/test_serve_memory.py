@@ -62,6 +62,46 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     assert max(rows) == 2, rows  # 8 batch slots, but the budget holds two rows' caches: the others waited
 
 
+def _cache_bytes(batch) -> int:
+    """Bytes of the K/V tensors a live batch holds: the target's static cache and the drafter's context cache."""
+    total = 0
+    for state in (batch.kv, batch.proposer_state):
+        kv = getattr(state, "kv", None)
+        if kv is not None:
+            total += sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+    return total
+
+
+def test_admission_figure_is_what_the_engine_allocates():
+    """The scheduler's reservation (flashdraft.memory) against the cache tensors the engine really holds, as rows
+    of different lengths join and leave: never less, and at most one target position per row more."""
+    from types import SimpleNamespace
+
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    target_bytes, drafter_bytes = engine_bytes_per_position(engine)
+    sched = Scheduler(engine)  # not started: its reservation rule only
+    batch = engine.open_batch()
+    requests = [SimpleNamespace(prompt=[1 + i] * n, params=SamplingParams(max_new_tokens=m))
+                for i, (n, m) in enumerate([(10, 20), (30, 100), (5, 10), (200, 60)])]
+    sizes = set()
+    for step in range(400):
+        if step % 4 == 0 and step // 4 < len(requests):
+            req = requests[step // 4]
+            engine.add(batch, [req.prompt], req.params, request_ids=[step // 4])
+        if not batch.rows:
+            break
+        engine.step(batch)
+        running = [requests[r.index] for r in batch.rows]
+        if not running:  # (an emptied batch keeps its last caches until rows join again: the engine's business)
+            continue
+        reserved = sched.reserved_positions(running) * (target_bytes + drafter_bytes)
+        held = _cache_bytes(batch)
+        assert reserved - len(running) * target_bytes <= held <= reserved, (step, held, reserved)
+        sizes.add((len(running), held))
+    assert not batch.rows and len(sizes) >= 4  # rows joined and left, the long one (512 positions) among them
+
+
 async def _collect(req) -> list[int]:
     tokens = []
     while True:
