@@ -1,6 +1,7 @@
 """FSDP2-sharded frozen target (`--shard-target`, torchrun, gloo on CPU): training equals one unsharded process, and
 a target built sharded from its files (meta device) equals the same target loaded whole."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,14 +15,17 @@ torch.set_num_threads(1)
 
 
 def test_sharded_target_two_processes_equal_one_process(setup, tmp_path):  # noqa: F811
-    """2 ranks x 2 sequences with the target's layers sharded across them == 1 rank x 4 with the whole target.
+    """2 ranks x 2 sequences with the target's layers sharded across them (and the AdamW moments: ZeRO-1) == 1 rank
+    x 4 with the whole target; a run resumed from a mid-run checkpoint (moments gathered, then split again)
+    finishes with the same weights.
 
     The sharded forward all-gathers each layer's weights before running it, so the features are the unsharded
     ones; what differs is float summation order (DDP's gradient all-reduce), hence the DDP test's tolerances.
     """
-    _cli([*COMMON, "--max-steps", "4", "--save-every", "4", "--target", str(setup / "target"),
-          "--data", str(setup / "data.jsonl"), "--output-dir", str(tmp_path / "fsdp"), "--batch-size", "2",
-          "--shard-target"], nproc=2)
+    args = [*COMMON, "--max-steps", "4", "--save-every", "2", "--target", str(setup / "target"),
+            "--data", str(setup / "data.jsonl"), "--output-dir", str(tmp_path / "fsdp"), "--batch-size", "2",
+            "--shard-target", "--shard-optimizer"]
+    _cli(args, nproc=2)
     single = _in_process(setup, tmp_path / "one", max_steps=4, save_every=4, batch_size=4)
     log = _log(tmp_path / "fsdp")
     start = next(r for r in log if r.get("event") == "start")
@@ -36,6 +40,13 @@ def test_sharded_target_two_processes_equal_one_process(setup, tmp_path):  # noq
     assert w.keys() == w_one.keys()
     for k in w:
         assert torch.allclose(w[k], w_one[k], atol=2e-5, rtol=1e-4), (k, (w[k] - w_one[k]).abs().max())
+    shutil.rmtree(tmp_path / "fsdp" / "checkpoints" / "step-00000004")
+    shutil.rmtree(tmp_path / "fsdp" / "final")
+    _cli([*args, "--resume"], nproc=2)
+    assert [r["step"] for r in _log(tmp_path / "fsdp") if r.get("event") == "resume"] == [2]
+    resumed = _weights(tmp_path / "fsdp" / "final")
+    for k in w:
+        assert torch.allclose(resumed[k], w[k], atol=1e-6), (k, (resumed[k] - w[k]).abs().max())
 
 
 def test_sharded_target_refuses_what_needs_the_whole_target(setup, tmp_path):  # noqa: F811

@@ -156,6 +156,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "default all full")
     p.add_argument("--sliding-window", type=positive_int, default=None,
                    help="window of the sliding_attention layers (positions a query sees, itself included)")
+    p.add_argument("--shard-optimizer", action="store_true",
+                   help="under torchrun: split the drafter's AdamW moments over the processes (ZeRO-1)")
     p.add_argument("--shard-target", action="store_true",
                    help="under torchrun: shard the frozen target's decoder layers over the processes (FSDP2) "
                         "instead of holding it whole in each; the drafter stays data-parallel")
@@ -179,7 +181,8 @@ def config_from_args(args):
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,
         eval_at_start=not args.no_eval_at_start, eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every, resume=args.resume, device=None if args.device == "auto" else args.device,
-        export_dtype=args.export_dtype, shard_target=args.shard_target, pack_sequences=args.pack_sequences,
+        export_dtype=args.export_dtype, shard_target=args.shard_target,
+        shard_optimizer=args.shard_optimizer, pack_sequences=args.pack_sequences,
         layer_types=args.layer_types, sliding_window=args.sliding_window, draft_vocab_size=args.draft_vocab_size,
         init_from=args.init_from, arch=args.arch, selector_rank=args.selector_rank,
         selector_top_k=args.selector_top_k, conv_kernel_size=args.conv_kernel_size,

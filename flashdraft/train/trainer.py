@@ -34,7 +34,9 @@ Design:
   (`sharding.py`; embedding, final norm and lm_head stay whole; a target given by path is built sharded from its
   safetensors files, never whole in any process), the drafter is still trained data-parallel (DDP) beside it.
   Every rank runs the same micro-batch count, so the layers' all-gathers line up. The tau evaluation and the
-  feature cache need the whole target in one process, so they are refused with it.
+  feature cache need the whole target in one process, so they are refused with it. `shard_optimizer` splits the
+  drafter's AdamW moments over the processes (ZeRO-1, `ZeroRedundancyOptimizer`); they are gathered on rank 0
+  for each checkpoint, and a resumed run splits them again.
 - Sliding-window drafters (`layer_types` / `sliding_window`): the drafter gets one training mask per distinct
   (window, causal) of its layers, the same predicate its sliding layers apply when decoding.
 
@@ -123,6 +125,7 @@ class TrainConfig:
     loss_chunk_size: int = 4096
     progress: bool = True
     shard_target: bool = False  # FSDP2 over the target's decoder layers (torchrun); see sharding.py
+    shard_optimizer: bool = False  # ZeRO-1 (torchrun): AdamW moments split over the processes
     pack_sequences: bool = False  # several examples per row of up to max_length tokens (packing.py)
     layer_types: list[str] | None = None  # per draft layer: full_attention | sliding_attention (default: all full)
     sliding_window: int | None = None  # the window of sliding_attention layers
@@ -373,7 +376,13 @@ class Trainer:
 
             self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+        if config.shard_optimizer and self.world_size > 1:  # ZeRO-1: each rank keeps the AdamW moments of a part
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=config.lr,
+                                                     weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
         warmup = int(math.ceil(config.warmup_ratio * self.total_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _cosine_lambda(self.total_steps, warmup))
         self.step = 0
@@ -644,6 +653,8 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         from flashdraft.loading import nonfinite_parameter
 
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # sharded moments: gathered on rank 0 to be saved
+            self.optimizer.consolidate_state_dict(to=0)
         bad = nonfinite_parameter(self.drafter)  # an optimizer step can overflow even from a finite loss
         if bad is not None:
             raise NonFiniteLoss(f"after step {self.step} the drafter's weight {bad} holds NaN or inf (lower --lr); "
