@@ -7,8 +7,9 @@ The target is built from its config only, on the meta device (no weights, nothin
 trainer's own `shard_frozen_target` over a fake process group of W ranks in this one process (torch's testing
 `FakeStore` / "fake" backend: collectives are no-ops, sharding is real). The sharded figure is the sum of this
 rank's local shards (`parameter_bytes_per_process`), measured after `fully_shard`, not computed by formula. The
-drafter's training state (fp32 weights, gradients and two AdamW moments: 16 bytes per parameter) is replicated on
-every process in both cases. Activations are not counted.
+drafter's training state is fp32 weights, gradients and two AdamW moments: 16 bytes per parameter on every process,
+or with `--shard-optimizer` (ZeRO-1) 8 + 8 / W bytes (computed: the moments are split evenly by parameter count,
+up to one parameter tensor's granularity). Activations are not counted.
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def main(argv=None) -> None:
         drafter = DFlashDraftModel(make_draft_config(config, num_layers=args.draft_layers, mask_token_id=0))
     drafter_state = 16 * sum(p.numel() for p in drafter.parameters())
     print(f"{args.model} (bf16 target, {args.draft_layers}-layer drafter: {drafter_state / GiB:.2f} GiB of fp32 "
-          "weights + grads + AdamW state per process, in both columns)")
+          "weights + grads + AdamW moments per process; the last column splits the moments, --shard-optimizer)")
     print("| processes | target replicated (DDP), GiB/process | target sharded (FSDP2), GiB/process | "
-          "total replicated | total sharded |")
-    print("|---:|---:|---:|---:|---:|")
+          "total replicated | total sharded | total sharded + ZeRO-1 drafter |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for w in args.world_sizes:
         sharded = sharded_bytes(config, w)
+        zero = drafter_state // 16 * (8 + 8 / w)
         print(f"| {w} | {replicated / GiB:.2f} | {sharded / GiB:.2f} | {(replicated + drafter_state) / GiB:.2f} | "
-              f"{(sharded + drafter_state) / GiB:.2f} |")
+              f"{(sharded + drafter_state) / GiB:.2f} | {(sharded + zero) / GiB:.2f} |")
 
 
 if __name__ == "__main__":
