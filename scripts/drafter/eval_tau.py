@@ -192,20 +192,31 @@ def plot(results: dict, lengths: list[str], label: str, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("greedy tau per prompt (whiskers p10-p90, triangle = mean)")
     fig.suptitle(f"tau distribution over prompts: {label}")
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def pair_arguments(ap: argparse.ArgumentParser) -> None:
+    """--target / --draft (default: the shipped pair) and --threads, as both drafter scripts take them."""
     ap.add_argument("--target", default=None, help="target directory (default: the shipped pair's)")
     ap.add_argument("--draft", default=None, help="drafter directory (default: the shipped pair's)")
+    ap.add_argument("--threads", type=int, default=1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    pair_arguments(ap)
     ap.add_argument("--num", type=int, default=32, help="prompts per cell")
     ap.add_argument("--lengths", default="prompt,256,1024,1800")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")

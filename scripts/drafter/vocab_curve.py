@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.drafter.eval_tau import (SETS, build_cells, measure, percentile, response_counts,  # noqa: E402
-                                     restrict_vocab)
+from scripts.drafter.eval_tau import (SETS, build_cells, measure, pair_arguments, percentile,  # noqa: E402
+                                     response_counts, restrict_vocab, save_figure)
 
 
 def draft_step_ms(engines: dict, context: int, reps: int, new_tokens: int = 6) -> dict:
@@ -91,22 +91,18 @@ def plot(rows: list[dict], path: Path, label: str) -> None:
     ax2.set_title("acceptance")
     ax2.legend(fontsize=8)
     fig.suptitle(f"reduced draft vocabulary: {label}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
+    pair_arguments(ap)
     ap.add_argument("--vocab-data", type=Path, required=True, help="regenerated training data to count tokens in")
     ap.add_argument("--sizes", default="1024,2048,4096,8192")
     ap.add_argument("--num", type=int, default=12, help="prompts per eval_tau cell")
     ap.add_argument("--lengths", default="prompt,256")
     ap.add_argument("--context", type=int, default=256, help="cached context of the timed draft steps")
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-tau", action="store_true", help="time only")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vocab_curve")
     args = ap.parse_args(argv)
