@@ -8,7 +8,9 @@ from transformers import Qwen3ForCausalLM
 
 from flashdraft.model.target import TargetModel
 from flashdraft.train.data import Example
+from flashdraft.train.anchors import pad_anchors
 from flashdraft.train.features import target_features
+from flashdraft.train.masks import dense_training_mask, flex_supported, flex_training_mask
 from flashdraft.train.packing import pack_batch, pack_rows
 from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config
 from flashdraft.train.trainer import TrainConfig, Trainer
@@ -67,13 +69,13 @@ def test_packed_step_equals_unpacked(tmp_path, distill_weight):
                           distill_weight=distill_weight)
         trainer = Trainer(cfg, target_model=_target(), examples=exs)
         grads = {}
-        step = trainer.optimizer.step
+        step = trainer.scheduler.step
 
-        def record(*args, **kwargs):
+        def record(*args, **kwargs):  # after the optimizer step, before the gradients are zeroed
             grads.update({n: p.grad.clone() for n, p in trainer.drafter.named_parameters() if p.grad is not None})
             return step(*args, **kwargs)
 
-        trainer.optimizer.step = record
+        trainer.scheduler.step = record
         rec = trainer.train_step(0)
         return trainer, rec, grads
 
@@ -88,3 +90,21 @@ def test_packed_step_equals_unpacked(tmp_path, distill_weight):
     for name in grads_u:
         assert torch.allclose(grads_p[name], grads_u[name], atol=1e-6, rtol=1e-4), \
             (name, (grads_p[name] - grads_u[name]).abs().max())
+
+
+@pytest.mark.skipif(not flex_supported("cpu", need_backward=False), reason="FlexAttention unavailable")
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_mask_with_segments_equals_dense(window):
+    """The sparse FlexAttention mask (the CUDA training path) applies the same packed-row predicate as the dense one."""
+    exs = _examples(5)
+    packed = pack_batch([[e.input_ids for e in exs[:3]], [e.input_ids for e in exs[3:]]])
+    anchors, _ = pad_anchors([torch.tensor([2, 9, 20, 31, 44]), torch.tensor([1, 15, 33])])
+    for causal in (False, True):
+        dense = dense_training_mask(anchors, packed.valid, 4, causal, window, packed.segments)
+        bm = flex_training_mask(anchors, packed.valid, 4, causal, window, segments=packed.segments)
+        b, _, q, kv = dense.shape
+        bi, qi, ki = torch.arange(b)[:, None, None], torch.arange(q)[None, :, None], torch.arange(kv)[None, None, :]
+        assert torch.equal(bm.mask_mod(bi, torch.zeros_like(bi), qi, ki), dense[:, 0])
+    # and the segments matter: a block never sees context of the example before it in its row
+    cross = dense_training_mask(anchors, packed.valid, 4, True, window)[:, 0, :, :packed.valid.shape[1]]
+    assert not torch.equal(dense[:, 0, :, :packed.valid.shape[1]], cross)
