@@ -1,4 +1,5 @@
-"""Our export of a trained drafter (target rope base 1e6) in z-lab's own package, and their layout in ours.
+"""Our export of a trained drafter (target rope base 1e6) in z-lab's own package, and their layout in ours: DFlash-1
+and DFlash2 (trained by `flashdraft train --arch dflash2`; plus a random one made by their own class).
 
 Needs side environments that CI does not build; each test skips cleanly without its own:
 - z-lab's package (PyPI `dflash` 0.1.0, transformers 5.15): `bash scripts/speed/setup_zlab_env.sh`
@@ -115,3 +116,40 @@ def test_transformers_457_remote_code_line(pair):
     probe = "def f(x):\n    return x + 1\n"
     assert r["tokenizer"]["probe_ids"] == ours(probe)["input_ids"]
     assert r["tokenizer"]["decoded"] == ours.decode(ours(probe)["input_ids"])
+
+
+# ---- DFlash2 (`flashdraft train --arch dflash2`, z-lab's DFlash2DraftModel) -------------------------------------
+
+@pytest.fixture(scope="module")
+def dflash2(pair):
+    py = _python(rt.ZLAB_PYTHON, "z-lab dflash")
+    _, draft_dir, _ = rt.build_pair(pair["out"], rope_theta=1e6, target_steps=150, draft_steps=300, arch="dflash2")
+    ours = rt.run_ours(pair["target"], draft_dir, pair["prompts"], MAX_NEW, DTYPE)
+    saved = pair["out"] / "zlab_saved_dflash2"
+    theirs = rt.run_side(py, "zlab", pair["target"], draft_dir, pair["prompts"], MAX_NEW, DTYPE, save_to=saved)
+    return {"draft": draft_dir, "ours": ours, "zlab": theirs, "python": py}
+
+
+def test_zlab_package_drafts_our_dflash2_export_identically(pair, dflash2):
+    z = dflash2["zlab"]
+    assert z["draft_class"] == "DFlash2DraftModel"
+    c = rt.compare(dflash2["ours"], z, MAX_NEW, z["block_size"])
+    _assert_same(c)
+    assert c["tau_ours"] > 1.5, c  # trained: the selector's walk is compared over multi-token acceptances
+
+
+def test_their_dflash2_layout_loads_in_ours(pair, dflash2):
+    saved = Path(dflash2["zlab"]["saved_to"])
+    from safetensors.torch import load_file
+
+    assert "candidate_selector.predecessor_codebook" in load_file(str(saved / "model.safetensors"))
+    ours_on_theirs = rt.run_ours(pair["target"], saved, pair["prompts"], MAX_NEW, DTYPE)
+    _assert_same(rt.compare(ours_on_theirs, dflash2["zlab"], MAX_NEW, dflash2["zlab"]["block_size"]))
+
+
+def test_dflash2_made_by_their_class_drafts_identically_in_ours(pair, dflash2):
+    made_dir, prompts, n = pair["out"] / "zlab_initialised", pair["prompts"][:4], 16  # random: ~1 token a cycle
+    made = rt.run_side(dflash2["python"], "zlab", pair["target"], made_dir, prompts, n, DTYPE,
+                       init_dflash2=rt.zlab_dflash2_spec(dflash2["draft"]))
+    assert "candidate_selector.successor_codebook" in made["initialised"]
+    _assert_same(rt.compare(rt.run_ours(pair["target"], made_dir, prompts, n, DTYPE), made, n, made["block_size"]))

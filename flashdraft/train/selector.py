@@ -1,4 +1,4 @@
-"""The DFlash2 candidate selector's training loss (docs/design.md, 'DFlash2: training the selector').
+"""The DFlash2 candidate selector's training loss (docs/design.md, 'DFlash2').
 
 Teacher forcing: at block slot k the selector scores the marginal's top-k candidates given the TRUE token at k-1
 (the anchor at k = 1), and the loss is the cross-entropy of softmax(scores) against the true token at k, where that

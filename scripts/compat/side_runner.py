@@ -12,8 +12,9 @@ Runs with a side environment's python and imports nothing from flashdraft:
 
 The target is `AutoModelForCausalLM.from_pretrained(target)` in both. Greedy, batch 1, no stop ids. Reads one JSON
 request on stdin: {"prompts": [[ids]], "max_new_tokens": N, "save_to": optional dir (zlab mode: their
-`save_pretrained` of the loaded drafter, i.e. their checkpoint layout)}. Writes one JSON object on stdout: versions,
-what the drafter read (rope base, dtype, block size, taps), and per prompt the output ids, the acceptance lengths
+`save_pretrained` of the loaded drafter, i.e. their checkpoint layout), "init_dflash2": optional {DFlash2 fields,
+num_hidden_layers, seed} (zlab mode: the drafter directory is first CREATED by their class, randomly initialised,
+`_init_dflash2`)}. Writes one JSON object on stdout: versions, what the drafter read (rope base, dtype, block size, taps), and per prompt the output ids, the acceptance lengths
 (tokens committed per cycle, bonus included) and the drafted tokens of every cycle.
 """
 
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
         from importlib.metadata import version
 
         info.update(dflash_version=version("dflash"), dflash_file=dflash.__file__)
+        if req.get("init_dflash2"):
+            info["initialised"] = _init_dflash2(dflash.DFlash2DraftModel, target.config, args.draft,
+                                                req["init_dflash2"])
         with open(f"{args.draft}/config.json") as f:
             archs = json.load(f).get("architectures") or []
         cls = dflash.DFlash2DraftModel if "DFlash2DraftModel" in archs else dflash.DFlashDraftModel
@@ -127,6 +131,45 @@ def main(argv=None) -> int:
         info["saved_to"] = req["save_to"]
     sys.stdout.write(json.dumps(info) + "\n")
     return 0
+
+
+def _init_dflash2(cls, target_config, out: str, spec: dict) -> list[str]:
+    """A randomly initialised DFlash2 drafter built by z-lab's own class for this target, saved by their
+    `save_pretrained` and then renamed to the layout of their published checkpoints (codebooks without `.weight`).
+    Their class leaves the convolutions' static kernels uninitialised (torch.empty): they, the dynamic kernels and
+    the selector's projection get random values large enough that both change what is drafted."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3Config
+
+    torch.manual_seed(int(spec.get("seed", 0)))
+    names = ("mask_token_id", "target_layer_ids", "block_size", "selector_rank", "selector_top_k", "conv_kernel_size",
+             "conv_group_size")
+    cfg = Qwen3Config(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size, num_hidden_layers=int(spec["num_hidden_layers"]),
+        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None), rms_norm_eps=target_config.rms_norm_eps,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rope_parameters=dict(target_config.rope_parameters), architectures=["DFlash2DraftModel"],
+        num_target_layers=target_config.num_hidden_layers, dflash_config={k: spec[k] for k in names})
+    draft = cls(cfg)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("base_kernel"):
+                param.normal_(0, 0.5)
+            elif "kernel_projection" in name:
+                param.normal_(0, 0.3)
+            elif "hidden_projection" in name:
+                param.normal_(0, 2.0)
+    draft.save_pretrained(out)
+    path = os.path.join(out, "model.safetensors")
+    state = load_file(path)
+    state = {k.removesuffix(".weight") if "_codebook" in k else k: v for k, v in state.items()}
+    save_file(state, path, metadata={"format": "pt"})
+    return sorted(state)
 
 
 def _rope_theta(config):

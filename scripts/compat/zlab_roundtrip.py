@@ -3,19 +3,24 @@
     bash scripts/speed/setup_zlab_env.sh      # once: z-lab's package (dflash 0.1.0, transformers 5.15) side venv
     bash scripts/compat/setup_tf457_env.sh    # optional: a transformers 4.57 side venv (the remote-code line)
     python scripts/compat/zlab_roundtrip.py --out runs/compat/roundtrip --json runs/compat/roundtrip.json
+    python scripts/compat/zlab_roundtrip.py --arch dflash2 --out runs/compat/roundtrip --json runs/compat/dflash2.json
 
-1. Trains a drafter with our training pipeline (`Trainer`, the code `flashdraft train` runs: regenerated target
-   answers, exported with `DFlashDraftModel.save_pretrained`) for a tiny Qwen3 target whose rope base is 1e6 (as
-   Qwen3-8B's), on arithmetic progressions (`flashdraft.train.synthetic`).
+1. Trains a drafter (`--arch`: DFlash-1, or DFlash2 as `flashdraft train --arch dflash2` does) with our training
+   pipeline (`Trainer`, the code `flashdraft train` runs: regenerated target answers, exported with
+   `save_pretrained`) for a tiny Qwen3 target whose rope base is 1e6 (as Qwen3-8B's), on arithmetic progressions
+   (`flashdraft.train.synthetic`).
 2. Ours: our engine drafts and verifies on held-out prompts (greedy, batch 1); per prompt we keep the acceptance
    length and the drafted tokens of every cycle.
-3. z-lab: their package loads our export with `dflash.DFlashDraftModel.from_pretrained` and decodes with their
+3. z-lab: their package loads our export with `dflash.DFlashDraftModel.from_pretrained` (`DFlash2DraftModel`) and
+   decodes with their
    `dflash_generate` (`side_runner.py --mode zlab`); same figures.
 4. Their layout: their `save_pretrained` of that drafter, loaded by our `from_pretrained`, decoded by our engine.
 5. Control: the same export with the rope base dropped from config.json (what a transformers-4.57 reader made of our
    old export: 1e4), through their package; it drafts differently and tau drops.
-6. With a transformers-4.57 side venv: `AutoModel.from_pretrained(export, trust_remote_code=True)` (our dflash.py)
-   decodes with its `spec_generate`; it must read rope base 1e6 and draft as ours. It also loads the shipped
+5b. DFlash2 only: a random DFlash2 drafter built and saved by THEIR class (their published layout) decodes in ours
+   and in their `dflash_generate`.
+6. DFlash-1 only, with a transformers-4.57 side venv: `AutoModel.from_pretrained(export, trust_remote_code=True)`
+   (our dflash.py) decodes with its `spec_generate`; it must read rope base 1e6 and draft as ours. It also loads the shipped
    target's tokenizer under 4.57.
 
 "Equal" means: same outputs, same number of cycles, the same acceptance length in every cycle but the last (z-lab's
@@ -42,27 +47,22 @@ TF457_PYTHON = Path(os.environ.get("FLASHDRAFT_TF457_PYTHON",
 SHIPPED_TARGET = ROOT / "flashdraft" / "assets" / "default_pair" / "target"
 
 
+# DFlash2 options of the drafters trained here (the target's hidden size is 32)
+DFLASH2_OPTIONS = {"selector_rank": 8, "selector_top_k": 4, "conv_kernel_size": 3, "conv_group_size": 8}
+
+
 def build_pair(out: Path, rope_theta: float = 1e6, target_steps: int = 150, draft_steps: int = 400,
-               seed: int = 0) -> tuple[Path, Path, list[list[int]]]:
-    """A tiny Qwen3 target (rope base `rope_theta`) and a drafter trained for it by our pipeline, both on disk;
-    returns (target_dir, drafter_dir, held-out prompts)."""
+               seed: int = 0, arch: str = "dflash") -> tuple[Path, Path, list[list[int]]]:
+    """A tiny Qwen3 target (rope base `rope_theta`) and a drafter of `arch` (dflash | dflash2) trained for it by our
+    pipeline, both on disk; returns (target_dir, drafter_dir, held-out prompts). A target and regenerated data
+    already in `out` (an earlier call) are reused."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from flashdraft.train.regenerate import regenerate
     from flashdraft.train.data import load_examples
     from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config, train_tiny_target
     from flashdraft.train.trainer import TrainConfig, Trainer
-
-    torch.manual_seed(seed)
-    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
-    cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
-    target = train_tiny_target(cfg, steps=target_steps, batch_size=16, length=32, lr=5e-3, seed=seed)
-    target_dir = out / "target"
-    target.save_pretrained(target_dir)
-    # hub configs of Qwen3 targets carry rope_theta at top level too; a transformers-4.57 reader needs it
-    tcfg = json.loads((target_dir / "config.json").read_text())
-    tcfg["rope_theta"] = float(rope_theta)
-    (target_dir / "config.json").write_text(json.dumps(tcfg, indent=2))
 
     def prompts(n, s):
         g = torch.Generator().manual_seed(s)
@@ -73,17 +73,32 @@ def build_pair(out: Path, rope_theta: float = 1e6, target_steps: int = 150, draf
             res.append([BOS] + progression(a, d, int(torch.randint(3, 8, (1,), generator=g)), 60))
         return res
 
-    regen = out / "regen"
-    if regen.exists():
-        shutil.rmtree(regen)
-    regenerate(target, prompts(256, seed + 1), regen, shard_size=64, batch_size=64, max_new_tokens=40, stop_ids=[0],
-               progress=False)
-    run = out / "run"
+    target_dir, regen = out / "target", out / "regen"
+    if (target_dir / "config.json").is_file() and (regen / "done").is_file():
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    else:
+        torch.manual_seed(seed)
+        cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1,
+                                 num_layers=4)
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
+        target = train_tiny_target(cfg, steps=target_steps, batch_size=16, length=32, lr=5e-3, seed=seed)
+        target.save_pretrained(target_dir)
+        # hub configs of Qwen3 targets carry rope_theta at top level too; a transformers-4.57 reader needs it
+        tcfg = json.loads((target_dir / "config.json").read_text())
+        tcfg["rope_theta"] = float(rope_theta)
+        (target_dir / "config.json").write_text(json.dumps(tcfg, indent=2))
+        if regen.exists():
+            shutil.rmtree(regen)
+        regenerate(target, prompts(256, seed + 1), regen, shard_size=64, batch_size=64, max_new_tokens=40,
+                   stop_ids=[0], progress=False)
+        (regen / "done").write_text("")
+    run = out / ("run" if arch == "dflash" else f"run_{arch}")
     if run.exists():
         shutil.rmtree(run)
     tc = TrainConfig(output_dir=str(run), block_size=8, num_draft_layers=2, mask_token_id=MASK, max_steps=draft_steps,
                      batch_size=8, num_anchors=16, lr=2e-3, save_every=max(draft_steps, 1), eval_at_start=False,
-                     eval_every=0, eval_max_new_tokens=32, progress=False, seed=seed, export_dtype="float32")
+                     eval_every=0, eval_max_new_tokens=32, progress=False, seed=seed, export_dtype="float32",
+                     arch=arch, **(DFLASH2_OPTIONS if arch == "dflash2" else {}))
     Trainer(tc, target_model=target, examples=load_examples(regen), eval_prompts=prompts(4, seed + 3)).train()
     return target_dir, run / "final", prompts(16, seed + 2)
 
@@ -125,7 +140,9 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
 
 def run_side(python: Path, mode: str, target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int,
              dtype: str = "float32", save_to: Path | None = None, tokenizer: Path | None = None,
-             timeout: int = 900) -> dict:
+             timeout: int = 900, init_dflash2: dict | None = None) -> dict:
+    """`side_runner.py` in another environment; `init_dflash2`: their class first creates `draft_dir`, randomly
+    initialised (DFlash2 fields + num_hidden_layers + seed)."""
     target_dir, draft_dir = Path(target_dir).resolve(), Path(draft_dir).resolve()
     save_to = Path(save_to).resolve() if save_to else None
     cmd = [str(python), str(SIDE), "--mode", mode, "--target", str(target_dir), "--draft", str(draft_dir),
@@ -134,7 +151,9 @@ def run_side(python: Path, mode: str, target_dir: Path, draft_dir: Path, prompts
         cmd += ["--tokenizer", str(Path(tokenizer).resolve())]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["HF_HUB_OFFLINE"] = "1"
-    req = {"prompts": prompts, "max_new_tokens": max_new_tokens, "save_to": str(save_to) if save_to else None}
+    req = {"prompts": prompts, "max_new_tokens": max_new_tokens, "save_to": str(save_to) if save_to else None,
+           "init_dflash2": init_dflash2}
+    Path(draft_dir).parent.mkdir(parents=True, exist_ok=True)
     res = subprocess.run(cmd, input=json.dumps(req), capture_output=True, text=True, timeout=timeout, env=env,
                          cwd=str(Path(draft_dir).parent))
     if res.returncode != 0:
@@ -175,6 +194,14 @@ def compare(ours: dict, theirs: dict, max_new_tokens: int, block_size: int, trun
             "tau_ours": round(tau(ours), 3), "tau_theirs": round(tau(theirs), 3), "rows": rows}
 
 
+def zlab_dflash2_spec(draft_dir: Path, seed: int = 7) -> dict:
+    """What `side_runner.py` needs to build a random DFlash2 drafter with z-lab's class, shaped as `draft_dir`'s."""
+    cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+    return {**{k: cfg["dflash_config"][k] for k in ("mask_token_id", "target_layer_ids", "block_size",
+                                                     *DFLASH2_OPTIONS)},
+            "num_hidden_layers": cfg["num_hidden_layers"], "seed": seed}
+
+
 def strip_rope(src: Path, dst: Path) -> Path:
     """A copy of an export whose config.json says nothing of the rope base (what a 4.57 reader saw in our old
     export, which had only `rope_parameters`): every reader then falls back to 1e4."""
@@ -200,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--zlab-python", default=str(ZLAB_PYTHON))
     ap.add_argument("--tf457-python", default=str(TF457_PYTHON))
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                    help="the drafter trained by our pipeline (dflash2: `flashdraft train --arch dflash2`)")
     args = ap.parse_args(argv)
     import torch
 
@@ -207,15 +236,16 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target_dir, draft_dir, prompts = build_pair(out, args.rope_theta, args.target_steps, args.draft_steps)
-    report = {"rope_theta": args.rope_theta, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+    target_dir, draft_dir, prompts = build_pair(out, args.rope_theta, args.target_steps, args.draft_steps,
+                                                arch=args.arch)
+    report = {"arch": args.arch, "rope_theta": args.rope_theta, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "prompts": len(prompts), "draft_config": json.loads((draft_dir / "config.json").read_text())}
     ours = run_ours(target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype)
     report["ours"] = {k: v for k, v in ours.items() if k != "results"}
     table = []
     zpy = Path(args.zlab_python)
     if zpy.is_file():
-        their_dir = out / "zlab_saved"
+        their_dir = out / f"zlab_saved_{args.arch}"
         if their_dir.exists():
             shutil.rmtree(their_dir)
         z = run_side(zpy, "zlab", target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype, save_to=their_dir)
@@ -231,10 +261,20 @@ def main(argv=None) -> int:
         report["control_no_rope_base"] = compare(ours, control, args.max_new_tokens, control["block_size"])
         report["control_rope_theta_read"] = control["rope_theta_read"]
         table.append(("control: export without rope base -> z-lab", report["control_no_rope_base"], control))
+        if args.arch == "dflash2":  # a checkpoint their class made (random, non-trivial convolutions and selector)
+            made = run_side(zpy, "zlab", target_dir, out / "zlab_initialised", prompts, args.max_new_tokens,
+                            args.dtype, init_dflash2=zlab_dflash2_spec(draft_dir))
+            report["zlab_initialised_in_ours"] = compare(run_ours(target_dir, out / "zlab_initialised", prompts,
+                                                                  args.max_new_tokens, args.dtype),
+                                                         made, args.max_new_tokens, made["block_size"])
+            table.append(("z-lab-initialised DFlash2 (their layout) -> ours vs their dflash_generate",
+                          report["zlab_initialised_in_ours"], made))
     else:
         report["zlab"] = f"skipped: no z-lab side venv at {zpy} (bash scripts/speed/setup_zlab_env.sh)"
     tpy = Path(args.tf457_python)
-    if tpy.is_file():
+    if args.arch == "dflash2":
+        report["tf457"] = "skipped: the remote code (dflash.py) runs DFlash-1 drafters only"
+    elif tpy.is_file():
         r = run_side(tpy, "remote", target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype,
                      tokenizer=SHIPPED_TARGET)
         report["tf457"] = {k: v for k, v in r.items() if k != "results"}
@@ -243,7 +283,7 @@ def main(argv=None) -> int:
                       report["ours_vs_tf457_remote_code"], r))
     else:
         report["tf457"] = f"skipped: no transformers-4.57 side venv at {tpy} (bash scripts/compat/setup_tf457_env.sh)"
-    print(f"drafter trained for a Qwen3 target with rope base {args.rope_theta:g}; {len(prompts)} held-out prompts, "
+    print(f"{args.arch} drafter trained for a Qwen3 target with rope base {args.rope_theta:g}; {len(prompts)} held-out prompts, "
           f"{args.max_new_tokens} new tokens, greedy, {args.dtype}; ours read rope base {ours['rope_theta_read']:g}")
     print(f"| reader | rope base read | tau ours | tau theirs | cycles compared | acceptance equal | drafts equal "
           f"| outputs equal |\n|---|---|---|---|---|---|---|---|")
