@@ -284,6 +284,9 @@ class Trainer:
         self.cfg = config
         self._setup_distributed()
         self.out = Path(config.output_dir)
+        if (config.shard_target or config.shard_optimizer) and self.world_size == 1:
+            checkpoint.warn("--shard-target / --shard-optimizer in one process: nothing to split (run it under "
+                            "torchrun --nproc-per-node N)")
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         self._barrier()
