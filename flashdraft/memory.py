@@ -95,6 +95,17 @@ def rows_that_fit(budget_bytes: int, prompt_tokens: int, max_new_tokens: int, bl
     return positions_for_budget(budget_bytes, target_bytes, drafter_bytes) // per_row
 
 
+def batch_kv_bytes(batch) -> int:
+    """Bytes of the K/V tensors a live engine batch holds: the target's static cache and the drafter's context
+    cache (the measured side of the reservation rule; reads the batch's `kv` and `proposer_state.kv`)."""
+    total = 0
+    for state in (batch.kv, batch.proposer_state):
+        kv = getattr(state, "kv", None)
+        if kv is not None:
+            total += sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+    return total
+
+
 def memory_budget_arg(text: str) -> tuple[str, float]:
     """`--kv-cache-memory`: "24" or "24GiB" (GiB), or "90%" (of the device's memory: `resolve_memory_budget`)."""
     import argparse

@@ -18,7 +18,8 @@ from tiny import greedy_reference, make_drafter, make_target  # noqa: E402
 
 from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.engine.generate import cache_capacity  # noqa: E402
-from flashdraft.memory import engine_bytes_per_position, memory_budget_arg, resolve_memory_budget  # noqa: E402
+from flashdraft.memory import (batch_kv_bytes, engine_bytes_per_position, memory_budget_arg,  # noqa: E402
+                               resolve_memory_budget)
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
 from flashdraft.serve.scheduler import Failure, Scheduler, TooLarge  # noqa: E402
 
@@ -62,16 +63,6 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     assert max(rows) == 2, rows  # 8 batch slots, but the budget holds two rows' caches: the others waited
 
 
-def _cache_bytes(batch) -> int:
-    """Bytes of the K/V tensors a live batch holds: the target's static cache and the drafter's context cache."""
-    total = 0
-    for state in (batch.kv, batch.proposer_state):
-        kv = getattr(state, "kv", None)
-        if kv is not None:
-            total += sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
-    return total
-
-
 def test_admission_figure_is_what_the_engine_allocates():
     """The scheduler's reservation (flashdraft.memory) against the cache tensors the engine really holds, as rows
     of different lengths join and leave: never less, and at most one target position per row more."""
@@ -96,7 +87,7 @@ def test_admission_figure_is_what_the_engine_allocates():
         if not running:  # (an emptied batch keeps its last caches until rows join again: the engine's business)
             continue
         reserved = sched.reserved_positions(running) * (target_bytes + drafter_bytes)
-        held = _cache_bytes(batch)
+        held = batch_kv_bytes(batch)
         assert reserved - len(running) * target_bytes <= held <= reserved, (step, held, reserved)
         sizes.add((len(running), held))
     assert not batch.rows and len(sizes) >= 4  # rows joined and left, the long one (512 positions) among them

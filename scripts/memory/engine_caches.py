@@ -23,17 +23,7 @@ import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.loading import load_pair
-from flashdraft.memory import engine_bytes_per_position, reserved_positions, row_capacity
-
-
-def held_bytes(batch) -> int:
-    """Bytes of the K/V tensors a live batch holds (target cache + drafter context cache)."""
-    total = 0
-    for state in (batch.kv, batch.proposer_state):
-        kv = getattr(state, "kv", None)
-        if kv is not None:
-            total += sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
-    return total
+from flashdraft.memory import batch_kv_bytes, engine_bytes_per_position, reserved_positions, row_capacity
 
 
 def rss_bytes() -> int:
@@ -50,7 +40,7 @@ def measure(engine: SpecEngine, rows: int, length: int) -> dict:
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     per_position = target_bytes + drafter_bytes
     reserved = reserved_positions([row_capacity(prompt, length - prompt, engine.block_size)] * rows)
-    return {"rows": rows, "length": length, "held": held_bytes(batch), "reserved": reserved * per_position,
+    return {"rows": rows, "length": length, "held": batch_kv_bytes(batch), "reserved": reserved * per_position,
             "needed": rows * (length + engine.block_size) * per_position, "rss": rss_bytes()}
 
 
@@ -65,7 +55,8 @@ def main(argv=None) -> None:
     target, tokenizer, drafter = load_pair(None, None, "cpu", "bfloat16")
     engine = SpecEngine(target, drafter, tokenizer)
     rows = [measure(engine, r, n) for r in args.rows for n in args.lengths]
-    print("| rows | prompt + max_tokens | K/V held (MiB) | scheduler reserves (MiB) | needed exactly (MiB) | RSS (MiB) |")
+    print("| rows | prompt + max_tokens | K/V held (MiB) | scheduler reserves (MiB) | needed exactly (MiB) "
+          "| RSS (MiB) |")
     print("|---:|---:|---:|---:|---:|---:|")
     mib = 2**20
     for r in rows:

@@ -8,8 +8,8 @@ Targets are built from their config only (flashdraft.memory.REAL_SHAPES, no weig
 MAX_TOKENS `rest` is what a chat request without max_tokens reserves (the rest of the context, here
 --context). Rows are counted with the engine's own reservation rule (flashdraft.memory.rows_that_fit), the figure
 `flashdraft serve` logs at start-up; in parentheses, the rows a cache holding exactly prompt + max_tokens + block
-positions per row (no power of two, no largest-row padding) would fit: what paged KV would win. The weights are counted on the meta device, so budgets can be read against a
-GPU: KV budget = GPU memory - weights - activations.
+positions per row (no power of two, no largest-row padding) would fit: what paged KV would win. The weights are
+counted on the meta device, so budgets can be read against a GPU: KV budget = GPU memory - weights - activations.
 """
 
 from __future__ import annotations
