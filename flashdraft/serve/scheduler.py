@@ -117,7 +117,8 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams, rid: str,
                loop: asyncio.AbstractEventLoop | None = None) -> Request:
-        """Queue a request; its events arrive on `request.queue` (in `loop`). Raises QueueFull / SchedulerClosed."""
+        """Queue a request; its events arrive on `request.queue` (in `loop`). Raises QueueFull / SchedulerClosed /
+        TooLarge (its cache alone exceeds the memory budget)."""
         loop = loop or asyncio.get_running_loop()
         req = Request(rid, list(prompt), params, loop)
         self._check_fits_alone(req)
