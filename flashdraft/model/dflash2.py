@@ -53,12 +53,13 @@ def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
     b, q, hidden = x.shape
     taps, groups = dynamic.shape[-2:]
     blocks = x.reshape(b * q // segment, segment, groups, hidden // groups)
+    padded = F.pad(blocks, (0, 0, 0, 0, taps - 1, 0))  # zeros before each block; tap s reads a shifted view
     dynamic = dynamic.reshape(b * q // segment, segment, taps, groups, 1)
-    out = torch.zeros_like(blocks)
-    for shift in range(taps):
-        past = blocks if shift == 0 else F.pad(blocks, (0, 0, 0, 0, shift, 0))[:, :segment]
-        out = out + base[shift].view(groups, -1).to(x.dtype) * past
-        out = torch.addcmul(out, dynamic[:, :, shift], past)
+    base = base.view(taps, groups, -1).to(x.dtype)
+    out = torch.addcmul(base[0] * blocks, dynamic[:, :, 0], blocks)
+    for shift in range(1, taps):
+        past = padded[:, taps - 1 - shift:taps - 1 - shift + segment]
+        out = torch.addcmul(out + base[shift] * past, dynamic[:, :, shift], past)
     return out.reshape(b, q, hidden)
 
 
@@ -129,15 +130,24 @@ class CandidateSelector(nn.Module):
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, choose) -> dict:
         """Walk the block: hidden [b, k, H] and logits [b, k, V] of the k draft positions, anchor [b] the bonus
         token. `choose(i, scores [b, top_k], candidates [b, top_k]) -> index [b]` picks at position i. Returns
-        tokens [b, k], candidates [b, k, top_k] and their scores [b, k, top_k] (as chosen along the walk)."""
+        tokens [b, k], candidates [b, k, top_k] and their scores [b, k, top_k] (as chosen along the walk).
+
+        The pair scores of every (candidate at i-1, candidate at i) are computed up front in one batched product,
+        so the sequential walk is a gather and a choice per position (k tiny steps instead of k small products)."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
         query = self.hidden_projection(hidden)
-        previous, tokens, scores = anchor, [], []
+        successors = self.successor_codebook(candidates)  # [b, k, top_k, r]
+        first = unary[:, 0] + self.pair_scores(query[:, 0], anchor, candidates[:, 0])
+        # [b, k-1, top_k (previous position's candidate), top_k (this position's)]
+        pairs = torch.einsum("bipr,biqr->bipq", self.predecessor_codebook(candidates[:, :-1]) * query[:, 1:, None],
+                             successors[:, 1:])
+        tokens, scores, row_scores = [], [], first
         for i in range(hidden.shape[1]):
-            row_scores = unary[:, i] + self.pair_scores(query[:, i], previous, candidates[:, i])
+            if i:
+                row_scores = unary[:, i] + pairs[:, i - 1].gather(
+                    1, index[:, None, None].expand(-1, 1, self.top_k))[:, 0]
             index = choose(i, row_scores, candidates[:, i])
-            previous = candidates[:, i].gather(-1, index[:, None])[:, 0]
-            tokens.append(previous)
+            tokens.append(candidates[:, i].gather(-1, index[:, None])[:, 0])
             scores.append(row_scores)
         return {"tokens": torch.stack(tokens, 1), "candidates": candidates, "scores": torch.stack(scores, 1)}
 
