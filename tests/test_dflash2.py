@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_sampling import N_LONG, N_LONG_SAMPLES, N_SAMPLES, P_MIN, PROMPT, VOCAB, empirical, exact_distribution, \
     fit, null_total_variation, per_position_pvalues
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from test_sampling import target as sampling_target  # noqa: F401  (its 8-token target fixture)
 from tiny import MASK_ID, greedy_reference, make_target
 
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
@@ -46,18 +46,6 @@ def make_dflash2(target, block_size=4, seed=1, top_k=4, dtype=torch.float64, mas
 @pytest.fixture(scope="module")
 def qwen3():
     return make_target("qwen3")
-
-
-@pytest.fixture(scope="module")
-def sampling_target():
-    """An 8-token target whose first three tokens' joint distribution can be enumerated (as tests/test_sampling.py)."""
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    model = Qwen3ForCausalLM(cfg).double().eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    return model
 
 
 def test_checkpoint_is_zlabs_layout_and_loads_both_codebook_spellings(qwen3, tmp_path):
@@ -175,7 +163,7 @@ class RowTemperatures:
 
 
 @pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
-def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler):
+def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler):  # noqa: F811
     """The first three tokens' joint distribution (chi-square, TV) and every position up to the tenth, as
     tests/test_sampling.py checks DFlash-1, with a DFlash2 drafter over the same 8-token vocabulary."""
     params = SamplingParams(temperature=1.0)
@@ -184,10 +172,10 @@ def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_targe
         engine = SpecEngine(sampling_target, drafter)
         proposer = None
     else:
-        target = TargetModel(sampling_target)
-        target.set_layer_ids(drafter.target_layer_ids)
-        proposer = RowTemperatures(DFlash2Proposer(drafter, target), params.temperature)
-        engine = SpecEngine(target, proposer=proposer, block_size=drafter.block_size, sampler="rejection")
+        view = TargetModel(sampling_target)
+        view.set_layer_ids(drafter.target_layer_ids)
+        proposer = RowTemperatures(DFlash2Proposer(drafter, view), params.temperature)
+        engine = SpecEngine(view, proposer=proposer, block_size=drafter.block_size, sampler="rejection")
     exact = exact_distribution(sampling_target, params)
     counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
     p_value, tv = fit(exact, counts)
@@ -195,6 +183,25 @@ def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_targe
     assert min(per_position_pvalues(sampling_target, params, long)) > P_MIN / N_LONG
     if proposer is not None:
         assert proposer.soft_drafts > 1000  # q really was a distribution, not one-hot drafts
+
+
+def test_a_wrong_q_is_detected(sampling_target):  # noqa: F811
+    """Power: handing the verifier a sharper q than the one the selector sampled from breaks exactness, and the
+    chi-square test above catches it."""
+
+    class WrongQ(DFlash2Proposer):
+        def _proposal(self, drafts, live, device):
+            tokens, q = super()._proposal(drafts, live, device)
+            return tokens, q ** 2 / (q ** 2).sum(-1, keepdim=True)
+
+    params = SamplingParams(temperature=1.0)
+    drafter = make_dflash2(sampling_target, top_k=3, mask_token_id=VOCAB - 1)
+    view = TargetModel(sampling_target)
+    view.set_layer_ids(drafter.target_layer_ids)
+    engine = SpecEngine(view, proposer=RowTemperatures(WrongQ(drafter, view), params.temperature),
+                        block_size=drafter.block_size, sampler="rejection")
+    counts, _ = empirical(engine, params, n=4000)
+    assert fit(exact_distribution(sampling_target, params), counts)[0] < P_MIN
 
 
 def test_confidence_per_position(qwen3):

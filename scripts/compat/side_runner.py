@@ -64,23 +64,9 @@ def main(argv=None) -> int:
         draft = cls.from_pretrained(args.draft, dtype=dtype, attn_implementation="sdpa").eval()
         zmodel._cuda_time = time.perf_counter  # their timer calls torch.cuda.synchronize(); CPU has none
         if cls is dflash.DFlash2DraftModel:  # drafts come from the candidate selector's walk
-            original = draft.propose
-
-            def recording(hidden, anchor, head, temperature):
-                out = original(hidden, anchor, head, temperature)
-                drafts.append(out[0][0].tolist())
-                return out
-
-            draft.propose = recording
+            _record(draft, "propose", drafts, lambda out: out[0][0].tolist())
         else:
-            original = draft.compute_logits
-
-            def recording(hidden, head):
-                logits = original(hidden, head)
-                drafts.append(logits[0].argmax(-1).tolist())
-                return logits
-
-            draft.compute_logits = recording
+            _record(draft, "compute_logits", drafts, lambda logits: logits[0].argmax(-1).tolist())
 
         def generate(ids, n):
             res = zmodel.dflash_generate(draft, target, ids, n, None, temperature=0.0, return_stats=True)
@@ -88,14 +74,7 @@ def main(argv=None) -> int:
     else:
         draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).eval()
         info["draft_module"] = type(draft).__module__
-        original = draft.compute_logits
-
-        def recording(hidden, tgt):
-            logits = original(hidden, tgt)
-            drafts.append(logits[0].argmax(-1).tolist())
-            return logits
-
-        draft.compute_logits = recording
+        _record(draft, "compute_logits", drafts, lambda logits: logits[0].argmax(-1).tolist())
 
         def generate(ids, n):
             res = draft.spec_generate(target, ids, n, None, temperature=0.0, return_stats=True)
@@ -131,6 +110,19 @@ def main(argv=None) -> int:
         info["saved_to"] = req["save_to"]
     sys.stdout.write(json.dumps(info) + "\n")
     return 0
+
+
+def _record(draft, method: str, drafts: list, tokens) -> None:
+    """Wrap `draft.<method>` (as an instance attribute; popping it from `draft.__dict__` undoes that) so that each
+    call appends the drafted tokens, `tokens(its result)`, to `drafts`."""
+    original = getattr(draft, method)
+
+    def recording(*args):
+        out = original(*args)
+        drafts.append(tokens(out))
+        return out
+
+    setattr(draft, method, recording)
 
 
 def _init_dflash2(cls, target_config, out: str, spec: dict) -> list[str]:
