@@ -3,6 +3,7 @@
 from flashdraft.engine import EngineConfig, GenerationResult, RequestStats, SamplingParams, SpecEngine
 from flashdraft.model import (
     CheckpointError,
+    DFlash2DraftModel,
     DFlashDraftModel,
     PairMismatchError,
     TargetModel,
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DFlash2DraftModel",
     "DFlashDraftModel",
     "EngineConfig",
     "GenerationResult",
