@@ -122,24 +122,20 @@ def test_selector_changes_the_drafts(qwen3):
 
 @pytest.mark.parametrize("arch,compile", [("qwen3", False), ("phi3", False), ("qwen3", True)],
                          ids=["fast-path", "generic-path", "compiled"])
-def test_greedy_output_is_the_targets_own(arch, compile):
+def test_output_is_the_targets_own(arch, compile):
+    """Greedy: the target's own `generate`, in a batch and alone. Sampled under the default sampler: a seeded
+    request's text is plain decoding's with that seed, in a batch with a greedy row beside it."""
     target = make_target(arch)
     drafter = make_dflash2(target)
     refs = [greedy_reference(target, p, 24) for p in PROMPTS]
+    sampled = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
+    plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, sampled)]
     with SpecEngine(target, drafter, compile=compile) as engine:
         assert type(engine.proposer) is DFlash2Proposer
         results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24))
         assert [r.token_ids for r in results] == refs
         assert [engine.generate([p], SamplingParams(max_new_tokens=24))[0].token_ids for p in PROMPTS] == refs
-
-
-def test_gumbel_sampled_text_is_plain_decodings(qwen3):
-    """Under the default sampler a seeded request's text is plain decoding's with that seed, DFlash2 drafts or not,
-    alone or in a batch (with a greedy row beside it)."""
-    params = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
-    plain = [SpecEngine(qwen3).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
-    with SpecEngine(qwen3, make_dflash2(qwen3)) as engine:
-        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
+        assert [r.token_ids for r in engine.generate(PROMPTS, sampled)] == plain
 
 
 class RowTemperatures:
