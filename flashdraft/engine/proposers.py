@@ -105,7 +105,7 @@ class DFlashProposer:
     needs_features = True
     needs_histories = False
 
-    def __new__(cls, drafter, *args, **kwargs):
+    def __new__(cls, drafter=None, *args, **kwargs):  # (drafter=None: copy and pickle call it bare)
         if cls is DFlashProposer and getattr(drafter, "candidate_selector", None) is not None:
             from flashdraft.engine.dflash2_proposer import DFlash2Proposer
 
