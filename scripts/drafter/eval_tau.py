@@ -3,6 +3,7 @@
     python scripts/drafter/eval_tau.py [--draft DIR] [--target DIR] [--num 32] [--lengths prompt,256,1024,1800]
                                        [--threads 1] [--out runs/eval_tau/NAME]
                                        [--draft-vocab-size N --vocab-data data/default_pair/regen_mix]
+    python scripts/drafter/eval_tau.py --compare BEFORE/results.json AFTER/results.json
 
 Sets (each cut deterministically, seed 0):
 - `in-domain`: the default pair's held-out corpus split (stdlib files the target and the drafter never trained on).
@@ -167,6 +168,22 @@ def markdown(results: dict, lengths: list[str], label: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison(before: dict, after: dict) -> str:
+    """Markdown: mean and p10 per cell, `before` -> `after` (two results.json of this script)."""
+    lengths = [x for x in before["lengths"] if x in after["lengths"]]
+    lines = [f"greedy tau per prompt, mean (p10): {before['label']} -> {after['label']}", "",
+             "| set | ending | " + " | ".join(lengths) + " |", "|---|---|" + "---|" * len(lengths)]
+    for name in SETS:
+        for ending in ENDINGS:
+            cells = []
+            for length in lengths:
+                a, b = (r["cells"].get(f"{name}|{ending}|{length}") for r in (before, after))
+                cells.append("-" if a is None or b is None else
+                             f"{a['mean']:.2f} ({a['p10']:.2f}) -> **{b['mean']:.2f}** ({b['p10']:.2f})")
+            lines.append(f"| {name} | {ending} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(results: dict, lengths: list[str], label: str, path: Path) -> None:
     import matplotlib
 
@@ -222,7 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
     ap.add_argument("--label", default=None, help="name of the drafter in the table and plot")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "eval_tau" / "default")
+    ap.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                    help="print the mean (p10) per cell of two results.json files instead of evaluating")
     args = ap.parse_args(argv)
+    if args.compare:
+        print(comparison(*(json.loads(p.read_text()) for p in args.compare)), end="")
+        return 0
     lengths = [x.strip() for x in args.lengths.split(",") if x.strip()]
     bad = [x for x in lengths if x != "prompt" and not (x.isdigit() and 16 <= int(x) <= 1900)]
     if bad:
