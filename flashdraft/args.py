@@ -169,11 +169,6 @@ def http_url_arg(value: str) -> str:
 positive_int = int_at_least(1)
 seed_arg = int_in(0, 2**32 - 1)
 block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
-_min_tau_number = float_in(1.0, note=" (an acceptance length: 1 = never fall back), or auto")
-
-
-def min_tau_arg(value: str):
-    return "auto" if value == "auto" else _min_tau_number(value)
 temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
 top_p_arg = float_in(0.0, 1.0, low_open=True)
 
@@ -189,7 +184,8 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 
 def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact and --min-tau (also `flashdraft bench`)."""
+    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact, --sampler and --draft-policy (also
+    `flashdraft bench`)."""
     p.add_argument("--device", type=device_arg, default="auto",
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", type=dtype_arg, default="auto",
@@ -207,10 +203,10 @@ def add_device_args(p) -> None:
     p.add_argument("--sampler", choices=("gumbel", "rejection"), default="gumbel",
                    help="temperature > 0: gumbel = counter-based noise shared by drafter and target (output equals "
                         "plain decoding's with the same seed; default), rejection = rejection sampling of argmax drafts")
-    p.add_argument("--min-tau", type=min_tau_arg, default=None,
-                   help="fall back to one-token steps while drafts keep fewer tokens per cycle than this, probing "
-                        "again after 8, 16, 32 ... steps; 'auto': than a drafting cycle costs in one-token steps, "
-                        "measured while running (default: always draft)")
+    p.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="adaptive = each row verifies the number of drafts that maximises the batch's tokens per "
+                        "second under its measured acceptance and the measured step costs (down to one-token steps; "
+                        "default); fixed = every row verifies the whole block every cycle")
 
 
 def pack_weights_arg(args) -> bool | None:
@@ -256,7 +252,7 @@ def engine_config(args, plain: bool = False):
     from flashdraft.engine import EngineConfig
 
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
-                          pack_weights=pack_weights_arg(args), min_tau=getattr(args, "min_tau", None),
+                          pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"))
     return config.plain() if plain else config
 

@@ -65,6 +65,7 @@ def run(args) -> int:
         check = compare_with_target(target, ids, params, ours) if greedy else None  # not timed
         merged.acceptance_lengths += ours.stats.acceptance_lengths
         merged.plain_steps += ours.stats.plain_steps
+        merged.verify_widths += ours.stats.verify_widths
         row = {"prompt": text, "output": ours.text, "tokens": len(ours.token_ids), "tau": ours.stats.tau,
                "dflash_s": t1 - t0, "ar_s": t2 - t1,
                "identical_to_target_generate": check["identical"] if check else None}
@@ -81,7 +82,8 @@ def run(args) -> int:
     speedup = tps["dflash"] / tps["ar"] if tps["ar"] else 0.0
     print("\n=== summary ===")
     print(f"tau (mean acceptance length, bonus included): {merged.tau:.2f} over {merged.num_drafts} cycles"
-          + (f" (+ {merged.plain_steps} one-token steps, --min-tau)" if merged.plain_steps else ""))
+          + (f" (+ {merged.plain_steps} one-token steps)" if merged.plain_steps else "")
+          + (f", mean verify width {sum(merged.verify_widths) / merged.num_drafts:.1f}" if merged.num_drafts else ""))
     print("acceptance length histogram:")
     print("\n".join(histogram_lines(merged.histogram)))
     print("per-position acceptance: " + " ".join(f"{x:.2f}" for x in merged.per_position_acceptance))

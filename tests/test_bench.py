@@ -134,7 +134,7 @@ def _engine(pair, with_drafter):
     from flashdraft.loading import load_pair
 
     target, tok, drafter = load_pair(pair / "target", pair / "drafter" if with_drafter else None, "cpu", "float64")
-    return SpecEngine(target, drafter, tok), tok
+    return SpecEngine(target, drafter, tok, draft_policy="fixed"), tok  # drafts in every level, whatever the timing
 
 
 def test_server_mode_sweep_against_live_servers(pair, tmp_path, capsys):

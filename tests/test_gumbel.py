@@ -78,7 +78,9 @@ def test_seeded_output_is_plain_decodings_whatever_the_drafter_block_or_batch(ar
         "dflash-b8": SpecEngine(target, make_drafter(target, block_size=8)),
         "dflash-fp32-drafter": SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32)),
         "dflash-bf16-drafter": SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.bfloat16)),
-        "oracle-b6": SpecEngine(target, block_size=6, proposer=OracleProposer(refs, corrupt=0.5, seed=3)),
+        # the fixed policy: the oracle drafts every cycle (the others run the default, adaptive one)
+        "oracle-b6": SpecEngine(target, block_size=6, proposer=OracleProposer(refs, corrupt=0.5, seed=3),
+                                draft_policy="fixed"),
         "plain-batched": SpecEngine(target),
     }
     for name, engine in engines.items():

@@ -1,74 +1,278 @@
-"""Draft-length policies (`flashdraft/engine/policy.py`), the cost-aware one with injected timings, and the engine
-staying lossless with it."""
+"""The draft policy (`flashdraft/engine/policy.py`): its choices under injected acceptance and timings, and the
+engine staying lossless whatever widths it picks (ragged rows in one forward, one-token steps, probes)."""
 
+import numpy as np
 import pytest
+import torch
 
 from flashdraft import SamplingParams, SpecEngine
-from flashdraft.engine.policy import CostAwareFallback, StepCosts
-from tiny import greedy_reference, make_drafter, make_target
+from flashdraft.engine.compiled import compile_unavailable
+from flashdraft.engine.policy import AdaptiveWidth, CostModel, Curve, CycleTiming, width_choices
+from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
 
 
-def _run(policy, cycles, tau, cycle_s, step_s, rows=1):
-    """Feed `cycles` cycles with acceptance `tau` and the given timings; the widths the policy chose."""
-    widths = []
-    for _ in range(cycles):
-        w = policy.block_width(16)
-        widths.append(w)
-        drafted = w == 16
-        policy.observe(drafted, tau if drafted else 1.0, rows, cycle_s if drafted else step_s)
-    return widths
+def machine(step_s: float, per_token_s: float, draft_s: float, rest_s: float = 1e-4):
+    """Cycle timings of a machine: the target forward costs step_s + per_token_s x (tokens - 1)."""
+    def timing(widths: list[int]) -> CycleTiming:
+        tokens, drafting = sum(widths), sum(w > 1 for w in widths)
+        target = step_s + per_token_s * (tokens - 1)
+        draft = draft_s * drafting ** 0.5 if drafting else 0.0
+        return CycleTiming(len(widths), tokens, drafting, draft, target + draft + rest_s)
+    return timing
 
 
-def test_cost_aware_measures_a_step_then_drafts_while_drafting_pays():
-    # a cycle costs 3 steps; drafts keep 5 tokens: drafting pays, so after one measuring step it keeps drafting
-    widths = _run(CostAwareFallback(StepCosts()), 40, tau=5.0, cycle_s=3e-3, step_s=1e-3)
-    assert widths[:3] == [16, 16, 16] and widths[3] == 1 and set(widths[4:]) == {16}
+def run(policy, rows, accept, timing, cycles):
+    """Drive the policy: accept(row, cycle, width) -> accepted drafts. Returns the widths chosen per cycle."""
+    history = []
+    for c in range(cycles):
+        widths = policy.widths(rows)
+        accepted = [min(w - 1, accept(i, c, w)) if w > 1 else 0 for i, w in enumerate(widths)]
+        policy.observe(rows, widths, accepted, timing(widths))
+        history.append(widths)
+    return history
 
 
-def test_cost_aware_falls_back_when_drafts_keep_less_than_a_cycle_costs():
-    # drafts keep 2 tokens, a cycle costs 3 steps: fall back, probing with backoff (8, 16, ... one-token steps)
-    widths = _run(CostAwareFallback(StepCosts()), 200, tau=2.0, cycle_s=3e-3, step_s=1e-3)
-    assert widths.count(1) > 150 and 16 in widths[100:]  # mostly one-token steps, still probing later on
-    # the same acceptance on a machine where a cycle costs 1.5 steps (a GPU, say): drafting pays
-    widths = _run(CostAwareFallback(StepCosts()), 60, tau=2.0, cycle_s=1.5e-3, step_s=1e-3)
-    assert widths.count(1) == 1
+CPU = machine(step_s=1e-3, per_token_s=0.1e-3, draft_s=1.2e-3)  # a verify of 16 costs 2.5 steps, a draft 1.2
+GPU = machine(step_s=1e-3, per_token_s=0.005e-3, draft_s=0.2e-3)  # a verify of 16 costs about one step
 
 
-def test_costs_are_kept_per_row_count():
-    costs = StepCosts()
-    costs.record(1, True, 3e-3)
-    costs.record(1, False, 1e-3)
-    costs.record(8, True, 16e-3)
-    assert costs.cycle_in_steps(1) == pytest.approx(3.0)
-    assert costs.cycle_in_steps(7) is None  # bucket 8 has no one-token step yet
-    costs.record(6, False, 4e-3)  # pooled with 8
-    assert costs.cycle_in_steps(8) == pytest.approx(4.0) and costs.cycle_in_steps(5) == pytest.approx(4.0)
+def test_good_drafts_draft_the_whole_block():
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row()]
+    history = run(policy, rows, lambda i, c, w: 12, CPU, 40)
+    assert history[:2] == [[16], [16]]  # nothing measured: draft (the first timing of a size is a warm-up)
+    assert [1] in history[2:4]  # then measure a one-token step
+    assert all(h == [16] for h in history[10:])
 
 
-def test_a_new_row_count_is_measured_before_it_is_judged():
-    costs = StepCosts()
-    policy = CostAwareFallback(costs)
-    _run(policy, 10, tau=2.0, cycle_s=1.5e-3, step_s=1e-3, rows=1)  # measured at 1 row: drafting pays there
-    widths = _run(policy, 3, tau=2.0, cycle_s=12e-3, step_s=2e-3, rows=8)  # 8 rows: a cycle costs 6 steps
-    assert widths[:2] == [16, 1] and costs.cycle_in_steps(8) == pytest.approx(6.0)
-    assert _run(policy, 20, tau=2.0, cycle_s=12e-3, step_s=2e-3, rows=8).count(1) > 10  # then it falls back
+def test_failing_drafts_fall_back_and_probe_with_growing_gaps():
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row()]
+    history = run(policy, rows, lambda i, c, w: 0, CPU, 300)
+    drafts = [c for c, h in enumerate(history) if h[0] > 1]
+    assert sum(h[0] == 1 for h in history) > 250
+    gaps = np.diff(drafts[-4:])
+    assert all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps[-1] >= 32  # 4, 8, 16, 32 ... between probes
+    # the same failing drafts on a machine where a verify costs a step and a draft little: drafting a few pays
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row()]
+    history = run(policy, rows, lambda i, c, w: 1, GPU, 60)
+    assert all(h[0] > 1 for h in history[10:])
 
 
-@pytest.mark.parametrize("arch,temperature", [("qwen3", 0.0), ("qwen3", 1.0), ("phi3", 0.0), ("phi3", 1.0)])
-def test_auto_policy_keeps_the_output(arch, temperature):
+def test_a_row_whose_drafts_recover_drafts_again_within_a_probe():
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row()]
+    history = run(policy, rows, lambda i, c, w: 0 if c < 60 else 14, CPU, 120)
+    assert history[59] == [1]
+    first_back = next(c for c in range(60, 120) if history[c][0] > 1)
+    assert first_back < 60 + 32 and all(h == [16] for h in history[first_back + 3:])
+
+
+def test_rows_of_one_batch_get_their_own_widths():
+    """Two rows whose drafts are accepted and six whose drafts fail: the good rows draft, the others take
+    one-token steps in the same cycle (a ragged verify), which beats both all-draft and all-plain."""
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row() for _ in range(8)]
+    history = run(policy, rows, lambda i, c, w: 14 if i < 2 else 0, CPU, 60)
+    assert all(h[:2] == [16, 16] and h[2:] == [1] * 6 for h in history[-10:])
+
+
+def test_padded_rows_share_one_width():
+    policy = AdaptiveWidth(16, CostModel(), ragged=False, choices=(1, 16))
+    rows = [policy.new_row() for _ in range(4)]
+    history = run(policy, rows, lambda i, c, w: 14 if i == 0 else 0, CPU, 60)
+    assert all(len(set(h)) == 1 and h[0] in (1, 16) for h in history)
+
+
+def test_greedy_rows_are_not_judged_by_sampled_rows_drafts():
+    """Sampled rows whose drafts fail drag their own prior down, not the greedy rows': a greedy request arriving
+    after a long run of failing sampled ones drafts at once."""
+    costs = CostModel()
+    policy = AdaptiveWidth(16, costs, ragged=True)
+    sampled = [policy.new_row(sampled=True)]
+    run(policy, sampled, lambda i, c, w: 0, CPU, 200)
+    assert policy.priors[True][0] < 0.7 and policy.priors[False][0] == pytest.approx(0.9)
+    greedy = [policy.new_row(sampled=False)]
+    assert run(policy, greedy, lambda i, c, w: 14, CPU, 5)[0] == [16]
+    late = [policy.new_row(sampled=True)]  # a new sampled row starts lower; its own drafts decide
+    history = run(policy, late, lambda i, c, w: 14, CPU, 40)
+    assert all(h == [16] for h in history[-10:])
+
+
+def test_a_cost_bucket_not_measured_for_long_is_forgotten():
+    curve = Curve()
+    for _ in range(2):
+        curve.record(16, 9.0)  # one bad timing of 16 tokens (the first of a bucket is not kept)
+    assert curve.known(16)
+    for _ in range(300):
+        curve.record(1, 1.0)
+    assert not curve.known(16) and curve.known(1)
+
+
+def test_curve_keeps_the_second_observation_and_interpolates():
+    curve = Curve()
+    curve.record(1, 10.0)  # warm-up: not kept
+    assert curve(1) is None
+    curve.record(1, 1.0)
+    curve.record(16, 3.0)
+    curve.record(16, 3.0)
+    assert curve(1) == pytest.approx(1.0) and curve(16) == pytest.approx(3.0)
+    assert curve(8.5) == pytest.approx(2.0)  # between the points
+    assert curve(31) == pytest.approx(5.0)  # beyond: the last segment's slope
+    assert width_choices(16) == (1, 2, 4, 8, 16) and width_choices(6) == (1, 2, 4, 6)
+
+
+class ScriptedWidths:
+    """A policy that gives row i of cycle c the width widths[(c + i) % len(widths)]."""
+
+    def __init__(self, widths):
+        self.script, self.cycle = widths, 0
+
+    def new_row(self, sampled=False):
+        return None
+
+    def widths(self, rows):
+        self.cycle += 1
+        return [self.script[(self.cycle + i) % len(self.script)] for i in range(len(rows))]
+
+    def observe(self, rows, widths, accepted, timing):
+        pass
+
+
+@pytest.mark.parametrize("arch,fast_path", [("qwen3", None), ("qwen3", False), ("llama", None), ("phi3", None)])
+def test_mixed_widths_are_lossless(arch, fast_path):
+    """Rows verifying different widths in the same cycle (ragged on the fast path, padded on the generic one),
+    one-token steps among them: the output is still the target's own greedy output."""
     target = make_target(arch)
-    engine = SpecEngine(target, make_drafter(target, block_size=4), min_tau="auto")
+    engine = SpecEngine(target, make_drafter(target, block_size=8), fast_path=fast_path)
+    expected = [greedy_reference(target, p, 50) for p in PROMPTS]
+    batch = engine.open_batch()
+    batch.policy = ScriptedWidths([8, 1, 4, 2, 8, 1, 1])
+    out = {e.index: e.token_ids for e in engine.add(batch, PROMPTS, SamplingParams(max_new_tokens=50))}
+    while batch.rows:
+        for e in engine.step(batch):
+            out[e.index] = out.get(e.index, []) + e.token_ids
+    assert [out[i] for i in range(3)] == expected
+
+
+def test_oracle_drafts_with_mixed_widths_are_lossless_and_counted():
+    target = make_target("qwen3")
+    refs = {i: p + greedy_reference(target, p, 60) for i, p in enumerate(PROMPTS)}
+    engine = SpecEngine(target, block_size=8, proposer=OracleProposer(refs, corrupt=0.3, seed=4))
+    batch = engine.open_batch()
+    batch.policy = ScriptedWidths([8, 4, 1, 2])
+    events = engine.add(batch, PROMPTS, SamplingParams(max_new_tokens=60))
+    results = {}
+    while batch.rows:
+        for e in engine.step(batch):
+            if e.finished:
+                results[e.index] = e.result
+    for i, r in results.items():
+        assert r.token_ids == refs[i][len(PROMPTS[i]):]
+        s = r.stats
+        assert len(s.verify_widths) == s.num_drafts and set(s.verify_widths) <= {2, 4, 8} and s.plain_steps > 0
+        assert all(a <= w for a, w in zip(s.acceptance_lengths, s.verify_widths))
+        assert s.verified_tokens == sum(s.verify_widths) + s.plain_steps
+        # every cycle commits its acceptance length (the last may be cut); +1 for the prefill's token
+        assert sum(s.acceptance_lengths) + s.plain_steps + 1 >= 60
+    assert len(events) == 3
+
+
+def test_ragged_forward_matches_the_padded_one():
+    """`FastTarget.forward_ragged` (tokens packed, attention per width) gives each row the logits and features
+    the ordinary forward gives it."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=8))
+    fast = engine.fast
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]])
+    prompt_pos = torch.arange(6)[None].expand(3, -1)
+    block = torch.tensor([[30, 31, 32, 33], [40, 41, 42, 43], [50, 51, 52, 53]])
+    pos = torch.arange(6, 10)[None].expand(3, -1)
+    padded_kv, ragged_kv = fast.new_cache(3, 32), fast.new_cache(3, 32)
+    for kv in (padded_kv, ragged_kv):
+        fast.forward(ids, prompt_pos, kv, key_len=6)
+    logits, features = fast.forward(block, pos, padded_kv, key_len=10)
+    widths = {0: 4, 1: 1, 2: 2}  # rows 0 and 2 share nothing with row 1's width: three groups, row 2 alone
+    groups = [(torch.tensor([r]), block[r:r + 1, :w], pos[r:r + 1, :w]) for r, w in widths.items()]
+    out = fast.forward_ragged(groups, ragged_kv)
+    for (r, w), (lg, f) in zip(widths.items(), out):
+        torch.testing.assert_close(lg[0], logits[r, :w])
+        torch.testing.assert_close(f[0], features[r, :w])
+        for layer in range(len(ragged_kv.keys)):
+            torch.testing.assert_close(ragged_kv.keys[layer][r, :6 + w], padded_kv.keys[layer][r, :6 + w])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("fast_path", [None, False])
+def test_adaptive_policy_keeps_the_output(temperature, fast_path):
+    """The default policy on a random drafter (drafts mostly fail): greedy equals the target's generate, seeded
+    sampling equals plain decoding's with the same seed (the default sampler's noise does not depend on drafts)."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), fast_path=fast_path)
+    assert engine.config.draft_policy == "adaptive"
     prompts = [[3, 4, 5, 6], [10, 11], [20, 21, 22]]
-    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=5)
+    params = SamplingParams(max_new_tokens=60, temperature=temperature, seed=5)
     results = engine.generate(prompts, params)
     if temperature == 0:
-        assert [r.token_ids for r in results] == [greedy_reference(target, p, 40) for p in prompts]
+        assert [r.token_ids for r in results] == [greedy_reference(target, p, 60) for p in prompts]
     else:
-        assert [r.token_ids for r in results] == [r.token_ids for r in SpecEngine(target).generate(prompts, params)]
+        plain = SpecEngine(target, fast_path=fast_path).generate(prompts, params)
+        assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     assert sum(r.stats.plain_steps for r in results) >= 1  # it measured a one-token step at least
 
 
-def test_auto_refuses_rejection_sampling():
+@pytest.mark.parametrize("compile", [False, True])
+def test_drafter_sees_the_positions_committed_by_one_token_steps(compile):
+    """One-token steps queue their target features for the drafter's next call, so after 24 forced one-token
+    steps and a draft, the drafter's context cache holds the same K/V for every committed position as the cache
+    of an engine that prefilled the whole history as its prompt (dropping them would leave stale slots)."""
+    if compile and compile_unavailable(torch.device("cpu")) is not None:
+        pytest.skip("no C++ compiler")
     target = make_target("qwen3")
-    with pytest.raises(ValueError, match="auto"):
-        SpecEngine(target, make_drafter(target, block_size=4), min_tau="auto", sampler="rejection")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=compile)
+    params = SamplingParams(max_new_tokens=60)
+    prompt = PROMPTS[1]
+    batch = engine.open_batch()
+    output = [e.token_ids for e in engine.add(batch, [prompt], params)][0]
+    batch.policy = ScriptedWidths([1] * 24 + [4])
+    batch.policy.cycle = -1  # cycle 0 is the first scripted width
+    for _ in range(25):  # 24 one-token steps, then the draft that writes their features
+        output += engine.step(batch)[0].token_ids
+    assert batch.rows[0].stats.plain_steps == 24 and batch.rows[0].stats.num_drafts == 1
+    seen = len(prompt) + 24  # positions committed before the draft: prompt, first token, 23 plain-step tokens
+    reference = engine.open_batch()
+    engine.add(reference, [prompt + output[:24]], params)
+    engine.step(reference)
+    ours, theirs = batch.proposer_state.kv, reference.proposer_state.kv
+    tol = dict(atol=1e-5, rtol=1e-4)  # compiled kernels round differently from the prefill's eager ones
+    for layer in range(len(ours.keys)):
+        torch.testing.assert_close(ours.keys[layer][0, :seen], theirs.keys[layer][0, :seen], **tol)
+        torch.testing.assert_close(ours.values[layer][0, :seen], theirs.values[layer][0, :seen], **tol)
+
+
+@pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_compiled_steps_warm_up_every_width_they_use():
+    """Compiled steps give every row one width, a one-token step or the block; warm-up builds both graphs, so
+    the policy's choices never recompile."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True)
+    assert engine.width_choices == (1, 4) and not engine.ragged
+    engine.warmup(max_batch_size=2)
+    params = SamplingParams(max_new_tokens=40)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        results = engine.generate(PROMPTS[:2], params)
+    assert [r.token_ids for r in results] == [greedy_reference(target, p, 40) for p in PROMPTS[:2]]
+    assert all(r.stats.plain_steps > 0 for r in results)
+
+
+def test_fixed_policy_always_drafts_the_block():
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30))
+    assert [r.token_ids for r in results] == [greedy_reference(target, p, 30) for p in PROMPTS]
+    assert all(r.stats.plain_steps == 0 and set(r.stats.verify_widths) == {4} for r in results)
+    with pytest.raises(ValueError, match="draft_policy"):
+        SpecEngine(target, make_drafter(target), draft_policy="sometimes")

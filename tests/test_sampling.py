@@ -21,7 +21,6 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import flashdraft.engine.generate as engine_module
-import flashdraft.engine.policy as policy_module
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
 from flashdraft.engine import NoRowState, Verdict, target_probs, verify
 
@@ -162,20 +161,41 @@ SETTINGS = [
 
 
 # the default sampler (counter-based noise shared by drafter and target) and rejection sampling
-CASES = [("dflash", 0), ("dflash", 1), ("dflash", 2), ("dflash-generic-path", 2), ("dflash-fallback", 1), ("soft", 0),
-         ("soft", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-rejection", 2), ("soft-rejection", 1),
-         ("ar-rejection", 0)]
+# "dflash" runs the default (adaptive) draft policy; "-mixed" forces rows of one batch to different widths every
+# cycle (one-token steps among them: a ragged verify); "-fixed" verifies the whole block every cycle
+CASES = [("dflash", 0), ("dflash-mixed", 1), ("dflash-fixed", 2), ("dflash-generic-path-mixed", 2), ("soft", 0),
+         ("soft-mixed", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-mixed-rejection", 2),
+         ("soft-mixed-rejection", 1), ("ar-rejection", 0)]
+
+
+class MixedWidths:
+    """Row i of cycle c verifies WIDTHS[(c + i) % 5] tokens (capped at the block)."""
+
+    WIDTHS = (4, 1, 2, 3, 1)
+
+    def __init__(self, block_size: int):
+        self.block_size, self.cycle = block_size, 0
+
+    def new_row(self, sampled=False):
+        return None
+
+    def widths(self, rows):
+        self.cycle += 1
+        return [min(self.block_size, self.WIDTHS[(self.cycle + i) % 5]) for i in range(len(rows))]
+
+    def observe(self, rows, widths, accepted, timing):
+        pass
 
 
 @pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting, monkeypatch):
     params = SETTINGS[setting]
-    monkeypatch.setattr(policy_module, "MIN_DRAFTS_TO_JUDGE", 1)  # fall back within these few tokens
     sampler = "rejection" if method.endswith("-rejection") else "gumbel"
+    if "-mixed" in method:
+        monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, *a, **k: MixedWidths(block_size))
     if method.startswith("dflash"):
-        # fallback: every draft loses against min_tau, so one-token steps follow the first draft
-        engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None,
-                            min_tau=100.0 if "fallback" in method else None, sampler=sampler)
+        engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None, sampler=sampler,
+                            draft_policy="fixed" if "-fixed" in method else "adaptive")
     elif method.startswith("soft"):
         engine = SpecEngine(target, block_size=3, proposer=SoftProposer(), sampler=sampler)
     else:
@@ -202,7 +222,8 @@ def test_broken_verifier_is_detected(target, drafter, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify", accept_all)
     params = SETTINGS[0]
-    counts, long = empirical(SpecEngine(target, drafter), params, n=4000, n_long=N_LONG_SAMPLES)
+    engine = SpecEngine(target, drafter, draft_policy="fixed")  # every cycle drafts: power independent of timing
+    counts, long = empirical(engine, params, n=4000, n_long=N_LONG_SAMPLES)
     p_value, tv = fit(exact_distribution(target, params), counts)
     assert p_value < P_MIN, f"broken verifier passed: p={p_value:.2e}, TV={tv:.4f}"
     assert min(per_position_pvalues(target, params, long)) < P_MIN / N_LONG
@@ -222,7 +243,8 @@ def test_verifier_broken_after_the_first_cycle_is_detected_per_position(target, 
 
     monkeypatch.setattr(engine_module, "verify", accept_all_later)
     params = SETTINGS[0]
-    _, long = empirical(SpecEngine(target, drafter), params, n=N_LONG_SAMPLES, n_long=N_LONG_SAMPLES)
+    engine = SpecEngine(target, drafter, draft_policy="fixed")  # every cycle drafts: power independent of timing
+    _, long = empirical(engine, params, n=N_LONG_SAMPLES, n_long=N_LONG_SAMPLES)
     assert len(calls) > 1
     pvalues = per_position_pvalues(target, params, long)
     assert min(pvalues[N_TOKENS:]) < P_MIN / N_LONG, pvalues

@@ -41,11 +41,13 @@ def pair(tmp_path_factory):
     return root
 
 
-def make_engine(pair, drafter=True, chat=True) -> SpecEngine:
-    """A fresh engine (own model copies: engines are single-threaded and hook their target's layers)."""
+def make_engine(pair, drafter=True, chat=True, draft_policy="fixed") -> SpecEngine:
+    """A fresh engine (own model copies: engines are single-threaded and hook their target's layers). The fixed
+    draft policy by default: a request's drafts then do not depend on timing, so served statistics can be compared
+    with a reference engine's (test_adaptive_server covers the default policy)."""
     target, tokenizer, draft = load_pair(pair / "target", pair / "drafter" if drafter else None, "cpu", "float32")
     tokenizer.chat_template = CHAT_TEMPLATE if chat else None  # chat=False: a tokenizer without a template
-    return SpecEngine(target, draft, tokenizer)
+    return SpecEngine(target, draft, tokenizer, draft_policy=draft_policy)
 
 
 class Live:
@@ -145,7 +147,8 @@ def test_openai_completion_and_stats(server, reference):
     assert resp.usage.prompt_tokens == len(reference.tokenizer(prompt)["input_ids"])
     stats = resp.model_extra["dflash"]
     assert stats["drafts"] == expected.stats.num_drafts and stats["block_size"] == 8
-    assert stats["draft_tokens"] == 7 * stats["drafts"]
+    assert stats["draft_tokens"] == 7 * stats["drafts"] and stats["verify_widths"] == [8] * stats["drafts"]
+    assert stats["one_token_steps"] == 0
     assert stats["accepted_tokens"] == expected.stats.num_accepted_tokens
     assert stats["acceptance_histogram"] == expected.stats.histogram
     # tau is the mean acceptance length: 1 + accepted / drafts, the engine's own figure for this request
@@ -270,6 +273,36 @@ def test_64_concurrent_streams_equal_served_alone(server, reference):
     assert server.wait_idle()["running"] == 0
     assert server.metric("spec_decode_num_drafts_total") - drafts_before == total_drafts
     print(f"64 streams in {elapsed:.2f}s")
+
+
+def test_adaptive_server_keeps_the_text_and_reports_its_choices(pair, reference):
+    """The default (adaptive) draft policy under 16 concurrent greedy requests: each text equals the request served
+    alone; each response reports the widths its drafting cycles verified and its one-token steps, and /metrics
+    counts proposed vs verified draft tokens and one-token steps."""
+    app = create_app(make_engine(pair, draft_policy="adaptive"),
+                     ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, max_batch_size=16, max_queue=64))
+    prompts = [f"def f_{i}(x):\n    return x + {i}" + ("\n" if i % 2 else "") for i in range(16)]
+    with live(app) as srv:
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as http:
+                bodies = [{"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}} for p in prompts]
+                return await asyncio.gather(*(_stream(http, srv.url, b) for b in bodies))
+
+        results = asyncio.run(main())
+        verified = steps = 0
+        for prompt, got in zip(prompts, results):
+            assert got["text"] == reference(reference.tokenizer(prompt)["input_ids"], 24).text, prompt
+            stats = got["final"]["dflash"]
+            assert len(stats["verify_widths"]) == stats["drafts"] and all(2 <= w <= 8 for w in stats["verify_widths"])
+            assert stats["draft_tokens"] == sum(w - 1 for w in stats["verify_widths"])
+            assert stats["accepted_tokens"] <= stats["draft_tokens"]
+            verified += stats["draft_tokens"]
+            steps += stats["one_token_steps"]
+        assert srv.wait_idle()["running"] == 0
+        assert srv.metric("spec_decode_num_draft_tokens_total") == verified
+        assert srv.metric("spec_decode_num_one_token_steps_total") == steps
+        assert srv.metric("spec_decode_num_proposed_tokens_total") == 7 * srv.metric("spec_decode_num_drafts_total")
 
 
 # ---- hostile requests ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The decoding methods a benchmark compares, behind one interface: `method.run(prompt_ids) -> RunOutput`.
 
 - `ar`            plain autoregressive decoding through `SpecEngine` (no drafter): the baseline of every speedup.
-- `flashdraft`        `SpecEngine` with the DFlash drafter (this project).
+- `dflash`        `SpecEngine` with the DFlash drafter (this project), the engine's draft policy (adaptive unless
+                  `--draft-policy fixed`).
+- `dflash-fixed`  the same with the fixed policy: the whole block verified every cycle (what the policy replaced).
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -26,8 +28,9 @@ import torch
 
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
-LOSSLESS_METHODS = ("ar", "dflash", "hf-dflash", "hf-assisted", "prompt-lookup")
+LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "hf-dflash", "hf-assisted", "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m != "dflash-fixed")  # the fixed policy on request only
 
 
 @dataclass
@@ -36,8 +39,9 @@ class RunOutput:
     wall_time: float
     ttft: float
     acceptance_lengths: list[int] = field(default_factory=list)  # per cycle with drafts: accepted + 1
-    drafted: list[int] = field(default_factory=list)  # per cycle with drafts: number of draft tokens
+    drafted: list[int] = field(default_factory=list)  # per cycle with drafts: number of draft tokens verified
     text: str | None = None
+    one_token_steps: int = 0  # decoding steps without a draft (our engine's draft policy)
 
 
 def _sync(device) -> None:
@@ -80,8 +84,9 @@ class EngineMethod(Method):
         _sync(self.device)
         wall = time.perf_counter() - t0
         lengths = list(res.stats.acceptance_lengths) if self.max_draft else []
-        return RunOutput(list(res.token_ids), wall, res.stats.time_to_first_token, lengths,
-                         [self.max_draft] * len(lengths), res.text)
+        drafted = [w - 1 for w in res.stats.verify_widths] if self.max_draft else []
+        return RunOutput(list(res.token_ids), wall, res.stats.time_to_first_token, lengths, drafted, res.text,
+                         res.stats.plain_steps if self.max_draft else 0)
 
     def close(self) -> None:
         self.engine.close()

@@ -11,7 +11,7 @@ What this module does not know about: HTTP servers (`server.py`), tables and plo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from flashdraft.bench.datasets import dataset_label, load_prompts
 from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
@@ -70,10 +70,11 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     for name in names:
         if name == "ar":
             methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))
-        elif name == "dflash":
+        elif name in ("dflash", "dflash-fixed"):
             if drafter is None:
-                raise ValueError("method dflash needs a drafter (--draft)")
-            methods.append(EngineMethod("dflash", target, drafter, tokenizer, params, cfg.engine))
+                raise ValueError(f"method {name} needs a drafter (--draft)")
+            config = cfg.engine if name == "dflash" else replace(cfg.engine, draft_policy="fixed")
+            methods.append(EngineMethod(name, target, drafter, tokenizer, params, config))
         elif name == "hf-dflash":
             from flashdraft.model.hf_export import transformers_dflash_available
 
@@ -176,7 +177,8 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
                        "wall_s": round(out.wall_time, 6), "ttft_s": round(out.ttft, 6),
                        "tau": round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 4)
                        if out.acceptance_lengths else None,
-                       "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted}
+                       "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted,
+                       "one_token_steps": out.one_token_steps}
                 if greedy and m.lossless:
                     first = first_difference(out.token_ids, ref)
                     rec["identical_to_target"] = first is None
@@ -206,7 +208,8 @@ def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
         recs = records[m.name]
         lengths = [a for r in recs for a in r["acceptance_lengths"]]
         drafted = [d for r in recs for d in r["drafted"]]
-        s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft)}
+        s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft),
+             "one_token_steps": sum(r["one_token_steps"] for r in recs)}
         checked = [r for r in recs if "identical_to_target" in r]
         s["mismatches"] = sum(not r["identical_to_target"] for r in checked) if checked else None
         s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_target"]]
@@ -227,6 +230,7 @@ def _overall(methods: list[Method], per_dataset: dict) -> dict:
         mism = [d["methods"][m.name]["mismatches"] for d in per_dataset.values()]
         out[m.name] = {"lossless": m.lossless, **timing_summary(recs),
                        **acceptance_summary(lengths, drafted, m.max_draft),
+                       "one_token_steps": sum(r["one_token_steps"] for r in recs),
                        "mismatches": None if any(x is None for x in mism) else sum(mism),
                        "num_prompts": len(recs)}
     base = out.get("ar", {}).get("tokens_per_second")

@@ -27,8 +27,8 @@ def _lossless_cell(s: dict, rich: bool) -> str:
     return f"[bold red]{text}[/bold red]" if rich else text
 
 
-OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "tok/s", "speedup", "TTFT ms", "TPOT ms",
-                   "greedy = target"]
+OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "verify w", "1-token steps", "tok/s", "speedup",
+                   "TTFT ms", "TPOT ms", "greedy = target"]
 
 
 def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
@@ -41,7 +41,9 @@ def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
             s = dict(s)
             if d is not None:
                 s["num_prompts"] = d["num_prompts"]
-            rows.append([label, name, _fmt(s["tau"]), _fmt(s["acceptance_rate"]), _fmt(s["tokens_per_second"], ".1f"),
+            width = 1 + s["num_draft_tokens"] / s["num_drafts"] if s.get("num_drafts") else None
+            rows.append([label, name, _fmt(s["tau"]), _fmt(s["acceptance_rate"]), _fmt(width, ".1f"),
+                         str(s.get("one_token_steps") or "-"), _fmt(s["tokens_per_second"], ".1f"),
                          _fmt(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
                          _fmt(s["ttft_ms"], ".1f"), _fmt(s["tpot_ms"], ".2f"), _lossless_cell(s, rich)])
     return rows

@@ -39,6 +39,12 @@ def zero_pad(x: torch.Tensor, width: int, dim: int, at_end: bool = False) -> tor
     return torch.cat([x, zeros] if at_end else [zeros, x], dim=dim)
 
 
+def width_groups(widths: list[int], device) -> list[tuple[int, torch.Tensor]]:
+    """The rows of each distinct verify width: [(w, row indices)], widest first."""
+    return [(w, torch.tensor([i for i, x in enumerate(widths) if x == w], dtype=torch.long, device=device))
+            for w in sorted(set(widths), reverse=True)]
+
+
 @dataclass(frozen=True)
 class RowBuckets:
     bucketed: bool = False
@@ -77,6 +83,10 @@ class Features:
         return Features(*(torch.cat([zero_pad(a, width, 1), zero_pad(b, width, 1)])
                           for a, b in zip(self.astuple(), other.astuple())))
 
+    def none_pending(self) -> "Features":
+        """No slots (the same rows and feature width): what is left once the queue was written to the drafter."""
+        return Features(*(t[:, :0] for t in self.astuple()))
+
     def pad_rows(self, rows: int) -> "Features":
         return Features(*(zero_pad(t, rows, 0, at_end=True) for t in self.astuple()))
 
@@ -92,7 +102,7 @@ class Batch:
     kv: object = None  # the target's cache (`target_kv.py`), live rows only as far as callers can tell
     features: Features | None = None  # target features of slots committed since the last draft
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
-    policy: object = None  # the draft-length policy (`policy.py`)
+    policy: object = None  # the draft policy (`policy.py`): each row's verify width per cycle
     capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
 
     def add_features(self, features: Features, after_draft: bool) -> None:
@@ -117,7 +127,6 @@ class Batch:
         """Append `other`'s rows (freshly prefilled by the same engine) below ours."""
         if not other.rows:
             return
-        self.policy.rows_joined()
         if not self.rows:  # adopt the newcomers' caches wholesale
             self.rows, self.kv, self.features = other.rows, other.kv, other.features
             self.proposer_state, self.capacity = other.proposer_state, other.capacity
@@ -128,4 +137,4 @@ class Batch:
         self.kv.merge(other.kv)
         if self.features is not None:
             self.features = self.features.above(other.features)
-        self.proposer_state.join_rows(live, len(other.rows))
+        self.proposer_state.merge(other.proposer_state, live, len(other.rows))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashdraft.engine.policy import DRAFT_POLICIES
+
 SAMPLERS = ("gumbel", "rejection")
 
 
@@ -24,9 +26,10 @@ class EngineConfig:
     compile: bool = False
     # CPU: the widest projections through oneDNN on packed weight copies (None: when packable and small enough)
     pack_weights: bool | None = None
-    # fall back to one-token steps while drafts keep fewer tokens per cycle than this (None: always draft;
-    # "auto": than a drafting cycle costs in one-token steps, measured while running: `policy.py`)
-    min_tau: float | str | None = None
+    # how many tokens each row verifies per cycle (`policy.py`): "adaptive" = per row, what maximises the batch's
+    # committed tokens per second under measured acceptance and costs (1 = a one-token step, no draft);
+    # "fixed" = the whole block, every row, every cycle
+    draft_policy: str = "adaptive"
     # batch-invariant target forward: speculative output bit-identical to plain decoding (eager, fast path)
     exact: bool = False
     # the lean static-cache target path (None: when the architecture has one; False: transformers' own forward)
@@ -41,12 +44,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
-        if self.min_tau is not None and self.min_tau != "auto" and not (
-                isinstance(self.min_tau, (int, float)) and self.min_tau >= 1.0):
-            raise ValueError(f"min_tau must be a number >= 1, 'auto' or None (always draft), got {self.min_tau!r}")
-        if self.min_tau == "auto" and self.sampler == "rejection":
-            raise ValueError("min_tau='auto' decides by measured time, which would make rejection-sampled text depend "
-                             "on the machine's load; use sampler='gumbel' (its text does not depend on drafting)")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.exact and self.compile:
@@ -58,4 +57,4 @@ class EngineConfig:
         """The same engine without drafting: the plain-decoding baseline a speedup is measured against."""
         from dataclasses import replace
 
-        return replace(self, block_size=None, min_tau=None)
+        return replace(self, block_size=None)

@@ -11,8 +11,7 @@ How the walk picks each position's token among its candidates (scores s over the
   goes to the verifier as the draft distribution, so speculative rejection sampling stays exact (z-lab's sampling;
   drawing each position from its marginal independently instead ignores the chosen prefix, z-lab #169). These rows
   draw from torch's global generator, not the request's seeded one: such output is exact in distribution but not
-  reproducible per seed. The engine passes temperatures to proposers only with noise today (`ProposalInput`); until
-  it passes them for rejection-sampled rows too, those rows get greedy selector drafts, one-hot, still exact.
+  reproducible per seed.
 
 Per-position confidence for a draft policy: with `confidence=True`, after each `propose` the field
 `last_confidence` (`DraftConfidence`) holds, per live row and draft position, the selector's probability of the

@@ -1,14 +1,18 @@
 """The lossless generation engine: prefill, then cycles of propose -> target forward -> verify -> commit.
 
 One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycle'):
-1. propose         the drafting method fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1);
-                   the batch's draft-length policy (`policy.py`) may ask for a one-token step instead (k = 0);
-2. target forward  the target runs once over the block with its KV cache (`target_kv.py`), capturing the tapped
-                   layers' features;
-3. verify          the shared verifier (`verify.py`) returns per row the accepted count a and the next token;
+0. plan            the draft policy (`policy.py`) gives each row a verify width w: the bonus + w - 1 drafts, or
+                   w = 1, a one-token step without a draft;
+1. propose         the drafting method fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1)
+                   for the rows that draft (and takes in every row's newly committed features);
+2. target forward  the target runs once over the rows' blocks with its KV cache (`target_kv.py`), capturing the
+                   tapped layers' features: each row its own width on the eager fast path (ragged: the tokens
+                   packed, attention per width), padded to the widest elsewhere;
+3. verify          the shared verifier (`verify.py`) returns per row the accepted count a < w and the next token;
 4. commit          tokens `d_1..d_a, next` are appended; block slots `0..a` stay in the target cache, the rest are
                    rolled back (a no-op on the static fast path, a crop plus masked holes on the generic path);
-                   the kept slots' features become the drafter's next context; finished rows leave the batch.
+                   the kept slots' features become the drafter's next context; the policy sees the acceptance and
+                   the cycle's measured costs; finished rows leave the batch.
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
@@ -17,12 +21,13 @@ transformers decoder that accepts `position_ids` and a 2D attention mask runs th
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
 static caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a
-handful of graphs. `exact=True` makes the target forward batch-invariant (`fast_target.py`).
+handful of graphs, and all rows share one width (1 or the block). `exact=True` makes the target forward
+batch-invariant (`fast_target.py`).
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
 (holes included) rather than tokens, so they are exact only while the context fits the window.
 
 What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
-how many tokens to draft (`policy.py`), row padding (`batch.py`, inside the static caches), HTTP, or continuous
+how many tokens to verify (`policy.py`), row padding (`batch.py`, inside the static caches), HTTP, or continuous
 batching (the server drives `SpecEngine` one cycle at a time through `open_batch`, `add`, `step`, `cancel`).
 """
 
@@ -35,13 +40,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flashdraft.engine.batch import Batch, Features, RowBuckets, next_power_of_two
+from flashdraft.engine.batch import Batch, Features, RowBuckets, next_power_of_two, width_groups
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
-from flashdraft.engine.policy import StepCosts, new_policy
+from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify
@@ -51,6 +56,7 @@ from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, pack
 from flashdraft.model.target import TargetModel, validate_pair
 
 MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
+QUEUED_CONTEXT = 16  # slots of one-token steps' features queued for the drafter before they are written to it
 
 
 def cache_capacity(positions: int) -> int:
@@ -67,14 +73,16 @@ class RequestStats:
     prompt_tokens: int
     output_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
-    plain_steps: int = 0  # one-token steps without a draft (`min_tau` fallback); not in the acceptance figures
+    plain_steps: int = 0  # one-token steps without a draft (the draft policy's choice); not in the acceptance figures
+    verify_widths: list[int] = field(default_factory=list)  # tokens verified by each drafting cycle (bonus included)
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length (vLLM's 'mean acceptance length' = 1 + accepted / drafts)."""
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+        """Mean acceptance length over drafting cycles (vLLM's 'mean acceptance length' = 1 + accepted / drafts);
+        1.0 for a request that never drafted (each step committed one token)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 1.0
 
     @property
     def num_drafts(self) -> int:
@@ -83,6 +91,16 @@ class RequestStats:
     @property
     def num_accepted_tokens(self) -> int:
         return sum(a - 1 for a in self.acceptance_lengths)
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Draft tokens the verifier judged (a drafting cycle of width w judges w - 1)."""
+        return sum(w - 1 for w in self.verify_widths)
+
+    @property
+    def verified_tokens(self) -> int:
+        """Tokens through the target's decoding forwards: drafting cycles' widths plus one-token steps."""
+        return sum(self.verify_widths) + self.plain_steps
 
     @property
     def histogram(self) -> list[int]:
@@ -113,6 +131,9 @@ class RequestStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "acceptance_lengths": list(self.acceptance_lengths),
             "plain_steps": self.plain_steps,
+            "verify_widths": list(self.verify_widths),
+            "drafted_tokens": self.drafted_tokens,
+            "verified_tokens": self.verified_tokens,
             "acceptance_histogram": self.histogram,
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
             "time_to_first_token_s": round(self.time_to_first_token, 6),
@@ -156,6 +177,7 @@ class _Row:
     emitted_tokens: int = 0
     started: float = 0.0
     reported: bool = False
+    acceptance: object = None  # the draft policy's estimates for this row (`policy.RowAcceptance`)
     noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
 
@@ -205,8 +227,6 @@ class SpecEngine:
         config = replace(config or EngineConfig(), **options)
         self.config = config
         block_size, compile, pack_weights, exact = config.block_size, config.compile, config.pack_weights, config.exact
-        # a batch whose acceptance length falls below min_tau decodes plain steps for a while, then probes again
-        self.min_tau = config.min_tau
         self._closed = False
         # a module gets a TargetModel of this engine's own, whose hooks `close` removes; a TargetModel passed in
         # (shared, e.g. the trainer's) gets back the layer ids it had
@@ -258,7 +278,15 @@ class SpecEngine:
                 raise ValueError(why_not)
             self.block_step = compile_step(self.fast.forward, self.target.device)
         self.buckets = RowBuckets(bucketed=compile)  # compiled steps see power-of-two row counts
-        self.step_costs = StepCosts()  # measured seconds per cycle and per one-token step (`min_tau="auto"`)
+        # the draft policy's shared memory: measured cycle costs and the acceptance priors of new rows (`policy.py`);
+        # rows verify their own widths in one forward on the eager fast path, else all rows share one width. A row
+        # verifies the block or takes a one-token step: narrower blocks (`policy.width_choices`) cost nearly as much
+        # on CPU and measured 5-9 % slower in-domain at batch 1 (BENCHMARKS.md), and compiled steps have graphs for
+        # these two only
+        self.costs = CostModel()
+        self.acceptance_priors = AcceptancePriors(self.block_size)
+        self.ragged = self.fast is not None and self.block_step is None
+        self.width_choices = (1, self.block_size)
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -318,6 +346,7 @@ class SpecEngine:
         while batch.rows:
             yield from self.step(batch)
 
+    @torch.inference_mode()
     def warmup(self, max_batch_size: int = 1) -> list[int]:
         """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
         generation per bucket, so that the first requests do not wait for the compiler. Covers the smallest
@@ -332,8 +361,9 @@ class SpecEngine:
         for rows in buckets:
             batch = self.open_batch()
             self.add(batch, [prompt] * rows, params)
-            if self.min_tau is not None:
-                batch.policy.plain_steps_left = 1  # the one-token step's graphs too
+            for width in self.width_choices:  # every graph a cycle may use; the costs are not recorded
+                if batch.rows:
+                    self._cycle(batch, forced_width=width)
             while batch.rows:
                 self.step(batch)
         return buckets
@@ -347,7 +377,8 @@ class SpecEngine:
 
     def _new_batch(self, **fields) -> Batch:
         return Batch(proposer_state=self.proposer.new_batch_state(self.buckets),
-                     policy=new_policy(self.min_tau, self.block_size, self.step_costs), **fields)
+                     policy=new_policy(self.config.draft_policy, self.block_size, self.costs, self.ragged,
+                                       self.acceptance_priors, self.width_choices), **fields)
 
     @torch.inference_mode()
     def add(
@@ -360,6 +391,8 @@ class SpecEngine:
         """
         self._check_open()
         rows = self._make_rows(prompts, params, request_ids)
+        for r in rows:
+            r.acceptance = batch.policy.new_row(sampled=not r.params.greedy)
         incoming = self._prefill(rows)
         batch.merge(incoming)
         return list(self._events(rows))
@@ -433,9 +466,14 @@ class SpecEngine:
                                                           self.block_step)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
-        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows], self._noise(rows, 1))
+        noise = self._noise(rows, [1] * len(rows))
+        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
+                              torch.stack(noise) if noise is not None else None)
         now = time.perf_counter()
         batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
+        if features is not None:  # the prompts' context goes to the drafter now, for these rows alone
+            self.proposer.absorb(batch.proposer_state, features, capacity, self.block_size)
+            batch.features = features.none_pending()
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -447,73 +485,140 @@ class SpecEngine:
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
-    def _cycle(self, batch: Batch) -> None:
-        """propose -> target forward over the block -> verify -> commit, for every live row at once."""
+    def _cycle(self, batch: Batch, forced_width: int | None = None) -> None:
+        """plan -> propose -> target forward -> verify -> commit, for every live row at once."""
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
-        width = batch.policy.block_width(self.block_size)  # 1: a one-token step, no draft
-        noise = self._noise(rows, width)  # sampled rows' counter-based noise at the block's output positions
-        block, positions, draft_probs = self._propose(batch, width, noise)
+        widths = ([forced_width] * len(rows) if forced_width is not None
+                  else batch.policy.widths([r.acceptance for r in rows]))
+        drafting = [i for i, w in enumerate(widths) if w > 1]
+        # sampled rows' counter-based noise at the output positions their draft and verify cover
+        noise = self._noise(rows, [self.block_size if w > 1 else 1 for w in widths])
+        block, positions, draft_probs = self._propose(batch, drafting, max(widths), noise)
+        drafted_at = self._clock()
         prof.mark("draft")
-        end = max(r.n_cached for r in rows) + width  # 1 + the largest position in the block
-        logits, features = batch.kv.forward_block(block, positions, self.proposer.needs_features, end)
+        groups = width_groups(widths, block.device)
+        logits, features = self._target_forward(batch, block, positions, groups)
         prof.mark("target")
-        verdict = verify(logits, block[:, 1:], [r.params for r in rows], [r.generator for r in rows], draft_probs,
-                         noise)
+        accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
         prof.mark("verify")
-        self._commit_block(batch, block, positions, features, verdict, started)
+        self._commit_block(batch, block, positions, features, widths, accepted, next_tokens)
         prof.mark("commit")
+        if forced_width is None:
+            timing = CycleTiming(len(rows), sum(widths) if self.ragged else len(rows) * max(widths), len(drafting),
+                                 drafted_at - started, time.perf_counter() - started)
+            batch.policy.observe([r.acceptance for r in rows], widths, accepted, timing)
+        self._drop_finished(batch)
 
-    def _noise(self, rows: list[_Row], width: int) -> torch.Tensor | None:
-        """Exponential noise [b, width, V] of each row's next `width` output positions (ones for greedy rows);
-        None when every row is greedy or the sampler is rejection sampling."""
+    def _clock(self) -> float:
+        """Now, after the device's queued work (the policy's cost model times the draft apart)."""
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
+
+    def _noise(self, rows: list[_Row], widths: list[int]) -> list[torch.Tensor] | None:
+        """Exponential noise [w, V] of each row's next w output positions (ones for greedy rows); None when every
+        row is greedy or the sampler is rejection sampling."""
         sampled = [not r.params.greedy for r in rows]
         if self.config.sampler != "gumbel" or not any(sampled):
             return None
         dev, vocab = self.target.device, self.target.vocab_size
-        ones = None if all(sampled) else torch.ones(width, vocab, device=dev)
-        return torch.stack([r.noise_window(width, vocab, dev) if s else ones for r, s in zip(rows, sampled)])
+        return [r.noise_window(w, vocab, dev) if s else torch.ones(w, vocab, device=dev)
+                for r, s, w in zip(rows, sampled, widths)]
 
-    def _propose(self, batch: Batch, width: int, noise: torch.Tensor | None):
-        """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions, and the draft distributions
-        (None: one-hot drafts)."""
+    def _propose(self, batch: Batch, drafting: list[int], width: int, noise: list[torch.Tensor] | None):
+        """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,
+        then filler that is never verified), and the drafts' distributions (None: one-hot drafts)."""
         rows, dev = batch.rows, self.target.device
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
-        if width == 1:
+        if not drafting:
             return bonus[:, None], positions, None
+        every_row = len(drafting) == len(rows)
+        idx = None if every_row else torch.tensor(drafting, device=dev)
+        pick = (lambda x: x) if every_row else (lambda x: x.index_select(0, idx))  # noqa: E731
         histories = self.proposer.needs_histories
-        temperatures = None
+        k = self.block_size - 1
+        drafters = [rows[i] for i in drafting]
+        draft_noise = temperatures = None
         if noise is not None:
-            temperatures = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-        inp = ProposalInput(bonus, positions, batch.capacity, max(r.n_cached for r in rows), batch.features,
-                            [r.history for r in rows] if histories else None,
-                            [r.index for r in rows] if histories else None,
-                            noise[:, :width - 1] if noise is not None else None, temperatures)
-        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, width)
-        return torch.cat([bonus[:, None], drafts], dim=1), positions, draft_probs
+            draft_noise = torch.stack([noise[i][:k] for i in drafting])
+        if any(not r.params.greedy for r in drafters):
+            temperatures = torch.tensor([r.params.temperature for r in drafters], dtype=torch.float32, device=dev)
+        block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
+        inp = ProposalInput(pick(bonus), pick(block_positions), batch.capacity,
+                            max(r.n_cached for r in drafters), batch.features,
+                            [r.history for r in drafters] if histories else None,
+                            [r.index for r in drafters] if histories else None,
+                            draft_noise, temperatures, draft_rows=idx)
+        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, self.block_size)
+        block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        block[:, 0] = bonus
+        if every_row:
+            block[:, 1:] = drafts[:, :width - 1]
+        else:
+            block[idx, 1:] = drafts[:, :width - 1]
+        return block, positions, draft_probs
 
-    def _commit_block(self, batch: Batch, block, positions, features, verdict, started: float) -> None:
+    def _target_forward(self, batch: Batch, block, positions, groups):
+        """The target over each row's block: logits [g, w, V] per width group, features [b, W, F] (or None)."""
+        capture = self.proposer.needs_features
+        end = max(r.n_cached for r in batch.rows) + block.shape[1]  # 1 + the largest position in the blocks
+        if len(groups) == 1:
+            logits, features = batch.kv.forward_block(block, positions, capture, end)
+            return [logits], features
+        if self.ragged:
+            outputs = batch.kv.forward_ragged([(idx, block[idx, :w], positions[idx, :w]) for w, idx in groups],
+                                              capture, end)
+            features = None
+            if capture:
+                width_features = outputs[0][1].shape[-1]
+                features = outputs[0][1].new_zeros(block.shape[0], block.shape[1], width_features)
+                for (w, idx), (_, f) in zip(groups, outputs):
+                    features[idx, :w] = f
+            return [lg for lg, _ in outputs], features
+        logits, features = batch.kv.forward_block(block, positions, capture, end)  # every row padded to the widest
+        return [logits.index_select(0, idx)[:, :w] for w, idx in groups], features
+
+    def _verify(self, rows, groups, logits, block, drafting, draft_probs, noise) -> tuple[list[int], list[int]]:
+        """The shared verifier over each width group: per row the accepted drafts and the next token."""
+        accepted, next_tokens = [0] * len(rows), [0] * len(rows)
+        draft_row = {r: j for j, r in enumerate(drafting)}  # row -> its row in draft_probs
+        for (w, idx), group_logits in zip(groups, logits):
+            members = idx.tolist()
+            probs = None
+            if draft_probs is not None and w > 1:
+                probs = draft_probs[[draft_row[i] for i in members], :w - 1]
+            group_noise = torch.stack([noise[i][:w] for i in members]) if noise is not None else None
+            drafts = block[:, 1:w] if len(members) == len(rows) else block.index_select(0, idx)[:, 1:w]
+            verdict = verify(group_logits, drafts, [rows[i].params for i in members],
+                             [rows[i].generator for i in members], probs, group_noise)
+            for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
+                accepted[i], next_tokens[i] = a, t
+        return accepted, next_tokens
+
+    def _commit_block(self, batch: Batch, block, positions, features, widths, accepted, next_tokens) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
-        the drafter; the policy sees the batch's acceptance; finished rows leave."""
+        the drafter."""
         rows, width = batch.rows, block.shape[1]
-        drafted = width == self.block_size  # else a one-token step the policy asked for (not a draft cycle)
-        kept_valid = torch.arange(width, device=block.device)[None] < verdict.num_accepted[:, None] + 1
+        kept = torch.tensor(accepted, device=block.device)
+        kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
         batch.kv.keep(kept_valid)
         if features is not None:  # the whole block (static shapes); rejected slots are marked invalid
-            batch.add_features(Features(features, positions, kept_valid), after_draft=drafted)
-        accepted = verdict.num_accepted.tolist()
-        for r, a, nxt, blk in zip(rows, accepted, verdict.next_tokens.tolist(), block.tolist()):
-            if drafted:
+            batch.add_features(Features(features, positions, kept_valid), after_draft=max(widths) > 1)
+            if batch.features.values.shape[1] >= QUEUED_CONTEXT:  # rows keep stepping: write the queue now
+                self.proposer.absorb(batch.proposer_state, batch.features, batch.capacity, self.block_size)
+                batch.features = batch.features.none_pending()
+        for r, w, a, nxt, blk in zip(rows, widths, accepted, next_tokens, block.tolist()):
+            if w > 1:
                 r.stats.acceptance_lengths.append(a + 1)
+                r.stats.verify_widths.append(w)
             else:
                 r.stats.plain_steps += 1
             r.n_cached += a + 1
             r.bonus = nxt
             self._append(r, blk[1:1 + a] + [nxt])
-        batch.policy.observe(drafted, sum(accepted) / len(rows) + 1, len(rows), time.perf_counter() - started)
-        self._drop_finished(batch)
 
     def _append(self, r: _Row, tokens: list[int]) -> None:
         """Append tokens to a row's output, applying max_new_tokens, stop ids and stop strings."""

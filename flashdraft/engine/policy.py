@@ -1,130 +1,326 @@
-"""Draft-length policies: how many tokens a batch verifies in its next cycle.
+"""Draft policies: how many tokens each row of a batch verifies in its next cycle.
 
-Each live batch holds one policy object. Before a cycle the engine asks `block_width(block_size)`: the block size
-(draft `block_size - 1` tokens after the bonus) or 1 (a one-token step: no draft, the same verifier). After the
-cycle it reports `observe(drafted, tau)` with the batch's mean acceptance length; `rows_joined()` when new
-requests enter the batch.
+Before a cycle the engine asks `widths(rows)` for one verify width per row: w tokens = the bonus + w - 1 drafts,
+or w = 1, a one-token step without a draft (the same verifier; the target's features still reach the drafter).
+After the cycle it reports `observe(rows, widths, accepted, timing)`. A row's policy state (`RowAcceptance`) is
+created by `new_row()` and travels with the row.
 
-- `AlwaysDraft`: every cycle drafts a full block (the default).
-- `MinTauFallback(min_tau)`: once the smoothed acceptance length of at least MIN_DRAFTS_TO_JUDGE drafts falls
-  below `min_tau`, the batch takes one-token steps for a while (8, then 16, 32 ... 128 while probes keep losing),
-  then probes with one draft. The decision depends on acceptance only, never on timing.
-- `CostAwareFallback(costs)` (`min_tau="auto"`): the same, with `min_tau` = what a drafting cycle costs in one-token
-  steps at the batch's row count, measured while serving (`StepCosts`, shared by an engine's batches): a batch
-  drafts while drafting commits more tokens per second than plain decoding would. It takes one one-token step to
-  measure that cost if it has none yet. Timing makes its choices depend on the machine's load; the output does
-  not, for greedy rows and with the default sampler (whose text is plain decoding's whatever is drafted), but
-  with `sampler="rejection"` it would, so the engine refuses that combination.
+- `FixedWidth`: every row verifies the full block every cycle (`draft_policy="fixed"`).
+- `AdaptiveWidth` (the default): every cycle chooses the widths that maximise the batch's expected committed tokens
+  per second, from two models kept current while running:
+  - acceptance, per row: `RowAcceptance.survival[i]` estimates P(draft position i+1 survives), an exponential
+    moving average of what the row's drafts showed, censored at the width it verified (positions it did not
+    verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
+    drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
+    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
+    new row waits as long as recent probes of its kind suggest):
+    judged by the optimistic starting prior once, so it drafts again where drafting could pay and its own
+    acceptance decides; a request whose drafts recover is drafting again within a few cycles.
+  - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
+    verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
+    the number of drafting rows, each an exponential moving average per power-of-two bucket, interpolated
+    between buckets. A bucket not measured for a while is forgotten (the plan then tries it again), so one bad
+    timing cannot keep a width out for good. Nothing is hard-coded: a busy machine or a GPU gets its own curves within a few cycles.
+  With ragged verification (the fast target path, eager) each row gets its own width: the plan starts from the
+  best batch-wide width and then lets every row take the width that pays at the batch's throughput (one
+  Dinkelbach step on the linearised cost). Where one forward pads every row to the widest one (compiled steps,
+  the generic transformers path) all rows share one width, chosen the same way. The widths come from `choices`
+  (the engine offers 1 and the block; `width_choices` lists the narrower blocks too).
 
-What this module does not know about: drafters, caches; time only as the seconds the engine reports.
+Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
+target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
+drafted (`verify.py`). Under rejection sampling the distribution stays exact, but a seed no longer pins the text.
+
+What this module does not know about: drafters, caches, tokens; time only as the seconds the engine reports.
 """
 
 from __future__ import annotations
 
-MIN_PLAIN_RUN, MAX_PLAIN_RUN = 8, 128  # one-token steps per fallback, doubling while probes keep losing
-MIN_DRAFTS_TO_JUDGE = 3  # drafting cycles (since the start or a won probe) before the policy may fall back
+from dataclasses import dataclass
+
+import numpy as np
+
+SMOOTHING = 0.3  # weight of the newest observation in a row's acceptance estimates and in the cost curves
+PRIOR_SMOOTHING = 0.05  # the engine-wide prior moves slowly: it summarises many rows
+MIN_PLAIN_RUN, MAX_PLAIN_RUN = 4, 128  # one-token steps before a row is probed again, doubling while probes lose
+OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's: draft first, then judge
+STALE_AFTER = 256  # a cost bucket not measured in this many timings of its curve is forgotten
+REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row changes (costs drift slowly)
 
 
-class AlwaysDraft:
-    def block_width(self, block_size: int) -> int:
-        return block_size
-
-    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
-        pass
-
-    def rows_joined(self) -> None:
-        pass
+def width_choices(block_size: int) -> tuple[int, ...]:
+    """Verify widths a row may get: 1, powers of two below the block, the block (a handful of shapes)."""
+    widths, w = [1], 2
+    while w < block_size:
+        widths.append(w)
+        w *= 2
+    return tuple(widths + [block_size]) if block_size > 1 else (1,)
 
 
-class MinTauFallback:
-    def __init__(self, min_tau: float):
-        self.min_tau = min_tau
-        self.rows_joined()
+def initial_prior(block_size: int) -> np.ndarray:
+    """Survival per draft position before any draft was seen: optimistic, so rows draft first and are then judged."""
+    return OPTIMISTIC_SURVIVAL ** np.arange(1, block_size, dtype=np.float64)
 
-    def rows_joined(self) -> None:
-        """New rows: draft again, judged afresh."""
-        self.plain_steps_left = 0  # one-token steps before the next draft
-        self.plain_run = MIN_PLAIN_RUN  # how many the next fallback takes
-        self.recent_tau, self.recent_drafts = 0.0, 0  # smoothed acceptance length of recent drafts, their count
-        self.probing = False
 
-    def block_width(self, block_size: int) -> int:
-        return 1 if self.plain_steps_left > 0 else block_size
+def bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
-    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
-        if not drafted:
-            self.plain_steps_left -= 1
+
+@dataclass
+class CycleTiming:
+    """What one cycle did and how long its parts took (seconds)."""
+
+    rows: int
+    verified_tokens: int  # tokens through the target forward (padding included where rows are padded)
+    drafting_rows: int
+    draft_s: float
+    total_s: float
+
+
+class Curve:
+    """Seconds as a function of a size: (mean size, mean seconds) per power-of-two bucket, interpolated."""
+
+    def __init__(self):
+        self.points: dict[int, tuple[float, float]] = {}
+        self.seen: set[int] = set()
+        self.measured_at: dict[int, int] = {}  # bucket -> the timing count when it was last measured
+        self.timings = 0
+        self._xy: tuple[np.ndarray, np.ndarray] | None = None
+
+    def record(self, size: int, seconds: float) -> None:
+        """The first observation of a bucket is a warm-up (cold caches, a graph compiled) and is not kept."""
+        key = bucket(size)
+        self.timings += 1
+        if key not in self.seen:
+            self.seen.add(key)
             return
-        if self.probing:  # a probe that reaches min_tau resumes drafting; a losing one doubles the next run
-            self.probing = False
-            if tau >= self.min_tau:
-                self.plain_run, self.recent_tau, self.recent_drafts = MIN_PLAIN_RUN, tau, 1
-                return
-            self.plain_run = min(2 * self.plain_run, MAX_PLAIN_RUN)
-        else:
-            self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
-            self.recent_drafts += 1
-            if self.recent_drafts < MIN_DRAFTS_TO_JUDGE or self.recent_tau >= self.min_tau:
-                return
-        self.plain_steps_left, self.probing = self.plain_run, True
+        old = self.points.get(key)
+        self.points[key] = (size, seconds) if old is None else tuple(
+            (1 - SMOOTHING) * o + SMOOTHING * n for o, n in zip(old, (size, seconds)))
+        self.measured_at[key] = self.timings
+        stale = [k for k, t in self.measured_at.items() if self.timings - t > STALE_AFTER]
+        for k in stale:
+            del self.points[k], self.measured_at[k]
+        self._xy = None
+
+    def known(self, size: int) -> bool:
+        return bucket(size) in self.points
+
+    def __call__(self, sizes):
+        """Seconds at `sizes` (a number or an array): piecewise-linear through the measured points, beyond them the
+        nearest segment's slope (never below zero); with one point, proportional below it and flat above it (an
+        optimistic guess, so the plan tries other sizes and measures them). None before any point was measured."""
+        if not self.points:
+            return None
+        if self._xy is None:
+            pts = sorted(self.points.values())
+            self._xy = np.array([x for x, _ in pts]), np.array([y for _, y in pts])
+        xs, ys = self._xy
+        sizes = np.asarray(sizes, dtype=np.float64)
+        if len(xs) == 1:
+            return ys[0] * np.minimum(1.0, sizes / xs[0])
+        low = ys[0] + max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)) * (sizes - xs[0])
+        high = ys[-1] + max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9)) * (sizes - xs[-1])
+        inside = np.interp(sizes, xs, ys)
+        return np.maximum(0.0, np.where(sizes < xs[0], low, np.where(sizes > xs[-1], high, inside)))
+
+    def slope(self, size: float) -> float:
+        """d seconds / d size near `size` (0 when unknown)."""
+        if not self.points:
+            return 0.0
+        a, b = self([size, size + 1])
+        return float(b - a)
 
 
-class StepCosts:
-    """Smoothed seconds of a drafting cycle and of a one-token step, per row count (costs grow with rows, and
-    differently: a verify of rows x block tokens against a step of rows tokens)."""
+class CostModel:
+    """An engine's measured cycle costs: the cycle without its draft (target forward, verify, commit) by tokens
+    verified, the draft by drafting rows."""
 
-    def __init__(self, smoothing: float = 0.2):
-        self.smoothing = smoothing
-        self.seconds: dict[tuple[int, bool], float] = {}
+    def __init__(self):
+        self.body, self.draft = Curve(), Curve()
 
-    @staticmethod
-    def bucket(rows: int) -> int:
-        """Row counts are pooled in powers of two (a served batch moves through every count)."""
-        return 1 << max(0, rows - 1).bit_length()
+    def record(self, t: CycleTiming) -> None:
+        self.body.record(t.verified_tokens, max(0.0, t.total_s - t.draft_s))
+        if t.drafting_rows:
+            self.draft.record(t.drafting_rows, t.draft_s)
 
-    def record(self, rows: int, drafted: bool, seconds: float) -> None:
-        key = (self.bucket(rows), drafted)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
-
-    def cycle_in_steps(self, rows: int) -> float | None:
-        """A drafting cycle's cost in one-token steps at this row count's bucket (None until both were measured
-        there: costs at other row counts say little, a verify grows with rows x block, a step with rows)."""
-        cycle, step = self.seconds.get((self.bucket(rows), True)), self.seconds.get((self.bucket(rows), False))
-        return cycle / step if cycle is not None and step else None
+    def cycle(self, rows: int, verified_tokens, drafting_rows):
+        """Predicted seconds of cycles (numbers or arrays of verified tokens and drafting rows); None while a part
+        they need was never measured."""
+        body = self.body(verified_tokens)
+        drafting_rows = np.asarray(drafting_rows)
+        draft = self.draft(np.maximum(drafting_rows, 1)) if self.draft.points else None
+        if body is None or (draft is None and drafting_rows.any()):
+            return None
+        return body + (np.where(drafting_rows > 0, draft, 0.0) if draft is not None else 0.0)
 
 
-class CostAwareFallback(MinTauFallback):
-    def __init__(self, costs: StepCosts):
+class AcceptancePriors:
+    """The engine-wide survival per draft position that new rows start from, one for greedy and one for sampled
+    rows, each a slow moving average over every row's drafts."""
+
+    def __init__(self, block_size: int):
+        self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
+        # one-token steps before a new row's first probe: doubles while that kind's probes lose (at temperature 1
+        # on a greedy-trained drafter they keep losing, and short requests would spend their drafts on probes)
+        self.first_run = {False: MIN_PLAIN_RUN, True: MIN_PLAIN_RUN}
+
+    def probed(self, sampled: bool, won: bool) -> None:
+        self.first_run[sampled] = MIN_PLAIN_RUN if won else min(2 * self.first_run[sampled], MAX_PLAIN_RUN)
+
+    def __getitem__(self, sampled: bool) -> np.ndarray:
+        return self.by_kind[sampled]
+
+    def update(self, sampled: bool, width: int, accepted: int) -> None:
+        prior = self.by_kind[sampled]
+        prior[:width - 1] += PRIOR_SMOOTHING * ((accepted > np.arange(width - 1)) - prior[:width - 1])
+
+
+@dataclass
+class RowAcceptance:
+    """One row's acceptance estimates and its probe schedule."""
+
+    survival: np.ndarray  # survival[i]: estimated P(draft i+1 is accepted), i = 0 .. k-1
+    sampled: bool = False  # temperature > 0 (which prior it learns into)
+    plain_steps: int = 0  # one-token steps since the row last drafted
+    plain_run: int = MIN_PLAIN_RUN  # one-token steps before the next probe
+    probing: bool = False
+    judged: np.ndarray | None = None  # the estimates a probe replaced by the prior (restored if it loses)
+
+    def gains(self, widths: np.ndarray) -> np.ndarray:
+        """Expected accepted drafts when verifying each of `widths` (> 1) tokens: survival summed over w - 1."""
+        return np.cumsum(self.survival)[widths - 2]
+
+    def update(self, width: int, accepted: int) -> None:
+        """Positions past the width were not verified: no evidence about them."""
+        seen = np.arange(width - 1)
+        self.survival[:width - 1] += SMOOTHING * ((accepted > seen) - self.survival[:width - 1])
+
+
+class FixedWidth:
+    """Every row verifies the full block every cycle."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def new_row(self, sampled: bool = False) -> None:
+        return None
+
+    def widths(self, rows: list) -> list[int]:
+        return [self.block_size] * len(rows)
+
+    def observe(self, rows: list, widths: list[int], accepted: list[int], timing: CycleTiming) -> None:
+        pass
+
+
+class AdaptiveWidth:
+    """Widths that maximise expected committed tokens per second; see the module docstring."""
+
+    def __init__(self, block_size: int, costs: CostModel, ragged: bool, priors: AcceptancePriors | None = None,
+                 choices: tuple[int, ...] | None = None):
+        self.block_size = block_size
         self.costs = costs
-        super().__init__(min_tau=1.0)
-        MinTauFallback.rows_joined(self)  # the one reset: at the start
+        self.ragged = ragged  # rows verify their own widths in one forward (else all are padded to the widest)
+        self.drafting_widths = np.array((choices or width_choices(block_size))[1:])
+        # the engine-wide priors of new rows (shared by the engine's batches when passed in)
+        self.priors = priors if priors is not None else AcceptancePriors(block_size)
+        self._plain_cycles_left, self._plain_rows = 0, 0  # a one-token-step plan kept while nothing changes
 
-    def rows_joined(self) -> None:
-        """Rows joining a served batch do not reset the judgment (under load they join every few cycles; the
-        batch's smoothed acceptance takes them in within a few cycles, and a fallback run still ends in a probe)."""
+    def new_row(self, sampled: bool = False) -> RowAcceptance:
+        self._plain_cycles_left = 0  # a row joins: plan afresh
+        return RowAcceptance(self.priors[sampled].copy(), sampled, plain_run=self.priors.first_run[sampled])
 
-    def observe(self, drafted: bool, tau: float, rows: int = 1, seconds: float | None = None) -> None:
-        if seconds is not None:
-            self.costs.record(rows, drafted, seconds)
-        ratio = self.costs.cycle_in_steps(rows)
-        if ratio is None:  # no one-token step measured at this row count yet: take one (after a few drafts at first)
-            if drafted:
-                self.recent_tau = tau if self.recent_drafts == 0 else 0.7 * self.recent_tau + 0.3 * tau
-                self.recent_drafts += 1
-                if self.recent_drafts >= MIN_DRAFTS_TO_JUDGE and self.plain_steps_left == 0:
-                    self.plain_steps_left = 1
-            else:
-                self.plain_steps_left -= 1
-            return
-        self.min_tau = max(1.0, ratio)
-        super().observe(drafted, tau)
+    # ---- the plan -------------------------------------------------------------------------------------------
+
+    def widths(self, rows: list[RowAcceptance]) -> list[int]:
+        n = len(rows)
+        probes = False
+        for r in rows:  # rows left at one-token steps long enough are probed: judged optimistically once
+            if r.plain_steps >= r.plain_run and not r.probing:
+                r.judged, r.survival, r.probing, probes = r.survival, initial_prior(self.block_size), True, True
+        if not self.costs.body.points:  # nothing measured yet: draft, then judge
+            return [self.block_size] * n
+        if not self.costs.body.known(n):  # a one-token step of this many rows was never measured
+            return [1] * n
+        if self._plain_cycles_left > 0 and self._plain_rows == n and not probes:
+            self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
+            return [1] * n
+        plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
+        drafting = bool((plan > 1).any())
+        self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
+        return plan.tolist()
+
+    def _plan(self, gains: np.ndarray) -> np.ndarray:
+        """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
+        accepted drafts of each row at each drafting width)."""
+        n, widths = len(gains), self.drafting_widths
+        plain_s = self.costs.cycle(n, n, 0)
+        plain_rate = n / plain_s if plain_s else 0.0
+        if not self.ragged:  # every row verifies the same width
+            seconds = self.costs.cycle(n, n * widths, np.full(len(widths), n))
+            if seconds is None:
+                return np.ones(n, dtype=np.int64)
+            rates = (n + gains.sum(axis=0)) / np.maximum(seconds, 1e-12)
+            j = int(rates.argmax())
+            return np.full(n, widths[j]) if rates[j] > plain_rate else np.ones(n, dtype=np.int64)
+        # the g rows that gain most at width w draft, the others take one-token steps: every (g, w) at once
+        order = np.argsort(-gains, axis=0, kind="stable")
+        gained = np.cumsum(np.take_along_axis(gains, order, axis=0), axis=0)  # [g - 1, widths]
+        g = np.arange(1, n + 1)[:, None]
+        seconds = self.costs.cycle(n, n + g * (widths - 1), g)
+        if seconds is None:
+            return np.ones(n, dtype=np.int64)
+        rates = (n + gained) / np.maximum(seconds, 1e-12)
+        gi, j = np.unravel_index(int(rates.argmax()), rates.shape)
+        best_rate = float(rates[gi, j])
+        if best_rate <= plain_rate:
+            return np.ones(n, dtype=np.int64)
+        plan = np.ones(n, dtype=np.int64)
+        plan[order[:gi + 1, j]] = widths[j]
+        # then each row takes the width whose expected accepted drafts best pay for its cost at that rate:
+        # max over w of gain(w) - rate x ((w - 1) x seconds per verified token + seconds per drafting row)
+        per_token = self.costs.body.slope(float(plan.sum()))
+        per_draft = self.costs.draft.slope(float(gi + 1))
+        net = gains - best_rate * ((widths - 1) * per_token + per_draft)
+        pick = net.argmax(axis=1)
+        refined = np.where(net[np.arange(n), pick] > 0, widths[pick], 1)
+        return refined if self._rate(gains, refined) > best_rate else plan
+
+    def _rate(self, gains: np.ndarray, plan: np.ndarray) -> float:
+        """Expected committed tokens per second of a ragged plan (0 while a cost it needs is unknown)."""
+        drafting = plan > 1
+        seconds = self.costs.cycle(len(plan), plan.sum(), drafting.sum())
+        if seconds is None or seconds <= 0:
+            return 0.0
+        columns = np.searchsorted(self.drafting_widths, plan[drafting])
+        return float((len(plan) + gains[drafting.nonzero()[0], columns].sum()) / seconds)
+
+    # ---- what happened ----------------------------------------------------------------------------------------
+
+    def observe(self, rows: list[RowAcceptance], widths: list[int], accepted: list[int], timing: CycleTiming) -> None:
+        self.costs.record(timing)
+        for r, w, a in zip(rows, widths, accepted):
+            if w == 1:
+                r.plain_steps += 1
+                continue
+            self.priors.update(r.sampled, w, a)
+            if r.probing:  # a probe that keeps at least half what the prior expects resumes drafting
+                r.probing = False
+                won = a >= 0.5 * float(r.survival[:w - 1].sum())
+                r.plain_run = MIN_PLAIN_RUN if won else min(2 * r.plain_run, MAX_PLAIN_RUN)
+                self.priors.probed(r.sampled, won)
+                if not won:  # back to what sent it to one-token steps, plus this evidence
+                    r.survival = r.judged
+            r.plain_steps = 0
+            r.update(w, a)
 
 
-def new_policy(min_tau: float | str | None, block_size: int, costs: StepCosts | None = None):
+DRAFT_POLICIES = ("adaptive", "fixed")
+
+
+def new_policy(name: str, block_size: int, costs: CostModel | None = None, ragged: bool = True,
+               priors: AcceptancePriors | None = None, choices: tuple[int, ...] | None = None):
     """The policy a new batch of an engine with these settings starts with."""
-    if min_tau is None or block_size <= 1:
-        return AlwaysDraft()
-    if min_tau == "auto":
-        return CostAwareFallback(costs if costs is not None else StepCosts())
-    return MinTauFallback(min_tau)
+    if name == "fixed" or block_size <= 1:
+        return FixedWidth(block_size)
+    return AdaptiveWidth(block_size, costs if costs is not None else CostModel(), ragged, priors, choices)

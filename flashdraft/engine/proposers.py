@@ -3,8 +3,11 @@ shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
 (`new_batch_state(buckets)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
-`join_rows(keep, add)` (rows [0, keep) stay, `add` new rows join below them) and `shrink(capacity)` (no row
+`merge(other, keep, add)` (rows [0, keep) stay, the `add` rows of `other`, a state of the same method, join below
+them) and `shrink(capacity)` (no row
 needs positions >= capacity any more); a state with a static cache pads it to `buckets.rows(live)` rows itself.
+A method with `needs_features` also takes `absorb(state, features, capacity, block_size)`: context to remember
+without drafting (a prefill's prompts, the queue of one-token steps' features).
 A method receives exactly what it declares: target features with `needs_features`, the committed tokens and
 request ids of each row with `needs_histories`.
 
@@ -46,9 +49,13 @@ class ProposalInput:
     histories: list[list[int]] | None = None  # with `needs_histories`: committed tokens per row, bonus included
     request_ids: list | None = None  # with `needs_histories`: the request id of each row
     # sampled rows under counter-based noise (`noise.py`): the noise of the k draft positions [b, k, V] (ones for
-    # greedy rows) and each row's temperature [b] (0 = greedy); None when every row is greedy or no noise is used
+    # greedy rows; None when every row is greedy or the sampler is rejection sampling); each row's temperature [b]
+    # (0 = greedy; None when every row is greedy)
     noise: torch.Tensor | None = None
     temperatures: torch.Tensor | None = None
+    # the rows that draft this cycle (indices into the batch's live rows; None: every row). bonus, positions,
+    # histories, request ids, noise and temperatures are the drafting rows'; new_features are every row's
+    draft_rows: torch.Tensor | None = None
 
 
 class NoRowState:
@@ -57,7 +64,7 @@ class NoRowState:
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
-    def join_rows(self, keep: int, add: int) -> None:
+    def merge(self, other: "NoRowState", keep: int, add: int) -> None:
         pass
 
     def shrink(self, capacity: int) -> None:
@@ -75,20 +82,30 @@ class NoProposer:
 
 
 class DraftRows:
-    """Batch state of `DFlashProposer`: the drafter's static context cache (allocated at the first draft), with
+    """Batch state of `DFlashProposer`: the drafter's static context cache (allocated at the first write), with
     `buckets.rows(live)` rows: the live ones, then padding."""
 
-    def __init__(self, buckets: RowBuckets):
+    def __init__(self, buckets: RowBuckets, new_cache):
         self.kv = None
         self.buckets = buckets
+        self.new_cache = new_cache  # (rows, capacity) -> the drafter's empty context cache
 
     def select_rows(self, rows: torch.Tensor) -> None:
         if self.kv is not None:
             self.kv.select_rows(self.buckets.padded_index(rows))
 
-    def join_rows(self, keep: int, add: int) -> None:
-        if self.kv is not None:
-            self.kv.join_rows(keep, self.buckets.rows(keep + add) - keep)
+    def merge(self, other: "DraftRows", keep: int, add: int) -> None:
+        """Our rows [0, keep), then other's `add` live rows with the context already written for them."""
+        pad = self.buckets.rows(keep + add) - keep - add
+        if other.kv is None:  # nothing written for the newcomers yet: fresh rows
+            if self.kv is not None:
+                self.kv.join_rows(keep, add + pad)
+            return
+        if other.kv.batch > add:
+            other.kv.select_rows(torch.arange(add, device=other.kv.keys[0].device))
+        if self.kv is None:  # nothing written for our rows yet: fresh rows above the newcomers'
+            self.kv = self.new_cache(keep, other.kv.capacity - 1)
+        self.kv.merge(other.kv, keep=keep, pad=pad)
 
     def shrink(self, capacity: int) -> None:
         """No row needs positions >= capacity any more."""
@@ -132,40 +149,57 @@ class DFlashProposer:
         self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None
 
     def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> DraftRows:
-        return DraftRows(buckets)
+        return DraftRows(buckets, self.drafter.new_cache)
 
-    def propose(self, state: DraftRows, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        dev = self.drafter.device
-        live = inp.bonus.shape[0]
+    def _context(self, state: DraftRows, new_features: Features, capacity: int):
+        """The drafter's cache sized for the batch (allocated at first use), and the new features padded to its
+        rows: (cache rows, features, positions, valid)."""
+        live = new_features.values.shape[0]
         b = state.buckets.rows(live)  # padding rows draft garbage that nobody reads
         if state.kv is None:
-            state.kv = self.drafter.new_cache(b, inp.capacity)
-        state.kv.ensure_capacity(inp.capacity + 1)  # + the scratch slot
-        context = inp.new_features if b == live else inp.new_features.pad_rows(b)
-        features, positions, valid = (t.to(dev) for t in context.astuple())
+            state.kv = state.new_cache(b, capacity)
+        state.kv.ensure_capacity(capacity + 1)  # + the scratch slot
+        context = new_features if b == live else new_features.pad_rows(b)
+        return (b, *(t.to(self.drafter.device) for t in context.astuple()))
+
+    def absorb(self, state: DraftRows, new_features: Features, capacity: int, block_size: int) -> None:
+        """Write queued context (the features of one-token steps) into the drafter's cache without drafting, so
+        the queue stays short while rows step."""
+        _, features, positions, valid = self._context(state, new_features, capacity)
+        if not self.compiled:
+            self.drafter.write_context(state.kv, features, positions, valid)
+            return
+        for chunk in _chunks(features, positions, valid, block_size):
+            self._write_step(state.kv, *chunk)
+
+    def propose(self, state: DraftRows, inp: ProposalInput,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        dev = self.drafter.device
+        live = inp.new_features.values.shape[0]  # every live row's new context is written, drafting or not
+        b, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
+        if inp.draft_rows is not None:  # some rows draft (eager: compiled steps draft every row)
+            if self.compiled:
+                raise RuntimeError("compiled drafting steps draft every row; draft_rows must be None")
+            self.drafter.write_context(state.kv, features, positions, valid)
+            rows = inp.draft_rows.to(dev)
+            drafting = len(rows)
+            block = torch.full((drafting, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
+            block[:, 0] = inp.bonus.to(dev)
+            noise, scale = _race_inputs(inp, 0, dev)
+            written = (t.index_select(0, rows)[:, :0] for t in (features, positions, valid))  # nothing more to write
+            drafts = self._draft_tokens(state.kv.gather_rows(rows, inp.context_len), *written, block,
+                                        inp.positions.to(dev), inp.context_len, noise, scale)
+            return self._proposal(drafts, drafting, inp.bonus.device)
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:live, 0] = inp.bonus.to(dev)
         block_positions = state.buckets.pad(inp.positions, b).to(dev)
-        noise = scale = None
-        if inp.noise is not None:  # padding rows: noise 1 and temperature 1 (their drafts are never read)
-            noise = torch.cat([inp.noise, inp.noise.new_ones((b - live, *inp.noise.shape[1:]))]).to(dev)
-        if inp.temperatures is not None:  # 1 / T per row (1 for greedy and padding rows; greedy rows draft argmax)
-            temps = inp.temperatures.to(dev, torch.float32)
-            scale = torch.cat([torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0), temps.new_ones(b - live)])
-            if noise is None:  # sampled rows without noise (rejection sampling): 0 marks the greedy ones
-                scale = torch.cat([torch.where(temps > 0, scale[:live], 0.0), scale[live:]])
+        noise, scale = _race_inputs(inp, b - live, dev)
         if not self.compiled:
             return self._proposal(self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
                                                      inp.context_len, noise, scale), live, inp.bonus.device)
         # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
         # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
-        pad = -features.shape[1] % block_size
-        if pad:
-            features = F.pad(features, (0, 0, 0, pad))
-            positions, valid = F.pad(positions, (0, pad)), F.pad(valid, (0, pad))
-        dense = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731  (same strides: no recompile)
-        chunks = [(dense(features[:, i:i + block_size]), dense(positions[:, i:i + block_size]),
-                   dense(valid[:, i:i + block_size])) for i in range(0, features.shape[1], block_size)]
+        chunks = _chunks(features, positions, valid, block_size)
         for chunk in chunks[:-1]:
             self._write_step(state.kv, *chunk)
         drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale)
@@ -198,3 +232,29 @@ class DFlashProposer:
         self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
         return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]
+
+
+def _race_inputs(inp: ProposalInput, padding_rows: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The drafting rows' noise [b, k, V] (padding rows: 1; None without noise) and 1 / T per row [b] (1 for greedy
+    and padding rows; with temperatures but no noise, rejection sampling, 0 marks the greedy rows; None when every
+    row is greedy)."""
+    noise = scale = None
+    if inp.noise is not None:
+        noise = torch.cat([inp.noise, inp.noise.new_ones((padding_rows, *inp.noise.shape[1:]))]).to(dev)
+    if inp.temperatures is not None:
+        temps = inp.temperatures.to(dev, torch.float32)
+        scale = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0 if noise is not None else 0.0)
+        scale = torch.cat([scale, temps.new_ones(padding_rows)])
+    return noise, scale
+
+
+def _chunks(features, positions, valid, size: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Context in chunks of `size` slots, the last padded with invalid slots (at least one chunk): one static shape
+    for compiled writes, whatever arrived."""
+    pad = -features.shape[1] % size or (size if features.shape[1] == 0 else 0)
+    if pad:
+        features = F.pad(features, (0, 0, 0, pad))
+        positions, valid = F.pad(positions, (0, pad)), F.pad(valid, (0, pad))
+    dense = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731  (same strides: no recompile)
+    return [(dense(features[:, i:i + size]), dense(positions[:, i:i + size]), dense(valid[:, i:i + size]))
+            for i in range(0, features.shape[1], size)]

@@ -3,6 +3,8 @@
     cache, logits, features = Cache.prefill(...)         the prompts; last-position logits, tapped features
     logits, features = cache.forward_block(block, positions, capture, end)
                                                           the target over one block per row (logits [b, w, V])
+    [(logits, features)] = cache.forward_ragged(groups, capture, end)
+                                                          fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
     cache.select_rows(idx) / cache.merge(other) / cache.shrink(capacity) / cache.num_rows
 
@@ -134,6 +136,12 @@ class StaticTargetKV:
         if rows > n:
             logits, features = logits[:n], (features[:n] if features is not None else None)
         return logits, features
+
+    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int):
+        """Rows of different widths in one eager forward (`FastTarget.forward_ragged`): groups of (live rows,
+        blocks [g, w], positions [g, w]); (logits, features) per group."""
+        self.kv.ensure_capacity(end)
+        return self.fast.forward_ragged(groups, self.kv, capture)
 
     def keep(self, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots

@@ -128,49 +128,98 @@ class FastTarget:
         mode for this call (`prefill` runs each row's prompt as an ordinary block).
         """
         exact = self.exact if exact is None else exact
-        project = per_token if exact else _call
         b, q = input_ids.shape
         key_len = key_len or kv.capacity
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+
+        def attend(i: int, qs, ks, vs):  # [b, q, heads, D], token-major
+            kv.write(i, positions, ks, vs)
+            keys, values = kv.keys[i][:, :key_len], kv.values[i][:, :key_len]
+            return self._attention(i, qs, keys, values, positions, mask, exact).reshape(b, q, -1)
+
+        x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, exact, capture)
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        return (per_token if exact else _call)(self.lm_head, x), features
+
+    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: StaticKV,
+                       capture: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
+        positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
+        packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
+        group over its rows' cache slots. Returns (logits [g, w, V], features [g, w, F] or None) per group."""
+        sizes = [ids.numel() for _, ids, _ in groups]
+        ids = torch.cat([ids.reshape(-1) for _, ids, _ in groups])[None]
+        positions = torch.cat([pos.reshape(-1) for _, _, pos in groups])[None]
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, positions)
+        spans = []  # per group: its cache rows (a slice when contiguous: no copy), key length, mask
+        for rows, _, pos in groups:
+            first = int(rows[0])
+            contiguous = torch.equal(rows, torch.arange(first, first + len(rows), device=rows.device))
+            key_len = int(pos.max()) + 1
+            mask = (torch.arange(key_len, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
+            spans.append((slice(first, first + len(rows)) if contiguous else rows, key_len, mask))
+
+        def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
+            out = []
+            for (rows, _, pos), (cache_rows, key_len, mask), q, k, v in zip(
+                    groups, spans, qs[0].split(sizes), ks[0].split(sizes), vs[0].split(sizes)):
+                g, w = pos.shape
+                kv.write(i, pos, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]), rows=rows)
+                keys, values = kv.keys[i][cache_rows, :key_len], kv.values[i][cache_rows, :key_len]
+                out.append(self._attention(i, q.view(g, w, *q.shape[1:]), keys, values, pos, mask, self.exact)
+                           .reshape(g * w, -1))
+            return torch.cat(out)[None]
+
+        x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, self.exact, capture)
+        logits = (per_token if self.exact else _call)(self.lm_head, x)[0].split(sizes)
+        features = features[0].split(sizes) if features is not None else [None] * len(groups)
+        return [(lg.view(*pos.shape, -1), f.view(*pos.shape, -1) if f is not None else None)
+                for lg, f, (_, _, pos) in zip(logits, features, groups)]
+
+    def _attention(self, i: int, qs, keys, values, positions, mask, exact: bool) -> torch.Tensor:
+        """Causal attention of queries [b, q, heads, D] over cached keys/values [b, k, kv_heads, D]; the output
+        token-major [b, q, heads, D]."""
+        attn = self.layers[i].self_attn
+        qs, keys, values = qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        gqa = self.num_heads != self.num_kv_heads
+        if exact:
+            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa)
+        else:
+            out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    def _layers(self, x, cos, sin, attend, exact: bool, capture: bool):
+        """The decoder layers over token-major hidden states x [..., H] (cos/sin [..., 1, D]); `attend` writes the
+        layer's K/V and attends. Returns the final-normed hidden states and the tapped features (or None)."""
+        project = per_token if exact else _call
         taps = self.target.layer_ids if capture else []
         captured = {}
         last = len(self.layers) - 1
+        shape = x.shape[:-1]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             qs, ks, vs = self._qkv(i, h, project)
-            qs = qs.view(b, q, self.num_heads, self.head_dim)
-            ks = ks.view(b, q, self.num_kv_heads, self.head_dim)
-            vs = vs.view(b, q, self.num_kv_heads, self.head_dim)
+            qs = qs.view(*shape, self.num_heads, self.head_dim)
+            ks = ks.view(*shape, self.num_kv_heads, self.head_dim)
+            vs = vs.view(*shape, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)
             qs = qs * cos + rotate_half(qs) * sin
             ks = ks * cos + rotate_half(ks) * sin
-            kv.write(i, positions, ks.transpose(1, 2), vs)
-            keys = kv.keys[i][:, :key_len].transpose(1, 2)
-            values = kv.values[i][:, :key_len].transpose(1, 2)
-            gqa = self.num_heads != self.num_kv_heads
-            if exact:
-                out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa)
-            else:
-                out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
-                                                     enable_gqa=gqa)
-            x = x + project(attn.o_proj, out.transpose(1, 2).reshape(b, q, -1))
+            x = x + project(attn.o_proj, attend(i, qs, ks, vs))
             x = x + self._mlp(i, layer.post_attention_layernorm(x), project)
             if i in taps and i != last:
                 captured[i] = x
         x = self.norm(x)
         if last in taps:
             captured[last] = x  # transformers' hidden_states[L] is after the final norm
-        if logit_index is not None:
-            x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        logits = project(self.lm_head, x)
-        features = torch.cat([captured[i] for i in taps], dim=-1) if taps else None
-        return logits, features
+        return x, (torch.cat([captured[i] for i in taps], dim=-1) if taps else None)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StaticKV, lengths: torch.Tensor,
                 capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

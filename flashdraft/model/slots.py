@@ -40,17 +40,27 @@ class StaticKV:
     def batch(self) -> int:
         return self.keys[0].shape[0]
 
-    def write(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store keys/values [b, n, kv_heads, head_dim] of layer `layer` at slots `positions` [b, n]."""
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.keys[layer][rows, positions] = keys
-        self.values[layer][rows, positions] = values
+    def write(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """Store keys/values [b, n, kv_heads, head_dim] of layer `layer` at slots `positions` [b, n] of rows `rows`
+        [b] (default: rows 0 .. b-1)."""
+        if rows is None:
+            rows = torch.arange(positions.shape[0], device=positions.device)
+        self.keys[layer][rows[:, None], positions] = keys
+        self.values[layer][rows[:, None], positions] = values
 
     def row(self, r: int) -> "StaticKV":
         """Row r alone, as a cache of one row sharing this one's memory (writes go through)."""
         view = StaticKV.__new__(StaticKV)
         view.keys = [t[r:r + 1] for t in self.keys]
         view.values = [t[r:r + 1] for t in self.values]
+        return view
+
+    def gather_rows(self, rows: torch.Tensor, length: int) -> "StaticKV":
+        """Slots [0, length) of rows `rows`, copied into a cache of their own (for reading only)."""
+        view = StaticKV.__new__(StaticKV)
+        view.keys = [t[rows, :length] for t in self.keys]
+        view.values = [t[rows, :length] for t in self.values]
         return view
 
     def _replace(self, fn) -> None:

@@ -2,10 +2,13 @@
 
 Speculative decoding (counted per verify cycle, live, as vLLM does):
   spec_decode_num_drafts                      cycles that verified a draft block
-  spec_decode_num_draft_tokens                drafted tokens (block_size - 1 per cycle)
-  spec_decode_num_accepted_tokens             drafted tokens the target accepted
+  spec_decode_num_draft_tokens                draft tokens the target verified (w - 1 in a cycle of width w)
+  spec_decode_num_accepted_tokens             draft tokens the target accepted
   spec_decode_num_accepted_tokens_per_pos     accepted drafts by position in the block (label `position`, 0-based)
   => mean acceptance length tau = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
+  spec_decode_num_proposed_tokens             tokens the drafter proposed (block_size - 1 per drafting cycle; the
+                                              draft policy verifies a prefix of them)
+  spec_decode_num_one_token_steps             cycles a request decoded one token without a draft (policy's choice)
 Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / generation_tokens (counters),
 request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, and histograms
 e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds.
@@ -38,6 +41,9 @@ class Metrics:
         self._num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts (verify cycles).")
         self._draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens proposed.")
         self._accepted = counter("spec_decode_num_accepted_tokens", "Number of draft tokens accepted.")
+        self._proposed = counter("spec_decode_num_proposed_tokens", "Number of tokens the drafter proposed.")
+        self._one_token_steps = counter("spec_decode_num_one_token_steps",
+                                        "Decoding steps of one token without a draft (the draft policy's choice).")
         self._accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by position in the block.", ["position"])
         self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -64,11 +70,16 @@ class Metrics:
         self.kv_budget = self._kv_budget.labels(model_name)
         self.ttft = self._ttft.labels(model_name)
         self._block_size = 0
-        for c in (self._num_drafts, self._draft_tokens, self._accepted):  # present (at zero) from the start
+        for c in (self._num_drafts, self._draft_tokens, self._accepted, self._proposed, self._one_token_steps):
+            # present (at zero) from the start
             c.labels(model_name)
 
-    def count_drafts(self, acceptance_lengths: list[int], block_size: int) -> None:
-        """Add verify cycles; acceptance length a means a - 1 drafts accepted (positions 0 .. a - 2)."""
+    def count_drafts(self, acceptance_lengths: list[int], verify_widths: list[int], block_size: int,
+                     one_token_steps: int = 0) -> None:
+        """Add verify cycles (acceptance length a: a - 1 drafts accepted, positions 0 .. a - 2; width w: w - 1
+        drafts verified) and one-token steps."""
+        if one_token_steps:
+            self._one_token_steps.labels(self.model_name).inc(one_token_steps)
         if not acceptance_lengths:
             return
         k = block_size - 1
@@ -81,7 +92,8 @@ class Metrics:
             for pos in range(a - 1):
                 per_pos[pos] += 1
         self._num_drafts.labels(self.model_name).inc(len(acceptance_lengths))
-        self._draft_tokens.labels(self.model_name).inc(k * len(acceptance_lengths))
+        self._draft_tokens.labels(self.model_name).inc(sum(w - 1 for w in verify_widths))
+        self._proposed.labels(self.model_name).inc(k * len(acceptance_lengths))
         self._accepted.labels(self.model_name).inc(sum(per_pos))
         for pos, n in enumerate(per_pos):
             if n:

@@ -380,13 +380,16 @@ def _shown(value: Any) -> str:
 
 
 def dflash_stats(stats, block_size: int) -> dict:
-    """The acceptance statistics carried by every response (vLLM's counting: drafts, draft/accepted tokens)."""
+    """The acceptance statistics carried by every response (vLLM's counting: drafts, draft/accepted tokens), and
+    what the draft policy chose: the width verified by each drafting cycle, the one-token steps."""
     k = max(0, block_size - 1)
     drafts = stats.num_drafts if k else 0
     return {
         "tau": round(stats.tau, 4) if k else 1.0,
         "drafts": drafts,
-        "draft_tokens": drafts * k,
+        "draft_tokens": stats.drafted_tokens if k else 0,
+        "verify_widths": list(stats.verify_widths) if k else [],
+        "one_token_steps": stats.plain_steps if k else 0,
         "accepted_tokens": stats.num_accepted_tokens if k else 0,
         "acceptance_histogram": stats.histogram if k else [],
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance] if k else [],
@@ -436,6 +439,8 @@ _STATS = {"type": "object",
                        "per_position_acceptance", "block_size"],
           "properties": {"tau": {"type": "number", "minimum": 0}, "drafts": {"type": "integer", "minimum": 0},
                          "draft_tokens": {"type": "integer", "minimum": 0},
+                         "verify_widths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
+                         "one_token_steps": {"type": "integer", "minimum": 0},
                          "accepted_tokens": {"type": "integer", "minimum": 0},
                          "acceptance_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                          "per_position_acceptance": {"type": "array", "items": {"type": "number"}},

@@ -68,7 +68,8 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     stats: object = None  # the engine's RequestStats of this request, once admitted
-    counted_cycles: int = 0  # cycles already added to the spec-decode counters
+    counted_cycles: int = 0  # drafting cycles already added to the spec-decode counters
+    counted_steps: int = 0  # one-token steps already added
 
 
 class Scheduler:
@@ -287,10 +288,12 @@ class Scheduler:
     def _count_cycles(self, req: Request) -> None:
         if self.metrics is None or req.stats is None:
             return
-        lengths = req.stats.acceptance_lengths
+        stats = req.stats
         if self.engine.block_size > 1:
-            self.metrics.count_drafts(lengths[req.counted_cycles:], self.engine.block_size)
-        req.counted_cycles = len(lengths)
+            self.metrics.count_drafts(stats.acceptance_lengths[req.counted_cycles:],
+                                      stats.verify_widths[req.counted_cycles:], self.engine.block_size,
+                                      stats.plain_steps - req.counted_steps)
+        req.counted_cycles, req.counted_steps = len(stats.acceptance_lengths), stats.plain_steps
 
     def _count_finish(self, req: Request, reason: str, output_tokens: int) -> None:
         if self.metrics is not None:

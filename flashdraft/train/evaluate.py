@@ -3,7 +3,8 @@
 `evaluate_tau` runs greedy speculative generation of the drafter against the target on the given prompts and
 aggregates over all draft cycles: tau (mean acceptance length, the bonus token counted) and the per-position
 acceptance rate, as docs/design.md, 'Benchmark conventions' defines them (vLLM's conventions). Greedy output is
-the target's own, so this measures the drafter only.
+the target's own, and the fixed draft policy verifies the whole block every cycle (no timing-dependent one-token
+steps), so this measures the drafter only.
 
 What this module does not know about: training state; it leaves the drafter in the train/eval mode it found.
 """
@@ -25,7 +26,7 @@ def evaluate_tau(target, drafter, prompts: list[list[int]], max_new_tokens: int 
     try:
         # closed at the end: an evaluation every few hundred steps must not pile hooks up on the target (a shared
         # `TargetModel`, as the trainer's, gets its layer ids back)
-        with SpecEngine(target, drafter) as engine:
+        with SpecEngine(target, drafter, draft_policy="fixed") as engine:
             params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids))
             for start in range(0, len(prompts), batch_size):
                 for res in engine.generate(prompts[start:start + batch_size], params):

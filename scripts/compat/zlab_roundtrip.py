@@ -126,7 +126,7 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
     DFlashProposer.propose = record
     results = []
     try:
-        engine = SpecEngine(target, drafter)
+        engine = SpecEngine(target, drafter, draft_policy="fixed")  # cycle by cycle, as their loop drafts
         for prompt in prompts:
             drafts.clear()
             res = engine.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]

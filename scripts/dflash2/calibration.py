@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         return 2
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=0)
-    with SpecEngine(target, drafter, tokenizer) as engine:
+    with SpecEngine(target, drafter, tokenizer, draft_policy="fixed") as engine:
         engine.proposer.confidence = True
         selector, marginal, accepted, taus = collect(engine, prompts, params)
     report = {"target": args.target, "draft": args.draft, "prompts": len(prompts), "temperature": args.temperature,

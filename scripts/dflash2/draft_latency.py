@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                            conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in load_heldout_prompts(args.prompts)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engines = {name: SpecEngine(target, d, tokenizer, compile=args.compile, profile=True)
+    engines = {name: SpecEngine(target, d, tokenizer, compile=args.compile, profile=True, draft_policy="fixed")
                for name, d in (("dflash", dflash1), ("dflash2", dflash2))}
     for engine in engines.values():  # warm-up (and compile)
         engine.generate(prompts[:1], params)

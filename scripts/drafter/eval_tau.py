@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     label = args.label or (args.draft or "shipped drafter") + (f", draft vocab {args.draft_vocab_size}"
                                                               if args.draft_vocab_size else "")
     cells = build_cells(tokenizer, args.num, lengths)
-    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size))
+    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size, draft_policy="fixed"))
     t0 = time.perf_counter()
     results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         ap.error(f"--sizes must lie in [1, {vocab}]")
     counts = response_counts(args.vocab_data, tokenizer, vocab)
     drafters = {n: drafter if n == vocab else restrict_vocab(drafter, target, counts, n) for n in sizes}
-    engines = {n: SpecEngine(target, d, tokenizer, EngineConfig(block_size=16)) for n, d in drafters.items()}
+    config = EngineConfig(block_size=16, draft_policy="fixed")  # every cycle drafts: tau of the drafter alone
+    engines = {n: SpecEngine(target, d, tokenizer, config) for n, d in drafters.items()}
     draft_ms = draft_step_ms(engines, args.context, args.reps)
     coverage = {n: float(counts[torch.sort(-counts, stable=True).indices[:n]].sum() / counts.sum()) for n in sizes}
     rows = []

@@ -111,7 +111,7 @@ def probe_ours(args) -> int:
         torch.set_num_threads(args.threads)
     target, tok, drafter = load_pair(args.target, args.draft, "cpu", None, None)
     ids = tok(load_heldout_prompts(1)[0], add_special_tokens=False)["input_ids"]
-    engine = SpecEngine(target, drafter, tok)
+    engine = SpecEngine(target, drafter, tok, draft_policy="fixed")  # every cycle drafts: their loop's kernels
     _mark(PROBE_MARK)  # count the decode only, not the loading and packing
     engine.generate([ids], SamplingParams(max_new_tokens=32, stop_token_ids=()))
     return 0

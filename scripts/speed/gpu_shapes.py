@@ -111,7 +111,7 @@ def measure_tau(device: str, num_prompts: int) -> float:
 
     model, tok, drafter = load_pair(device=device, dtype="float32")
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(num_prompts)]
-    results = SpecEngine(model, drafter).generate(prompts, SamplingParams(max_new_tokens=128,
+    results = SpecEngine(model, drafter, draft_policy="fixed").generate(prompts, SamplingParams(max_new_tokens=128,
                                                                           stop_token_ids=(tok.eos_token_id,)))
     lengths = [a for r in results for a in r.stats.acceptance_lengths]
     return sum(lengths) / len(lengths)

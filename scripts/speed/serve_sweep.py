@@ -1,0 +1,195 @@
+"""DFlash against plain decoding as users meet it: two `flashdraft serve` processes (drafting, and `--no-draft`),
+a concurrency sweep at temperature 0 and 1 on the shipped pair's held-out prompts and on out-of-domain code
+(cut from installed packages' sources, half ending mid-line, half at a line start), and batch 1 with another
+process keeping one core busy. Every cell is one `flashdraft bench --server` level, the two servers interleaved
+level by level; the ratio is DFlash's output tokens per second over plain decoding's.
+
+    python scripts/speed/serve_sweep.py                        # the full table (about 15 minutes on 2 cores)
+    python scripts/speed/serve_sweep.py --concurrency 1,16 --temperatures 0 --serve-args="--draft-policy fixed"
+
+Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-args` go to the drafting server
+only (e.g. `--draft-policy fixed` for the fixed-block behaviour).
+
+What this script does not know about: how the servers decode (it only starts them and speaks HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.bench.server import run_servers
+
+SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path):
+    """A `flashdraft serve` process on a free port; yields its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), "--threads", str(threads),
+           "--max-batch-size", str(max_batch), "--max-queue", str(4 * max_batch), "--log-level", "warning", *extra]
+    log = open(log_dir / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} server exited with {proc.returncode}: see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise RuntimeError(f"{name} server not ready after 300 s: see {log.name}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool):
+    """Another process keeping one core busy (a batch job, a second service) while the cell runs."""
+    if not enabled:
+        yield
+        return
+    stop = multiprocessing.Event()
+    proc = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        proc.join(timeout=5)
+
+
+def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int) -> dict:
+    """One cell: both servers at one concurrency level, `rounds` alternating rounds; throughputs summed."""
+    tokens = {name: 0 for name in urls}
+    seconds = {name: 0.0 for name in urls}
+    extra = {}
+    for r in range(rounds):
+        order = list(urls.items()) if r % 2 == 0 else list(urls.items())[::-1]
+        res = run_servers([f"{n}={u}" for n, u in order], prompts, [concurrency], max_tokens=max_tokens,
+                          temperature=temperature, seed=0, ignore_eos=True)["servers"]
+        for name, srv in res.items():
+            level = srv["levels"][0]
+            if level["errors"]:
+                raise RuntimeError(f"{name}: {level['errors']} failed requests at concurrency {concurrency}")
+            tokens[name] += level["output_tokens"]
+            seconds[name] += level["wall_s"]
+            if name == "dflash":
+                extra = {k: level.get(k) for k in ("tau", "mismatches")}
+    tps = {name: tokens[name] / seconds[name] for name in urls}
+    return {"dflash_tok_s": round(tps["dflash"], 1), "ar_tok_s": round(tps["ar"], 1),
+            "ratio": round(tps["dflash"] / tps["ar"], 3), **extra}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,4,16,32,64")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets among {list(SETS)}")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per set (each dataset of a set shares them)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per cell")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server")
+    p.add_argument("--no-busy", action="store_true", help="skip the batch-1 cell beside a busy core")
+    p.add_argument("--serve-args", default="", help="extra flags for the drafting server")
+    p.add_argument("--output-dir", default="runs/serve_sweep")
+    args = p.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    sets = args.sets.split(",")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = {}
+    for s in sets:
+        per = max(1, args.num_prompts // len(SETS[s]))
+        prompts[s] = [q for spec in SETS[s] for q in load_prompts(spec, per)]
+    max_batch = max(concurrencies)
+    cells = []
+    with server("dflash", shlex.split(args.serve_args), args.threads, max_batch, out) as dflash_url, \
+            server("ar", ["--no-draft"], args.threads, max_batch, out) as ar_url:
+        urls = {"dflash": dflash_url, "ar": ar_url}
+        plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
+        if not args.no_busy:
+            plan += [(s, t, 1, True) for t in temperatures for s in sets]
+        for i, (s, t, c, busy) in enumerate(plan, 1):
+            started = time.time()
+            with busy_core(busy):
+                result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds)
+            row = {"set": s, "temperature": t, "concurrency": c, "busy_core": busy, **result}
+            cells.append(row)
+            print(f"[{i}/{len(plan)}] {s:13s} T={t:g} conc={c:3d}{' busy' if busy else '     '} "
+                  f"ratio {row['ratio']:.2f}x (dflash {row['dflash_tok_s']:.0f} / plain {row['ar_tok_s']:.0f} tok/s, "
+                  f"tau {row.get('tau')}) [{time.time() - started:.0f} s]", flush=True)
+            (out / "results.json").write_text(json.dumps({"argv": sys.argv, "cells": cells}, indent=1))
+    write_table(cells, concurrencies, temperatures, sets, out)
+    return 0
+
+
+def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
+    lines = ["| set | temperature | " + " | ".join(f"conc {c}" for c in concurrencies) + " | batch 1, busy core |",
+             "|---|---|" + "---|" * (len(concurrencies) + 1)]
+    for s in sets:
+        for t in temperatures:
+            row = {(c["concurrency"], c["busy_core"]): c for c in cells if c["set"] == s and c["temperature"] == t}
+            vals = [f"{row[(c, False)]['ratio']:.2f}x" if (c, False) in row else "" for c in concurrencies]
+            busy = f"{row[(1, True)]['ratio']:.2f}x" if (1, True) in row else ""
+            lines.append(f"| {s} | {t:g} | " + " | ".join(vals) + f" | {busy} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in sets:
+        for t in temperatures:
+            pts = sorted((c["concurrency"], c["ratio"]) for c in cells
+                         if c["set"] == s and c["temperature"] == t and not c["busy_core"])
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{s}, T={t:g}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("DFlash / plain decoding throughput")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "ratio.png", dpi=120)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
