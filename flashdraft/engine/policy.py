@@ -13,14 +13,15 @@ created by `new_row()` and travels with the row.
     verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
     drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
     row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
-    new row waits as long as recent probes of its kind suggest):
-    judged by the optimistic starting prior once, so it drafts again where drafting could pay and its own
-    acceptance decides; a request whose drafts recover is drafting again within a few cycles.
+    new row waits as long as recent probes of its kind suggest): judged by the optimistic starting prior once,
+    so it drafts again where drafting could pay and its own acceptance decides; a request whose drafts recover
+    is drafting again within a few cycles.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
     verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
     the number of drafting rows, each an exponential moving average per power-of-two bucket, interpolated
     between buckets. A bucket not measured for a while is forgotten (the plan then tries it again), so one bad
-    timing cannot keep a width out for good. Nothing is hard-coded: a busy machine or a GPU gets its own curves within a few cycles.
+    timing cannot keep a width out for good. Nothing is hard-coded: a busy machine or a GPU gets its own curves
+    within a few cycles.
   With ragged verification (the fast target path, eager) each row gets its own width: the plan starts from the
   best batch-wide width and then lets every row take the width that pays at the batch's throughput (one
   Dinkelbach step on the linearised cost). Where one forward pads every row to the widest one (compiled steps,
