@@ -154,34 +154,32 @@ def restrict_vocab(drafter, target, counts, size: int):
     return restrict_drafter(drafter, target.get_output_embeddings().weight, select_draft_vocab(counts, size))
 
 
-def markdown(results: dict, lengths: list[str], label: str) -> str:
-    lines = [f"greedy tau per prompt, {label}: min / p10 / median / mean (pooled)", "",
-             "| set | ending | " + " | ".join(lengths) + " |", "|---|---|" + "---|" * len(lengths)]
+def cell_table(title: str, lengths: list[str], cell) -> str:
+    """Markdown: one row per (set, ending), one column per length, `cell(key)` -> text ("-" when it is None)."""
+    lines = [title, "", "| set | ending | " + " | ".join(lengths) + " |", "|---|---|" + "---|" * len(lengths)]
     for name in SETS:
         for ending in ENDINGS:
-            row = []
-            for length in lengths:
-                r = results.get(f"{name}|{ending}|{length}")
-                row.append("-" if r is None else
-                           f"{r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / **{r['mean']:.2f}** ({r['pooled']:.2f})")
+            row = [cell(f"{name}|{ending}|{length}") or "-" for length in lengths]
             lines.append(f"| {name} | {ending} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
+def markdown(results: dict, lengths: list[str], label: str) -> str:
+    def cell(key):
+        r = results.get(key)
+        return r and f"{r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / **{r['mean']:.2f}** ({r['pooled']:.2f})"
+
+    return cell_table(f"greedy tau per prompt, {label}: min / p10 / median / mean (pooled)", lengths, cell)
+
+
 def comparison(before: dict, after: dict) -> str:
     """Markdown: mean and p10 per cell, `before` -> `after` (two results.json of this script)."""
-    lengths = [x for x in before["lengths"] if x in after["lengths"]]
-    lines = [f"greedy tau per prompt, mean (p10): {before['label']} -> {after['label']}", "",
-             "| set | ending | " + " | ".join(lengths) + " |", "|---|---|" + "---|" * len(lengths)]
-    for name in SETS:
-        for ending in ENDINGS:
-            cells = []
-            for length in lengths:
-                a, b = (r["cells"].get(f"{name}|{ending}|{length}") for r in (before, after))
-                cells.append("-" if a is None or b is None else
-                             f"{a['mean']:.2f} ({a['p10']:.2f}) -> **{b['mean']:.2f}** ({b['p10']:.2f})")
-            lines.append(f"| {name} | {ending} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    def cell(key):
+        a, b = before["cells"].get(key), after["cells"].get(key)
+        return a and b and f"{a['mean']:.2f} ({a['p10']:.2f}) -> **{b['mean']:.2f}** ({b['p10']:.2f})"
+
+    return cell_table(f"greedy tau per prompt, mean (p10): {before['label']} -> {after['label']}",
+                      [x for x in before["lengths"] if x in after["lengths"]], cell)
 
 
 def plot(results: dict, lengths: list[str], label: str, path: Path) -> None:
