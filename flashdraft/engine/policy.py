@@ -12,10 +12,9 @@ created by `new_row()` and travels with the row.
     moving average of what the row's drafts showed, censored at the width it verified (positions it did not
     verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
     drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
-    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
-    new row waits as long as recent probes of its kind suggest): judged by the optimistic starting prior once,
-    so it drafts again where drafting could pay and its own acceptance decides; a request whose drafts recover
-    is drafting again within a few cycles.
+    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing):
+    judged by the optimistic starting prior once, so it drafts again where drafting could pay and its own
+    acceptance decides; a request whose drafts recover is drafting again within a few cycles.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
     verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
     the number of drafting rows, each an exponential moving average per power-of-two bucket, interpolated
@@ -162,12 +161,6 @@ class AcceptancePriors:
 
     def __init__(self, block_size: int):
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
-        # one-token steps before a new row's first probe: doubles while that kind's probes lose (at temperature 1
-        # on a greedy-trained drafter they keep losing, and short requests would spend their drafts on probes)
-        self.first_run = {False: MIN_PLAIN_RUN, True: MIN_PLAIN_RUN}
-
-    def probed(self, sampled: bool, won: bool) -> None:
-        self.first_run[sampled] = MIN_PLAIN_RUN if won else min(2 * self.first_run[sampled], MAX_PLAIN_RUN)
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
@@ -229,7 +222,7 @@ class AdaptiveWidth:
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         self._plain_cycles_left = 0  # a row joins: plan afresh
-        return RowAcceptance(self.priors[sampled].copy(), sampled, plain_run=self.priors.first_run[sampled])
+        return RowAcceptance(self.priors[sampled].copy(), sampled)
 
     # ---- the plan -------------------------------------------------------------------------------------------
 
@@ -309,7 +302,6 @@ class AdaptiveWidth:
                 r.probing = False
                 won = a >= 0.5 * float(r.survival[:w - 1].sum())
                 r.plain_run = MIN_PLAIN_RUN if won else min(2 * r.plain_run, MAX_PLAIN_RUN)
-                self.priors.probed(r.sampled, won)
                 if not won:  # back to what sent it to one-token steps, plus this evidence
                     r.survival = r.judged
             r.plain_steps = 0
