@@ -8,25 +8,18 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3ForCausalLM
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.loading import load_drafter
 from flashdraft.model import DFlash2DraftModel, make_dflash2_config
-from flashdraft.train.anchors import build_blocks, pad_anchors
 from flashdraft.train.data import Example
 from flashdraft.train.masks import training_mask
 from flashdraft.train.selector import previous_tokens, selector_loss
-from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config
+from flashdraft.train.synthetic import BOS, MASK, progression
 from flashdraft.train.trainer import TrainConfig, Trainer, check_config
+from training_pass import assert_blocks_decode_as_trained, one_sequence, tiny_target
 
 torch.set_num_threads(1)
-
-
-def _target():
-    torch.manual_seed(0)
-    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
-    return Qwen3ForCausalLM(cfg).eval()
 
 
 def _drafter(target, block=4):
@@ -43,25 +36,14 @@ def _drafter(target, block=4):
 
 
 def test_training_pass_equals_decoding_per_block():
-    target = _target().double()
+    target = tiny_target().double()
     drafter = _drafter(target).double().eval()
-    t, block = 40, 4
-    ids = torch.randint(3, 60, (1, t))
-    feats = torch.randn(1, t, len(drafter.target_layer_ids) * 32, dtype=torch.float64)
-    anchors, anchor_valid = pad_anchors([torch.tensor([3, 11, 20, 33])])
-    blk = build_blocks(ids, torch.ones(1, t, dtype=torch.bool), anchors, anchor_valid, block, MASK)
-    noise = drafter.embed(blk.block_ids, target.get_input_embeddings().weight)
-    valid = torch.ones(1, t, dtype=torch.bool)
-    ctx_pos = torch.arange(t)[None]
-    mask = training_mask("sdpa", anchors, valid, block, False)
+    block = 4
+    seq = one_sequence(drafter, target, 40, [3, 11, 20, 33], block)
+    mask = training_mask("sdpa", seq.anchors, seq.valid, block, False)
     with torch.no_grad():
-        trained = drafter(noise, blk.position_ids, feats, ctx_pos, valid, mask)
-        for j, a in enumerate(anchors[0].tolist()):
-            cache = drafter.new_cache(1, t + block)
-            drafter.write_context(cache, feats[:, :a], ctx_pos[:, :a], valid[:, :a])
-            span = slice(j * block, (j + 1) * block)
-            decoded = drafter.draft(cache, noise[:, span], blk.position_ids[:, span])
-            assert torch.allclose(trained[:, span], decoded, atol=1e-10), j
+        trained = drafter(seq.noise, seq.position_ids, seq.feats, seq.ctx_pos, seq.valid, mask)
+        assert_blocks_decode_as_trained(drafter, seq, trained, block)
 
 
 def test_selector_loss_is_teacher_forced_and_trains_the_pair_term():
@@ -70,7 +52,7 @@ def test_selector_loss_is_teacher_forced_and_trains_the_pair_term():
     offset = torch.arange(4).repeat(2)[None]
     prev = previous_tokens(block_ids, labels, offset)
     assert prev[0, [1, 2, 3, 5, 6, 7]].tolist() == [7, 11, 12, 9, 21, 22]
-    target = _target()
+    target = tiny_target()
     drafter = _drafter(target)
     hidden = torch.randn(1, 8, 32, requires_grad=True)
     weights = (offset > 0).float()
@@ -98,7 +80,7 @@ def _examples():
 
 
 def test_dflash2_trains_exports_zlabs_layout_and_drafts_losslessly(tmp_path):
-    target = _target()
+    target = tiny_target()
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=2, mask_token_id=MASK,
                       num_anchors=8, lr=3e-3, max_length=64, batch_size=4, max_steps=12, progress=False,
                       eval_at_start=False, seed=0, save_every=12, arch="dflash2", selector_rank=4, selector_top_k=4,

@@ -4,50 +4,33 @@ cache + `draft`) gives it, and a short training run exports a drafter whose laye
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
-from flashdraft.train.anchors import build_blocks, pad_anchors
 from flashdraft.train.data import Example
 from flashdraft.train.masks import training_mask
-from flashdraft.train.synthetic import BOS, MASK, progression, tiny_target_config
+from flashdraft.train.synthetic import BOS, MASK, progression
 from flashdraft.train.trainer import TrainConfig, Trainer, check_config
+from training_pass import assert_blocks_decode_as_trained, one_sequence, tiny_target
 
 torch.set_num_threads(1)
 SLIDING = ["sliding_attention", "full_attention"]
 
 
-def _target():
-    torch.manual_seed(0)
-    cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1, num_layers=4)
-    return Qwen3ForCausalLM(cfg).eval()
-
-
 def test_training_pass_equals_decoding_over_a_long_context():
-    target = _target().double()
+    target = tiny_target().double()
     torch.manual_seed(1)
     drafter = DFlashDraftModel(make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK,
                                                  layer_types=SLIDING, sliding_window=6)).double().eval()
     assert [layer.self_attn.sliding_window for layer in drafter.layers] == [6, None]
-    t, block = 72, 4  # a context twelve windows long
-    ids = torch.randint(3, 60, (1, t))
-    feats = torch.randn(1, t, len(drafter.target_layer_ids) * 32, dtype=torch.float64)
-    anchors, anchor_valid = pad_anchors([torch.tensor([3, 20, 41, 66])])
-    blk = build_blocks(ids, torch.ones(1, t, dtype=torch.bool), anchors, anchor_valid, block, MASK)
-    noise = drafter.embed(blk.block_ids, target.get_input_embeddings().weight)
-    valid = torch.ones(1, t, dtype=torch.bool)
-    ctx_pos = torch.arange(t)[None]
+    block = 4
+    seq = one_sequence(drafter, target, 72, [3, 20, 41, 66], block)  # a context twelve windows long
     kinds = {(layer.self_attn.sliding_window, layer.self_attn.is_causal) for layer in drafter.layers}
-    masks = {k: training_mask("sdpa", anchors, valid, block, k[1], k[0]) for k in kinds}
+    masks = {k: training_mask("sdpa", seq.anchors, seq.valid, block, k[1], k[0]) for k in kinds}
     with torch.no_grad():
-        trained = drafter(noise, blk.position_ids, feats, ctx_pos, valid, masks)
-        full = drafter(noise, blk.position_ids, feats, ctx_pos, valid, {k: masks[(None, False)] for k in kinds})
-        for j, a in enumerate(anchors[0].tolist()):
-            cache = drafter.new_cache(1, t + block)
-            drafter.write_context(cache, feats[:, :a], ctx_pos[:, :a], valid[:, :a])
-            span = slice(j * block, (j + 1) * block)
-            decoded = drafter.draft(cache, noise[:, span], blk.position_ids[:, span])
-            assert torch.allclose(trained[:, span], decoded, atol=1e-10), j
+        trained = drafter(seq.noise, seq.position_ids, seq.feats, seq.ctx_pos, seq.valid, masks)
+        full = drafter(seq.noise, seq.position_ids, seq.feats, seq.ctx_pos, seq.valid,
+                       {k: masks[(None, False)] for k in kinds})
+        assert_blocks_decode_as_trained(drafter, seq, trained, block)
     # the window matters at this length: ignoring it changes the blocks whose context is longer than it
     assert not torch.allclose(trained[:, -block:], full[:, -block:], atol=1e-6)
 
@@ -62,7 +45,7 @@ def test_sliding_drafter_trains_and_exports(tmp_path):
     cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=2, mask_token_id=MASK,
                       num_anchors=16, lr=3e-3, max_length=96, batch_size=4, max_steps=8, progress=False,
                       eval_at_start=False, seed=0, layer_types=SLIDING, sliding_window=8, save_every=8)
-    result = Trainer(cfg, target_model=_target(), examples=examples).train()
+    result = Trainer(cfg, target_model=tiny_target(), examples=examples).train()
     assert all(torch.isfinite(torch.tensor(result.losses))) and result.losses[-1] < result.losses[0]
     drafter = DFlashDraftModel.from_pretrained(result.final_dir)
     assert drafter.config.layer_types == SLIDING
