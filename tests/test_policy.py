@@ -19,7 +19,7 @@ def machine(step_s: float, per_token_s: float, draft_s: float, rest_s: float = 1
         tokens, drafting = sum(widths), sum(w > 1 for w in widths)
         target = step_s + per_token_s * (tokens - 1)
         draft = draft_s * drafting ** 0.5 if drafting else 0.0
-        return CycleTiming(len(widths), tokens, drafting, draft, target + draft + rest_s)
+        return CycleTiming(tokens, drafting, draft, target + draft + rest_s)
     return timing
 
 

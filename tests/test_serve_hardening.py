@@ -26,20 +26,11 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_serve import MODEL, Live, make_engine, slow  # noqa: E402
-from tiny import save_text_pair  # noqa: E402
+from test_serve import MAX_LEN, MODEL, Live, make_engine, pair, slow  # noqa: E402,F401  (pair: the fixture)
 
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
 
 C, CH = "/v1/completions", "/v1/chat/completions"
-MAX_LEN = 384
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hardening_pair")
-    save_text_pair(root, max_positions=512)
-    return root
 
 
 class Records(logging.Handler):

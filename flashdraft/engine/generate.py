@@ -505,7 +505,7 @@ class SpecEngine:
         self._commit_block(batch, block, positions, features, widths, accepted, next_tokens)
         prof.mark("commit")
         if forced_width is None:
-            timing = CycleTiming(len(rows), sum(widths) if self.ragged else len(rows) * max(widths), len(drafting),
+            timing = CycleTiming(sum(widths) if self.ragged else len(rows) * max(widths), len(drafting),
                                  drafted_at - started, time.perf_counter() - started)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted, timing)
         self._drop_finished(batch)
@@ -523,8 +523,8 @@ class SpecEngine:
         if self.config.sampler != "gumbel" or not any(sampled):
             return None
         dev, vocab = self.target.device, self.target.vocab_size
-        return [r.noise_window(w, vocab, dev) if s else torch.ones(w, vocab, device=dev)
-                for r, s, w in zip(rows, sampled, widths)]
+        ones = {w: torch.ones(w, vocab, device=dev) for w, s in zip(widths, sampled) if not s}  # one per width
+        return [r.noise_window(w, vocab, dev) if s else ones[w] for r, s, w in zip(rows, sampled, widths)]
 
     def _propose(self, batch: Batch, drafting: list[int], width: int, noise: list[torch.Tensor] | None):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,

@@ -70,7 +70,6 @@ def bucket(n: int) -> int:
 class CycleTiming:
     """What one cycle did and how long its parts took (seconds)."""
 
-    rows: int
     verified_tokens: int  # tokens through the target forward (padding included where rows are padded)
     drafting_rows: int
     draft_s: float
@@ -144,7 +143,7 @@ class CostModel:
         if t.drafting_rows:
             self.draft.record(t.drafting_rows, t.draft_s)
 
-    def cycle(self, rows: int, verified_tokens, drafting_rows):
+    def cycle(self, verified_tokens, drafting_rows):
         """Predicted seconds of cycles (numbers or arrays of verified tokens and drafting rows); None while a part
         they need was never measured."""
         body = self.body(verified_tokens)
@@ -153,6 +152,12 @@ class CostModel:
         if body is None or (draft is None and drafting_rows.any()):
             return None
         return body + (np.where(drafting_rows > 0, draft, 0.0) if draft is not None else 0.0)
+
+
+def smooth_survival(survival: np.ndarray, width: int, accepted: int, rate: float) -> None:
+    """Move survival estimates towards what a draft verified at `width` showed (positions 1 .. accepted survived,
+    the next one did not); positions past the width were not verified, so they keep their estimate."""
+    survival[:width - 1] += rate * ((accepted > np.arange(width - 1)) - survival[:width - 1])
 
 
 class AcceptancePriors:
@@ -166,8 +171,7 @@ class AcceptancePriors:
         return self.by_kind[sampled]
 
     def update(self, sampled: bool, width: int, accepted: int) -> None:
-        prior = self.by_kind[sampled]
-        prior[:width - 1] += PRIOR_SMOOTHING * ((accepted > np.arange(width - 1)) - prior[:width - 1])
+        smooth_survival(self.by_kind[sampled], width, accepted, PRIOR_SMOOTHING)
 
 
 @dataclass
@@ -186,9 +190,7 @@ class RowAcceptance:
         return np.cumsum(self.survival)[widths - 2]
 
     def update(self, width: int, accepted: int) -> None:
-        """Positions past the width were not verified: no evidence about them."""
-        seen = np.arange(width - 1)
-        self.survival[:width - 1] += SMOOTHING * ((accepted > seen) - self.survival[:width - 1])
+        smooth_survival(self.survival, width, accepted, SMOOTHING)
 
 
 class FixedWidth:
@@ -248,10 +250,10 @@ class AdaptiveWidth:
         """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
         accepted drafts of each row at each drafting width)."""
         n, widths = len(gains), self.drafting_widths
-        plain_s = self.costs.cycle(n, n, 0)
+        plain_s = self.costs.cycle(n, 0)
         plain_rate = n / plain_s if plain_s else 0.0
         if not self.ragged:  # every row verifies the same width
-            seconds = self.costs.cycle(n, n * widths, np.full(len(widths), n))
+            seconds = self.costs.cycle(n * widths, np.full(len(widths), n))
             if seconds is None:
                 return np.ones(n, dtype=np.int64)
             rates = (n + gains.sum(axis=0)) / np.maximum(seconds, 1e-12)
@@ -261,7 +263,7 @@ class AdaptiveWidth:
         order = np.argsort(-gains, axis=0, kind="stable")
         gained = np.cumsum(np.take_along_axis(gains, order, axis=0), axis=0)  # [g - 1, widths]
         g = np.arange(1, n + 1)[:, None]
-        seconds = self.costs.cycle(n, n + g * (widths - 1), g)
+        seconds = self.costs.cycle(n + g * (widths - 1), g)
         if seconds is None:
             return np.ones(n, dtype=np.int64)
         rates = (n + gained) / np.maximum(seconds, 1e-12)
@@ -283,7 +285,7 @@ class AdaptiveWidth:
     def _rate(self, gains: np.ndarray, plan: np.ndarray) -> float:
         """Expected committed tokens per second of a ragged plan (0 while a cost it needs is unknown)."""
         drafting = plan > 1
-        seconds = self.costs.cycle(len(plan), plan.sum(), drafting.sum())
+        seconds = self.costs.cycle(plan.sum(), drafting.sum())
         if seconds is None or seconds <= 0:
             return 0.0
         columns = np.searchsorted(self.drafting_widths, plan[drafting])

@@ -49,19 +49,20 @@ class StaticKV:
         self.keys[layer][rows[:, None], positions] = keys
         self.values[layer][rows[:, None], positions] = values
 
+    def _derived(self, fn) -> "StaticKV":
+        """A cache whose K/V tensors are fn(t) of ours (views or copies; no static addresses to mark)."""
+        other = StaticKV.__new__(StaticKV)
+        other.keys = [fn(t) for t in self.keys]
+        other.values = [fn(t) for t in self.values]
+        return other
+
     def row(self, r: int) -> "StaticKV":
         """Row r alone, as a cache of one row sharing this one's memory (writes go through)."""
-        view = StaticKV.__new__(StaticKV)
-        view.keys = [t[r:r + 1] for t in self.keys]
-        view.values = [t[r:r + 1] for t in self.values]
-        return view
+        return self._derived(lambda t: t[r:r + 1])
 
     def gather_rows(self, rows: torch.Tensor, length: int) -> "StaticKV":
         """Slots [0, length) of rows `rows`, copied into a cache of their own (for reading only)."""
-        view = StaticKV.__new__(StaticKV)
-        view.keys = [t[rows, :length] for t in self.keys]
-        view.values = [t[rows, :length] for t in self.values]
-        return view
+        return self._derived(lambda t: t[rows, :length])
 
     def _replace(self, fn) -> None:
         """Every K/V tensor t becomes fn(t) (new tensors: new addresses to mark)."""

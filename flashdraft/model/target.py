@@ -27,20 +27,25 @@ def text_config(config):
     return getter() if callable(getter) else getattr(config, "text_config", None) or config
 
 
-def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of decoder layers of a transformers causal LM (Llama/Qwen/Mistral/Gemma/Phi style and others)."""
-    candidates = []
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is not None:
-        candidates.append(decoder)
-    for attr in ("model", "transformer", "gpt_neox", "language_model"):
+def _language_modules(model: nn.Module, attrs: tuple[str, ...]) -> list[nn.Module]:
+    """The submodules `model.<attr>` that exist, each followed by its `language_model` where it has one (the text
+    model inside a multimodal wrapper)."""
+    modules = []
+    for attr in attrs:
         sub = getattr(model, attr, None)
         if sub is not None:
-            candidates.append(sub)
+            modules.append(sub)
             inner = getattr(sub, "language_model", None)
             if inner is not None:
-                candidates.append(inner)
-    candidates.append(model)
+                modules.append(inner)
+    return modules
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder layers of a transformers causal LM (Llama/Qwen/Mistral/Gemma/Phi style and others)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    candidates = ([decoder] if decoder is not None else []) + _language_modules(
+        model, ("model", "transformer", "gpt_neox", "language_model")) + [model]
     for module in candidates:
         for attr in ("layers", "h", "blocks", "decoder_layers"):
             layers = getattr(module, attr, None)
@@ -51,15 +56,7 @@ def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def find_final_norm(model: nn.Module) -> nn.Module | None:
     """The final norm of the language model (also inside a multimodal model: `model.language_model.norm`)."""
-    modules = []
-    for attr in ("model", "transformer"):
-        module = getattr(model, attr, None)
-        if module is not None:
-            modules.append(module)
-            inner = getattr(module, "language_model", None)
-            if inner is not None:
-                modules.append(inner)
-    for module in modules:
+    for module in _language_modules(model, ("model", "transformer")):
         for attr in ("norm", "ln_f", "final_layernorm"):
             norm = getattr(module, attr, None)
             if isinstance(norm, nn.Module):
