@@ -1,6 +1,7 @@
-"""Greedy tau of a drafter as a distribution over prompts, in-domain and out-of-domain, by prompt ending and length.
+"""Tau of a drafter as a distribution over prompts, in-domain and out-of-domain, by prompt ending and length.
 
     python scripts/drafter/eval_tau.py [--draft DIR] [--target DIR] [--num 32] [--lengths prompt,256,1024,1800]
+                                       [--temperature 0] [--sampler gumbel|rejection]
                                        [--threads 1] [--out runs/eval_tau/NAME]
                                        [--draft-vocab-size N --vocab-data data/default_pair/regen_mix]
     python scripts/drafter/eval_tau.py --compare BEFORE/results.json AFTER/results.json
@@ -14,8 +15,9 @@ Sets (each cut deterministically, seed 0):
 Lengths 256 / 1024 / 1800: contexts of that many tokens starting at a line start of a random file, ending mid-line
 (`mid-line`) or right after a newline (`newline`); the target's window is 2048, so 1800 + 128 new tokens fit.
 
-Every prompt runs alone (batch 1), block 16, greedy, up to `--max-new-tokens` (stopping at eos); tau of a prompt =
-its mean acceptance length over cycles. Per (set, ending, length) cell: min / p10 / median / mean over prompts, and
+Every prompt runs alone (batch 1), block 16, the fixed draft policy (every cycle verifies the whole block), greedy
+or at `--temperature` with seed = the prompt's index in its cell (so two drafters see the same noise), up to
+`--max-new-tokens` (stopping at eos); tau of a prompt = its mean acceptance length over cycles. Per (set, ending, length) cell: min / p10 / median / mean over prompts, and
 the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
 Writes `results.json`, `results.md` and `tau.png` (box plots per cell) into `--out`.
 
@@ -111,20 +113,23 @@ def distribution(taus: list[float], lengths: list[int]) -> dict:
             "mean": statistics.fmean(taus), "pooled": sum(lengths) / len(lengths)}
 
 
-def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress: bool = True) -> dict:
+def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress: bool = True,
+            temperature: float = 0.0) -> dict:
     from tqdm import tqdm
 
     from flashdraft.engine import SamplingParams
 
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                            stop_token_ids=(eos,) if eos is not None else ())
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                              stop_token_ids=(eos,) if eos is not None else ())
+
     results = {}
     bar = tqdm(total=sum(len(v) for v in cells.values()), desc="eval tau", unit="prompt", disable=not progress,
                dynamic_ncols=True)
     for key, prompts in cells.items():
         taus, all_lengths, context = [], [], []
-        for ids in prompts:
-            out = engine.generate([ids], params)[0]
+        for index, ids in enumerate(prompts):
+            out = engine.generate([ids], params(index))[0]
             bar.update(1)
             if out.stats.acceptance_lengths:  # an immediate eos drafts nothing
                 taus.append(out.stats.tau)
@@ -169,7 +174,7 @@ def markdown(results: dict, lengths: list[str], label: str) -> str:
         r = results.get(key)
         return r and f"{r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / **{r['mean']:.2f}** ({r['pooled']:.2f})"
 
-    return cell_table(f"greedy tau per prompt, {label}: min / p10 / median / mean (pooled)", lengths, cell)
+    return cell_table(f"tau per prompt, {label}: min / p10 / median / mean (pooled)", lengths, cell)
 
 
 def comparison(before: dict, after: dict) -> str:
@@ -178,7 +183,7 @@ def comparison(before: dict, after: dict) -> str:
         a, b = before["cells"].get(key), after["cells"].get(key)
         return a and b and f"{a['mean']:.2f} ({a['p10']:.2f}) -> **{b['mean']:.2f}** ({b['p10']:.2f})"
 
-    return cell_table(f"greedy tau per prompt, mean (p10): {before['label']} -> {after['label']}",
+    return cell_table(f"tau per prompt, mean (p10): {before['label']} -> {after['label']}",
                       [x for x in before["lengths"] if x in after["lengths"]], cell)
 
 
@@ -205,7 +210,7 @@ def plot(results: dict, lengths: list[str], label: str, path: Path) -> None:
         ax.set_title(f"{name}")
         ax.set_xlabel("context length (tokens) / prompt ending")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel("greedy tau per prompt (whiskers p10-p90, triangle = mean)")
+    axes[0].set_ylabel("tau per prompt (whiskers p10-p90, triangle = mean)")
     fig.suptitle(f"tau distribution over prompts: {label}")
     save_figure(fig, path)
 
@@ -232,6 +237,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="prompt,256,1024,1800")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--sampler", choices=("gumbel", "rejection"), default="gumbel",
+                    help="how sampled drafts are verified (the engine's --sampler)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
@@ -247,6 +255,8 @@ def main(argv=None) -> int:
     bad = [x for x in lengths if x != "prompt" and not (x.isdigit() and 16 <= int(x) <= 1900)]
     if bad:
         ap.error(f"--lengths: {bad} (use 'prompt' or token counts from 16 to 1900)")
+    if not 0.0 <= args.temperature <= 100.0:
+        ap.error(f"--temperature {args.temperature}: use a value in [0, 100]")
     if args.draft_vocab_size and not args.vocab_data:
         ap.error("--draft-vocab-size needs --vocab-data")
 
@@ -262,15 +272,18 @@ def main(argv=None) -> int:
         drafter = restrict_vocab(drafter, target, counts, args.draft_vocab_size)
     label = args.label or (args.draft or "shipped drafter") + (f", draft vocab {args.draft_vocab_size}"
                                                               if args.draft_vocab_size else "")
+    label += f", T = {args.temperature:g} ({args.sampler})" if args.temperature > 0 else ", greedy"
     cells = build_cells(tokenizer, args.num, lengths)
-    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size, draft_policy="fixed"))
+    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size, draft_policy="fixed",
+                                                                         sampler=args.sampler))
     t0 = time.perf_counter()
-    results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id)
+    results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id, temperature=args.temperature)
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(results, lengths, label)
     (args.out / "results.json").write_text(json.dumps(
         {"label": label, "draft": args.draft, "target": args.target, "num": args.num, "lengths": lengths,
          "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
+         "temperature": args.temperature, "sampler": args.sampler,
          "draft_vocab_size": args.draft_vocab_size, "wall_s": round(time.perf_counter() - t0, 1),
          "cells": results}, indent=1))
     (args.out / "results.md").write_text(table)
