@@ -4,13 +4,16 @@
 # answered by the target itself, next to a replay of the function-start prompts it was first trained on.
 #   1. prompts     train_prompts.jsonl (function starts) + coverage_prompts.jsonl (prompts.py --coverage)
 #   2. regenerate  the target's greedy responses (128 new tokens): function starts -> regen_mix (first REPLAY
-#                  prompts), coverage -> regen_cov (shards of 250, so a partial run is usable)
+#                  prompts), coverage -> regen_cov (shards of 250, so a partial run is usable); with SAMPLED=N
+#                  also the target's responses SAMPLED at temperature 1 to the first N function starts -> regen_t1
+#                  (what a drafter must predict at temperature > 0: the marginal over sampled continuations)
 #   3. train       from the shipped drafter's weights (--init-from), max length 2048 (the target's window),
 #                  optionally with a reduced draft vocabulary (DRAFT_VOCAB=N -> --draft-vocab-size N)
 #   4. evaluate    scripts/drafter/eval_tau.py on the result (in-domain / out-of-domain, endings, lengths)
 # Each step is skipped when its outputs exist. Env: PY, STEPS (default 600), DRAFT_VOCAB (default: none),
 # COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 750), REPLAY (default 1000),
-# RUN (default runs/coverage_drafter), NICE (default 15).
+# SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
+# runs/coverage_drafter), NICE (default 15).
 # The candidate of issue 17 was this script's defaults, stopped at the step-400 checkpoint for time (the
 # regeneration of 750 coverage prompts took ~25 min and 400 steps ~30 min on the shared 2-core CPU).
 # Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
@@ -26,8 +29,11 @@ RUN="${RUN:-runs/coverage_drafter}"
 RUNNER=(nice -n "${NICE:-15}")
 TARGET=flashdraft/assets/default_pair/target
 DATA=data/default_pair
+SAMPLED="${SAMPLED:-0}"
 VOCAB=()
 [ -n "${DRAFT_VOCAB:-}" ] && VOCAB=(--draft-vocab-size "$DRAFT_VOCAB")
+DISTILL=()
+[ -n "${DISTILL:-}" ] && DISTILL=(--distill-weight "$DISTILL")
 
 echo "== [1/4] prompts"
 [ -f "$DATA/coverage_prompts.jsonl" ] || "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64 --coverage "$COVERAGE"
@@ -37,10 +43,17 @@ echo "== [2/4] regenerate (greedy, 128 new tokens)"
     --output-dir "$DATA/regen_mix" --max-new-tokens 128 --batch-size 32 --shard-size 500 --device cpu
 "${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data "$DATA/coverage_prompts.jsonl" \
     --limit "$COVERAGE_USED" --output-dir "$DATA/regen_cov" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
+[ "$SAMPLED" -gt 0 ] && "${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" \
+    --data "$DATA/train_prompts.jsonl" --limit "$SAMPLED" --output-dir "$DATA/regen_t1" --max-new-tokens 128 \
+    --batch-size 32 --shard-size 500 --temperature 1.0 --seed 0 --device cpu
 # one directory of shards for `flashdraft train` (links: the replay shards, then the coverage shards)
 mkdir -p "$DATA/regen_train"
 for f in "$DATA"/regen_mix/shard-*.jsonl; do ln -sf "../regen_mix/$(basename "$f")" "$DATA/regen_train/replay-$(basename "$f")"; done
 for f in "$DATA"/regen_cov/shard-*.jsonl; do ln -sf "../regen_cov/$(basename "$f")" "$DATA/regen_train/coverage-$(basename "$f")"; done
+rm -f "$DATA"/regen_train/sampled-*.jsonl
+if [ "$SAMPLED" -gt 0 ]; then
+    for f in "$DATA"/regen_t1/shard-*.jsonl; do ln -sf "../regen_t1/$(basename "$f")" "$DATA/regen_train/sampled-$(basename "$f")"; done
+fi
 
 echo "== [3/4] train from the shipped drafter"
 RESUME=()
@@ -48,7 +61,7 @@ RESUME=()
 "${RUNNER[@]}" "$PY" -m flashdraft.cli train --target "$TARGET" --data "$DATA/regen_train" --output-dir "$RUN" \
     --init-from flashdraft/assets/default_pair/drafter --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
     --max-steps "$STEPS" --batch-size 4 --max-length 2048 --num-anchors 32 --lr 3e-4 --seed 0 \
-    --save-every 50 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${RESUME[@]}" "$@"
+    --save-every 50 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${DISTILL[@]}" "${RESUME[@]}" "$@"
 
 echo "== [4/4] evaluate"
 "${RUNNER[@]}" "$PY" scripts/drafter/eval_tau.py --draft "$RUN/final" --threads 1 --label "$RUN" --out "$RUN/eval_tau"
