@@ -18,11 +18,11 @@ from test_sampling import target as sampling_target  # noqa: F401  (its 8-token 
 from tiny import MASK_ID, greedy_reference, make_target
 
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
-from flashdraft.engine.dflash2_proposer import DFlash2Proposer
+from flashdraft.engine.dflash2_proposer import DFlash2Proposer, greedy_choice, race_choice, sample_choice
 from flashdraft.engine.proposers import DFlashProposer, ProposalInput
 from flashdraft.loading import load_drafter
 from flashdraft.model import CheckpointError, DFlash2DraftModel, TargetModel, make_dflash2_config
-from flashdraft.model.dflash2 import CODEBOOKS, dynamic_causal_conv
+from flashdraft.model.dflash2 import CODEBOOKS, DynamicCausalConv, dynamic_causal_conv, follow, tap_by_tap_conv
 
 PROMPTS = [[3, 4, 5, 6], [10, 11], [20, 21, 22, 23, 24, 25, 26]]
 
@@ -99,6 +99,42 @@ def test_convolution_is_causal_inside_each_block():
     assert not torch.equal(moved[:, 2:5], dynamic_causal_conv(x, dynamic, base, segment=8)[:, 2:5])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_convolution_is_zlabs_up_to_rounding(dtype):
+    """float64: equal to the tap-by-tap loop to summation order; bfloat16: no farther from the exact result (on the
+    same rounded inputs) than the loop in bfloat16 is, in the worst and the mean position."""
+    torch.manual_seed(1)
+    x, dynamic, base = (t.to(dtype) for t in (torch.randn(3, 32, 64), torch.randn(3, 32, 4, 4), torch.randn(4, 64)))
+    exact = tap_by_tap_conv(x.double(), dynamic.double(), base.double(), 16)
+    ours = dynamic_causal_conv(x, dynamic, base, 16)
+    assert ours.dtype == dtype
+    if dtype == torch.float64:
+        assert torch.allclose(ours, exact, rtol=0, atol=1e-12)
+    else:
+        ours, loop = (ours.double() - exact).abs(), (tap_by_tap_conv(x, dynamic, base, 16).double() - exact).abs()
+        assert ours.max() <= loop.max() and ours.mean() <= loop.mean()
+
+
+def test_training_and_drafting_convolve_alike():
+    """Under autograd the pair of convolutions runs z-lab's loop, otherwise the windowed form: same outputs (float64)
+    and gradients flow to the input, the static kernels and the projection."""
+    torch.manual_seed(2)
+    conv = DynamicCausalConv(32, 3, 8).double()
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(0, 0.3)
+    x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    h, kernel = conv.prepare(x, 8)
+    trained = conv.finish(torch.tanh(h), kernel, 8)
+    trained.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0
+               for t in (x, conv.base_kernel, conv.kernel_projection.weight))
+    with torch.no_grad():
+        h, kernel = conv.prepare(x, 8)
+        drafted = conv.finish(torch.tanh(h), kernel, 8)
+    assert torch.allclose(drafted, trained, rtol=0, atol=1e-12)
+
+
 def test_fresh_convolutions_are_the_identity(qwen3):
     torch.manual_seed(0)
     cfg = make_dflash2_config(qwen3.config, num_layers=1, block_size=4, mask_token_id=MASK_ID, conv_group_size=8)
@@ -115,9 +151,78 @@ def test_selector_changes_the_drafts(qwen3):
     assert type(proposer) is DFlash2Proposer
     torch.manual_seed(3)
     hidden = torch.randn(16, 7, qwen3.config.hidden_size, dtype=torch.float64)
-    walk = drafter.select(hidden, proposer.lm_head, torch.randint(0, 90, (16,)), lambda i, s, c: s.argmax(-1))
+    walk = drafter.select(hidden, proposer.lm_head, torch.randint(0, 90, (16,)), greedy_choice)
     assert (walk["tokens"] != walk["logits"].argmax(-1)).any()
     assert (walk["tokens"][..., None] == walk["candidates"]).any(-1).all()
+
+
+def sequential_walk(selector, hidden, logits, anchor, pick):
+    """z-lab's `select` loop: position by position, each row's scores from the token chosen just before it;
+    `pick(i, scores [b, top_k], candidates [b, top_k]) -> index [b]`."""
+    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    query = selector.hidden_projection(hidden)
+    previous, tokens, rows = anchor, [], []
+    for i in range(hidden.shape[1]):
+        scores = unary[:, i] + selector.pair_scores(query[:, i], previous, candidates[:, i])
+        previous = candidates[:, i].gather(-1, pick(i, scores, candidates[:, i])[:, None])[:, 0]
+        tokens.append(previous)
+        rows.append(scores)
+    return torch.stack(tokens, 1), torch.stack(rows, 1)
+
+
+@pytest.mark.parametrize("chooser", ["greedy", "race"])
+def test_selector_walk_is_the_sequential_one(qwen3, chooser):
+    """The walk without a loop over positions (every choice at once, then the path) drafts what the plain
+    left-to-right walk drafts, and hands back the score rows that walk went through."""
+    drafter = make_dflash2(qwen3, block_size=16, top_k=6)
+    selector = drafter.candidate_selector
+    torch.manual_seed(4)
+    b, k, vocab = 64, 15, qwen3.config.vocab_size
+    hidden = torch.randn(b, k, qwen3.config.hidden_size, dtype=torch.float64)
+    logits = drafter.compute_logits(hidden, DFlashProposer(drafter, TargetModel(qwen3)).lm_head)
+    anchor = torch.randint(0, vocab, (b,))
+    if chooser == "greedy":
+        choose, pick = greedy_choice, lambda i, s, c: s.argmax(-1)
+    else:
+        noise = torch.empty(b, k, vocab, dtype=torch.float64).exponential_()
+        inverse_temperature = torch.rand(b, dtype=torch.float64) + 0.5
+        choose = race_choice(noise, inverse_temperature)
+        pick = lambda i, s, c: (torch.softmax(s.float() * inverse_temperature[:, None], -1)  # noqa: E731
+                                / noise[:, i].gather(-1, c)).argmax(-1)
+    walk = selector.select(hidden, logits, anchor, choose)
+    tokens, rows = sequential_walk(selector, hidden, logits, anchor, pick)
+    assert (tokens != logits.argmax(-1)).any()  # the pair term decides some positions
+    assert torch.equal(walk["tokens"], tokens)
+    assert torch.allclose(walk["scores"], rows, rtol=0, atol=1e-12)
+
+
+def test_follow_composes_the_maps():
+    torch.manual_seed(5)
+    steps = torch.randint(0, 5, (32, 11, 5))
+    steps[:, 0] = steps[:, 0, :1]  # position 0: one choice whatever came before
+    path, index = [], steps[:, 0, 0]
+    for i in range(11):
+        index = steps[:, i].gather(-1, index[:, None])[:, 0]
+        path.append(index)
+    assert torch.equal(follow(steps), torch.stack(path, 1))
+
+
+def test_sample_choice_draws_from_q():
+    """Each row's index is a sample of softmax(scores / T): frequencies over many draws (chi-square), zero-
+    probability candidates never; greedy rows (1/T = 0) take the argmax."""
+    torch.manual_seed(6)
+    scores = torch.tensor([[0.0, 1.0, -1.0, float("-inf")], [2.0, 0.5, 0.5, 0.0]])[None, None]  # [1, 1, 2, 4]
+    choose = sample_choice(torch.tensor([1.0]))
+    draws = torch.stack([choose(scores, None)[0, 0] for _ in range(6000)])  # [n, 2]
+    for row in range(2):
+        q = torch.softmax(scores[0, 0, row], -1)
+        counts = torch.bincount(draws[:, row], minlength=4).double()
+        assert counts[q == 0].sum() == 0
+        expected = q[q > 0].double() * len(draws)
+        chi2 = float(((counts[q > 0] - expected) ** 2 / expected).sum())
+        assert chi2 < 16.3, (row, chi2)  # p < 0.001 at 2 or 3 degrees of freedom
+    greedy = sample_choice(torch.tensor([0.0]))
+    assert torch.equal(greedy(scores, None), torch.tensor([[[1, 0]]]))
 
 
 @pytest.mark.parametrize("arch,compile", [("qwen3", False), ("phi3", False), ("qwen3", True)],

@@ -40,28 +40,37 @@ class DraftConfidence:
     marginal: torch.Tensor
 
 
-def greedy_choice(i: int, scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+# A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
+# to an index per row [b, k, top_k]: every position's choice for every possible previous one at once
+# (`CandidateSelector.select` then follows the path); a row's choice may depend on its position, never on the path.
+
+
+def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
     return scores.argmax(-1)
 
 
 def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
-    """The winner of each row's exponential race on softmax(scores / T) with the noise at the candidates' ids
-    (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
+    """The winner of each row's exponential race on softmax(scores / T) with the position's noise at the
+    candidates' ids (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
 
-    def choose(i, scores, candidates):
-        q = torch.softmax(scores.float() * inverse_temperature[:, None], dim=-1)
-        return (q / noise[:, i].gather(-1, candidates)).argmax(-1)
+    def choose(scores, candidates):
+        q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
+        return (q / noise.gather(-1, candidates)[:, :, None]).argmax(-1)
 
     return choose
 
 
 def sample_choice(inverse_temperature: torch.Tensor):
-    """A sample of softmax(scores / T) per row; rows with 1/T = 0 (greedy) take the argmax."""
+    """A sample of softmax(scores / T) per row, by inverting its distribution function at one uniform draw per
+    position (the same draw for every previous choice: the path reads one of them, so each position's token is a
+    sample of q given the chosen prefix); rows with 1/T = 0 (greedy) take the argmax."""
 
-    def choose(i, scores, candidates):
-        q = torch.softmax(scores.float() * inverse_temperature[:, None], dim=-1)
-        sampled = torch.multinomial(q, 1)[:, 0]
-        return torch.where(inverse_temperature > 0, sampled, scores.argmax(-1))
+    def choose(scores, candidates):
+        q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
+        cdf = q.cumsum(-1)
+        uniform = torch.rand(*scores.shape[:2], 1, 1, device=scores.device)
+        sampled = (cdf <= uniform * cdf[..., -1:]).sum(-1).clamp(max=scores.shape[-1] - 1)
+        return torch.where(inverse_temperature[:, None, None] > 0, sampled, scores.argmax(-1))
 
     return choose
 
@@ -86,7 +95,7 @@ class DFlash2Proposer(DFlashProposer):
             choose = sample_choice(inverse_temperature)
         else:
             choose = greedy_choice
-        walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose)
+        walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose, with_scores=sampling or self.confidence)
         tokens, candidates = walk["tokens"], walk["candidates"]
         if not (sampling or self.confidence):
             return tokens, None, None, None

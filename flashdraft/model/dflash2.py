@@ -46,10 +46,9 @@ DEFAULT_DFLASH2 = {"selector_rank": 32, "selector_top_k": 8, "conv_kernel_size":
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
-def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
-    """x [b, q, H] holding q / segment blocks of `segment` positions each; dynamic [b, q, K, G] (one weight per
-    position, tap and channel group); base [K, H]. out[t] = sum_s (base[s] + dynamic[t, s]) * x[t - s] inside each
-    block, zeros before its start. Accumulated tap by tap, static then dynamic term (z-lab's order of rounding)."""
+def tap_by_tap_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
+    """`dynamic_causal_conv` accumulated tap by tap, static then dynamic term (z-lab's loop and order of rounding):
+    every operator moves x-sized tensors only, which is what training (long batches, autograd) wants."""
     b, q, hidden = x.shape
     taps, groups = dynamic.shape[-2:]
     blocks = x.reshape(b * q // segment, segment, groups, hidden // groups)
@@ -61,6 +60,63 @@ def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
         past = padded[:, taps - 1 - shift:taps - 1 - shift + segment]
         out = torch.addcmul(out + base[shift] * past, dynamic[:, :, shift], past)
     return out.reshape(b, q, hidden)
+
+
+def causal_kernels(dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
+    """The per-position kernels of one or more convolutions: dynamic [b, q, ..., K, G] (one weight per position,
+    tap and channel group), base [..., K, H] (the static kernels) -> [b * q / segment, segment, ..., K, G, H / G],
+    taps in reverse order (the order `windowed_conv`'s windows hold them), rounded once to dynamic's dtype."""
+    taps, groups = dynamic.shape[-2:]
+    b, q = dynamic.shape[:2]
+    if base.dtype != dynamic.dtype:
+        base = base.to(dynamic.dtype)
+    kernels = base.view(*base.shape[:-1], groups, -1) + dynamic.reshape(b * q // segment, segment,
+                                                                         *dynamic.shape[2:], 1)
+    return kernels.flip(-3)
+
+
+def windowed_conv(x: torch.Tensor, kernels: torch.Tensor, segment: int) -> torch.Tensor:
+    """x [b, q, H] holding q / segment blocks of `segment` positions each, convolved causally inside each block with
+    `causal_kernels` [b * q / segment, segment, K, G, H / G]: one product and one sum (accumulated in float32) over
+    a windowed view of the zero-padded blocks."""
+    b, q, hidden = x.shape
+    taps, groups = kernels.shape[-3:-1]
+    blocks = x.reshape(b * q // segment, segment, groups, hidden // groups)
+    # windows[n, t, j] = position t - (taps - 1) + j of block n (zeros before its start), which tap taps - 1 - j reads
+    windows = torch.constant_pad_nd(blocks, (0, 0, 0, 0, taps - 1, 0)).unfold(1, taps, 1).permute(0, 1, 4, 2, 3)
+    products = kernels * windows
+    if products.dtype in (torch.bfloat16, torch.float16):  # the same float32 sum, ~1.5x faster with a float32 output
+        return products.sum(2, dtype=torch.float32).to(x.dtype).reshape(b, q, hidden)
+    return products.sum(2).reshape(b, q, hidden)
+
+
+def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
+    """x [b, q, H] holding q / segment blocks of `segment` positions each; dynamic [b, q, K, G] (one weight per
+    position, tap and channel group); base [K, H]. out[t] = sum_s (base[s] + dynamic[t, s]) * x[t - s] inside each
+    block, zeros before its start.
+
+    Two ways, equal up to rounding (tests/test_dflash2.py): under autograd (training) z-lab's tap-by-tap loop
+    (`tap_by_tap_conv`), otherwise (drafting) one product and one sum over a windowed view of the blocks
+    (`windowed_conv`): drafting convolves 16 positions at a time, where the loop's ~13 small operators per call cost
+    more than their arithmetic, while the windowed form's K-times larger tensors would slow training's long batches
+    (fwd + bwd 3-4x). The windowed form rounds the kernel to x's dtype once (static + dynamic) and sums in float32,
+    where the loop rounds after every tap: in half precision it is the closer of the two to the exact result."""
+    if dynamic.requires_grad or x.requires_grad:
+        return tap_by_tap_conv(x, dynamic, base, segment)
+    return windowed_conv(x, causal_kernels(dynamic, base, segment), segment)
+
+
+def follow(steps: torch.Tensor) -> torch.Tensor:
+    """The path through per-position choice maps: steps [b, k, m] holds, for each position i and each index p
+    chosen at i - 1, the index chosen at i (position 0's map is constant). Returns the chosen indices [b, k].
+
+    The maps are composed in log2(k) rounds (a prefix scan: after the round with shift d, map i is the composition
+    of maps i - 2d + 1 .. i), each one gather, instead of k dependent steps."""
+    shift = 1
+    while shift < steps.shape[1]:
+        steps = torch.cat([steps[:, :shift], steps[:, shift:].gather(-1, steps[:, :-shift])], 1)
+        shift *= 2
+    return steps[:, :, 0]
 
 
 class DynamicCausalConv(nn.Module):
@@ -84,11 +140,20 @@ class DynamicCausalConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def prepare(self, x: torch.Tensor, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dynamic = self.kernel_projection(x).unflatten(-1, (2, self.kernel_size, self.groups))
-        return dynamic_causal_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], segment), dynamic[..., 1, :, :]
+        """x convolved, and what `finish` convolves with: drafting builds both convolutions' kernels here at once
+        (one projection, one sum and one flip for the pair); training passes the dynamic half on
+        (`dynamic_causal_conv` says why the two differ)."""
+        dynamic = F.linear(x, self.kernel_projection.weight).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        if dynamic.requires_grad:
+            return (tap_by_tap_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], segment),
+                    dynamic[..., 1, :, :])
+        kernels = causal_kernels(dynamic, self.base_kernel, segment)
+        return windowed_conv(x, kernels[:, :, 0], segment), kernels[:, :, 1]
 
-    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, segment: int) -> torch.Tensor:
-        return dynamic_causal_conv(x, dynamic, self.base_kernel[1], segment)
+    def finish(self, x: torch.Tensor, kernel: torch.Tensor, segment: int) -> torch.Tensor:
+        if kernel.requires_grad:  # the dynamic half (training)
+            return tap_by_tap_conv(x, kernel, self.base_kernel[1], segment)
+        return windowed_conv(x, kernel, segment)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -127,29 +192,35 @@ class CandidateSelector(nn.Module):
         return torch.einsum("...r,...kr->...k", self.predecessor_codebook(previous) * query,
                             self.successor_codebook(candidates))
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, choose) -> dict:
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, choose,
+               with_scores: bool = True) -> dict:
         """Walk the block: hidden [b, k, H] and logits [b, k, V] of the k draft positions, anchor [b] the bonus
-        token. `choose(i, scores [b, top_k], candidates [b, top_k]) -> index [b]` picks at position i. Returns
-        tokens [b, k], candidates [b, k, top_k] and their scores [b, k, top_k] (as chosen along the walk).
+        token. `choose(scores [b, k, top_k, top_k], candidates [b, k, top_k]) -> [b, k, top_k]` picks, at every
+        position i and for every candidate p that position i-1 may have chosen, an index among position i's
+        candidates from the scores row [b, i, p] (position 0's rows all follow the anchor). Returns tokens [b, k],
+        candidates [b, k, top_k] and, `with_scores`, their scores [b, k, top_k] (the rows the walk went through).
 
-        The pair scores of every (candidate at i-1, candidate at i) are computed up front in one batched product,
-        so the sequential walk is a gather and a choice per position (k tiny steps instead of k small products)."""
+        The walk is the sequential left-to-right choice z-lab's `select` makes, computed without a loop over
+        positions: every row of pair scores in one batched product, every choice in one call, then the chosen
+        path by composing the per-position maps (`follow`). Eager drafting pays per operator; a loop is ~6 of them
+        per position."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)
         query = self.hidden_projection(hidden)
-        successors = self.successor_codebook(candidates)  # [b, k, top_k, r]
-        first = unary[:, 0] + self.pair_scores(query[:, 0], anchor, candidates[:, 0])
-        # [b, k-1, top_k (previous position's candidate), top_k (this position's)]
-        pairs = torch.einsum("bipr,biqr->bipq", self.predecessor_codebook(candidates[:, :-1]) * query[:, 1:, None],
-                             successors[:, 1:])
-        tokens, scores, row_scores = [], [], first
-        for i in range(hidden.shape[1]):
-            if i:
-                row_scores = unary[:, i] + pairs[:, i - 1].gather(
-                    1, index[:, None, None].expand(-1, 1, self.top_k))[:, 0]
-            index = choose(i, row_scores, candidates[:, i])
-            tokens.append(candidates[:, i].gather(-1, index[:, None])[:, 0])
-            scores.append(row_scores)
-        return {"tokens": torch.stack(tokens, 1), "candidates": candidates, "scores": torch.stack(scores, 1)}
+        # who can precede each position's candidates: the anchor at 0, the previous position's candidates after
+        previous = torch.cat([anchor[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], 1)
+        predecessors = self.predecessor_codebook(previous) * query[:, :, None]  # [b, k, previous, r]
+        successors = self.successor_codebook(candidates)  # [b, k, candidate, r]
+        if torch.compiler.is_compiling():  # one fused reduction with what follows, not an external bmm call
+            pairs = (predecessors[:, :, :, None] * successors[:, :, None]).sum(-1)
+        else:
+            pairs = torch.matmul(predecessors, successors.transpose(-1, -2))
+        rows = unary[:, :, None] + pairs
+        index = follow(choose(rows, candidates))  # rows: [b, k, previous candidate, candidate]
+        walk = {"tokens": candidates.gather(-1, index[..., None])[..., 0], "candidates": candidates}
+        if with_scores:
+            came_from = F.pad(index[:, :-1], (1, 0))  # position 0's rows are all alike: any one will do
+            walk["scores"] = rows.gather(2, came_from[:, :, None, None].expand(-1, -1, 1, self.top_k))[:, :, 0]
+        return walk
 
     def teacher_forced(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
                        labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,11 +277,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         return super()._blocks(noise_embedding, position_ids, ctx_kv, context_positions, context_valid,
                                attention_mask)
 
-    def select(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, choose) -> dict:
+    def select(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, choose,
+               with_scores: bool = True) -> dict:
         """The selector's walk over draft hidden states [b, k, H] (`CandidateSelector.select`), with the marginal
         logits [b, k, V] it started from under "logits"."""
         logits = self.compute_logits(hidden, lm_head)
-        out = self.candidate_selector.select(hidden.to(self.dtype), logits, anchor, choose)
+        out = self.candidate_selector.select(hidden.to(self.dtype), logits, anchor, choose, with_scores)
         out["logits"] = logits
         return out
 

@@ -7,8 +7,8 @@ The DFlash-1 drafter is the shipped one; the DFlash2 drafter has the same layers
 in, plus convolutions (the identity) and a selector (random) (`--selector-rank` / `--selector-top-k` /
 `--conv-kernel-size` / `--conv-group-size`, default ours): latency does not depend on the values, and with weights
 this close both draft similar blocks, so the two runs see similar cycles (compare the taus printed). The two
-drafters alternate, several rounds, and the median over rounds is reported (a shared machine's load hits both
-alike).
+drafters alternate prompt by prompt (a shared machine's load hits both alike), for several rounds; the median over
+rounds is reported, with the per-round ratios' median and spread (how noisy the machine was).
 
 What this script does not know about: acceptance of a TRAINED DFlash2 drafter (that is training's measurement).
 """
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
     for flag in ("selector-rank", "selector-top-k", "conv-kernel-size", "conv-group-size"):
         ap.add_argument(f"--{flag}", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -64,21 +64,35 @@ def main(argv=None) -> int:
                for name, d in (("dflash", dflash1), ("dflash2", dflash2))}
     for engine in engines.values():  # warm-up (and compile)
         engine.generate(prompts[:1], params)
+    # interleaved prompt by prompt (the order alternating), so that a shared machine's load hits both alike; a
+    # round's figure is each drafter's draft ms per cycle over all prompts
     rounds = {name: [] for name in engines}
     taus = {name: [] for name in engines}
+    names = list(engines)
     for _ in range(args.rounds):
-        for name, engine in engines.items():
-            engine.profiler.reset()
-            results = [engine.generate([p], params)[0] for p in prompts]
-            report = engine.profiler.report()
-            rounds[name].append(report["ms_per_cycle"]["draft"])
-            taus[name].append(sum(r.stats.tau for r in results) / len(results))
+        draft_ms = dict.fromkeys(names, 0.0)
+        cycles = dict.fromkeys(names, 0)
+        for i, p in enumerate(prompts):
+            for name in (names if i % 2 else names[::-1]):
+                engine = engines[name]
+                engine.profiler.reset()
+                result = engine.generate([p], params)[0]
+                report = engine.profiler.report()
+                draft_ms[name] += report["ms_per_cycle"]["draft"] * report["cycles"]
+                cycles[name] += report["cycles"]
+                taus[name].append(result.stats.tau)
+        for name in names:
+            rounds[name].append(draft_ms[name] / max(cycles[name], 1))
+    ratios = sorted(b / a for a, b in zip(rounds["dflash"], rounds["dflash2"]))
     out = {"threads": args.threads, "compile": args.compile, "prompts": len(prompts), "dtype": str(dflash1.dtype),
            "dflash2_config": {k: dflash2.config.dflash_config[k] for k in ("selector_rank", "selector_top_k",
                                                                           "conv_kernel_size", "conv_group_size")},
            "draft_ms_per_cycle": {n: statistics.median(v) for n, v in rounds.items()},
            "rounds_ms": rounds, "tau": {n: statistics.mean(v) for n, v in taus.items()}}
     out["ratio"] = out["draft_ms_per_cycle"]["dflash2"] / out["draft_ms_per_cycle"]["dflash"]
+    # the noise: the per-round ratios' median and spread (a round pairs both drafters on the same prompts)
+    out["round_ratios"] = {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+                           "quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios}
     for engine in engines.values():
         engine.close()
     print(json.dumps(out, indent=1))
