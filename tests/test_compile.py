@@ -61,6 +61,27 @@ def test_warmup_compiles_every_batch_bucket_so_requests_never_recompile(qwen3):
     assert SpecEngine(target, make_drafter(target, block_size=4)).warmup(4) == []  # not compiled: nothing to do
 
 
+def test_growing_caches_keep_one_graph_per_bucket(qwen3):
+    """Caches grow in chunks (16 positions here) as rows advance and shrink when rows leave; the capacity is a
+    dynamic dimension of the compiled steps, so after warm-up (one small capacity) no size compiles again."""
+    target, expected = qwen3
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True, kv_chunk=16)
+    engine.warmup(4)
+    capacities = set()
+    step = engine.step
+
+    def recording(batch):
+        capacities.add(batch.capacity)
+        return step(batch)
+
+    engine.step = recording
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+        assert engine.generate(PROMPTS[:1], params)[0].token_ids == expected[0]
+    assert {16, 32, 48, 64} <= capacities  # 3 to 38 tokens + 24 + a block
+
+
 def test_compiled_continuous_batching_rows_join_and_leave(qwen3):
     """Rows finish at different times and new rows join a running batch: the caches stay padded to the bucket
     of the live row count, and every row still gets exactly the target's greedy output."""

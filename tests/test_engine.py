@@ -141,24 +141,31 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
             assert results[rid].token_ids == expected[rid], rid
 
 
-def test_caches_shrink_when_the_longest_request_leaves(monkeypatch):
-    import flashdraft.engine.generate as generate
+def test_caches_grow_with_the_tokens_held_and_shrink_when_the_longest_request_leaves():
+    """Caches hold the longest row's committed tokens plus a block, in chunks (here 16): grown as rows advance,
+    cut back when the longest row leaves; the output stays the target's own."""
+    from flashdraft.engine.batch import chunked
 
-    monkeypatch.setattr(generate, "MIN_CAPACITY", 16)
     target = make_target("qwen3")
     long_prompt, short_prompt = list(range(20, 58)), [5, 17, 3]
     expected = [greedy_reference(target, long_prompt, 4), greedy_reference(target, short_prompt, 24)]
-    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
     batch = engine.open_batch()
     params = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=24)]
     outputs = {i: ev.token_ids for i, ev in enumerate(engine.add(batch, [long_prompt, short_prompt], params))}
-    assert batch.capacity == 64 and batch.kv.kv.capacity == 64  # 38 + 4 + a block of 4, rounded up
+    assert batch.capacity == 48 and batch.kv.kv.capacity == 48  # 38 + a block of 4, in chunks of 16
+    capacities = [48]
     while batch.rows:
         for ev in engine.step(batch):
             outputs[ev.index] = outputs[ev.index] + ev.token_ids
-        if [r.index for r in batch.rows] == [1]:  # the long one left: 3 + 24 + 4 positions -> 32
-            assert batch.capacity == 32 and batch.kv.kv.capacity == 32
-            assert batch.proposer_state.kv.capacity == 33  # + the drafter's scratch slot
+        if batch.rows:
+            held = max(r.n_cached for r in batch.rows)
+            assert batch.kv.kv.capacity == batch.capacity and batch.capacity % 16 == 0
+            assert held <= batch.capacity <= chunked(held + 4, 16), (held, batch.capacity)
+            assert batch.proposer_state.kv.capacity == batch.capacity + 1  # + the drafter's scratch slot
+            if batch.capacity != capacities[-1]:
+                capacities.append(batch.capacity)
+    assert capacities == [48, 16, 32]  # the long row left (3 + its first tokens fit 16), then the short one grew
     assert [outputs[0], outputs[1]] == expected
 
 

@@ -7,6 +7,9 @@
   the rows past the live ones are padding whose contents are never read. Both static caches (the target's and
   the drafter's) pad and unpad through it, so the cycle itself only ever sees live rows.
 - `Batch`: the rows, the target's cache, the drafter's unread features and per-row state, the draft-length policy.
+  Its caches hold `capacity` positions per row: the longest row's committed tokens plus one block, rounded up to
+  a chunk (`chunked`), grown as rows advance (`grow`) and shrunk when the longest row leaves, so memory follows
+  the tokens held rather than what rows might need by their max_tokens.
 
 What this module does not know about: models, drafting, acceptance (the engine, proposers and verifier).
 """
@@ -26,6 +29,11 @@ def batch_bucket(n: int) -> int:
     """The row count compiled steps see for n live rows: the next power of two, so a server whose batch size
     moves between 1 and N compiles about log2(N) graphs per step instead of N."""
     return next_power_of_two(n)
+
+
+def chunked(positions: int, chunk: int) -> int:
+    """`positions` rounded up to a whole number of chunks: the capacity a cache holding them allocates."""
+    return -(-positions // chunk) * chunk
 
 
 def zero_pad(x: torch.Tensor, width: int, dim: int, at_end: bool = False) -> torch.Tensor:
@@ -103,7 +111,20 @@ class Batch:
     features: Features | None = None  # target features of slots committed since the last draft
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
     policy: object = None  # the draft policy (`policy.py`): each row's verify width per cycle
-    capacity: int = 0  # positions every row fits in: prompt + max new tokens + one block
+    capacity: int = 0  # positions every row's cache holds: `needed_capacity()` when last grown or shrunk
+    block_size: int = 1  # positions one cycle may add to a row (the cache keeps room for them)
+    kv_chunk: int = 256  # caches grow and shrink in chunks of this many positions
+
+    def needed_capacity(self) -> int:
+        """Positions every row needs for the next cycle: the longest committed context plus one block, in chunks."""
+        return chunked(max(r.n_cached for r in self.rows) + self.block_size, self.kv_chunk)
+
+    def grow(self) -> None:
+        """Before a cycle: room for the block of every row (the drafter's cache grows when it is next written)."""
+        needed = self.needed_capacity()
+        if needed > self.capacity:
+            self.capacity = needed
+            self.kv.ensure_capacity(needed)
 
     def add_features(self, features: Features, after_draft: bool) -> None:
         """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
@@ -117,8 +138,8 @@ class Batch:
             self.features = self.features.select_rows(idx)
         self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
-        needed = max(r.capacity for r in self.rows)
-        if needed < self.capacity:  # a long request left: the others stop paying for its cache
+        needed = self.needed_capacity()
+        if needed < self.capacity:  # the longest row left: the others stop paying for its cache
             self.capacity = needed
             self.kv.shrink(needed)
             self.proposer_state.shrink(needed)

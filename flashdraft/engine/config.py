@@ -40,10 +40,15 @@ class EngineConfig:
     # (`noise.py`; the output equals plain decoding's with the same seed, whatever the drafter or batch);
     # "rejection" = speculative rejection sampling against argmax drafts
     sampler: str = "gumbel"
+    # the static K/V caches (target and drafter) grow and shrink in chunks of this many positions per row, with
+    # the tokens the rows hold (the compiled steps take the capacity as a dynamic dimension: one graph for all)
+    kv_chunk: int = 256
 
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
+        if not isinstance(self.kv_chunk, int) or self.kv_chunk < 1:
+            raise ValueError(f"kv_chunk must be an integer >= 1, got {self.kv_chunk!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

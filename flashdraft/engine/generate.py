@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flashdraft.engine.batch import Batch, Features, RowBuckets, next_power_of_two, width_groups
+from flashdraft.engine.batch import Batch, Features, RowBuckets, chunked, width_groups
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
@@ -55,14 +55,7 @@ from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
 from flashdraft.model.target import TargetModel, validate_pair
 
-MIN_CAPACITY = 256  # static caches hold a power of two positions, at least this many
 QUEUED_CONTEXT = 16  # slots of one-token steps' features queued for the drafter before they are written to it
-
-
-def cache_capacity(positions: int) -> int:
-    """Cache size for rows needing `positions` slots: a power of two, so a server compiles one graph per size
-    class (6 from 256 to 8192) rather than one per length."""
-    return max(MIN_CAPACITY, next_power_of_two(positions))
 
 
 @dataclass
@@ -170,7 +163,6 @@ class _Row:
     stats: RequestStats
     output: list[int] = field(default_factory=list)
     n_cached: int = 0  # tokens of this row in the target cache = position of the bonus token
-    capacity: int = 0  # cache positions the row may need: prompt + max new tokens + one block, rounded up
     bonus: int = 0
     finish_reason: str | None = None
     detok: IncrementalText | None = None  # the output's text (with a tokenizer), decoded incrementally
@@ -376,7 +368,8 @@ class SpecEngine:
         return self._new_batch()
 
     def _new_batch(self, **fields) -> Batch:
-        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets),
+        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets), block_size=self.block_size,
+                     kv_chunk=self.config.kv_chunk,
                      policy=new_policy(self.config.draft_policy, self.block_size, self.costs, self.ragged,
                                        self.acceptance_priors, self.width_choices), **fields)
 
@@ -416,6 +409,26 @@ class SpecEngine:
                 return True
         return False
 
+    def preempt(self, batch: "Batch", request_id) -> object | None:
+        """Take a running request out of the batch, freeing its cache rows, with everything it has generated kept
+        (the server's memory budget needs the room): the returned state goes back in with `resume`. None if the
+        request is not in the batch."""
+        for i, r in enumerate(batch.rows):
+            if r.index == request_id:
+                self._keep_rows(batch, [j for j in range(len(batch.rows)) if j != i])
+                return r
+        return None
+
+    @torch.inference_mode()
+    def resume(self, batch: "Batch", preempted: Sequence) -> None:
+        """Bring preempted requests back into `batch`: each one's prompt and output so far are prefilled again
+        (recompute; in exact mode the output positions through the exact forward, as they were first computed),
+        and it goes on from the token it had sampled last, with its sampling state (seeded noise, generator) as it
+        was, so the output is the one it would have produced uninterrupted. Emits nothing: no new tokens."""
+        self._check_open()
+        if preempted:
+            batch.merge(self._prefill(list(preempted), resume=True))
+
     # ---- setup ----------------------------------------------------------------------------------------------
 
     def _make_rows(self, prompts, params, request_ids=None) -> list[_Row]:
@@ -454,26 +467,26 @@ class SpecEngine:
                              noise_seed=int(p.seed) if p.seed is not None else random_seed()))
         return rows
 
-    def _prefill(self, rows: list[_Row]) -> Batch:
+    def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
+        """The rows' prompts (resumed rows: their committed tokens) into fresh caches sized for them plus a block,
+        in chunks; new rows sample their first token."""
         start = time.perf_counter()
-        prompts = [r.prompt for r in rows]
+        prompts = [r.history[:r.n_cached] for r in rows] if resume else [r.prompt for r in rows]
         capture = self.proposer.needs_features
-        for r in rows:
-            r.capacity = cache_capacity(len(r.prompt) + r.params.max_new_tokens + self.block_size)
-        capacity = max(r.capacity for r in rows)
+        capacity = chunked(max(map(len, prompts)) + self.block_size, self.config.kv_chunk)
         if self.fast is not None:
             kv, logits, features = StaticTargetKV.prefill(self.fast, prompts, capture, capacity, self.buckets,
-                                                          self.block_step)
+                                                          self.block_step,
+                                                          exact_from=[len(r.prompt) for r in rows] if resume else None)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
+        if resume:  # each row's next token (its bonus) was sampled before it was preempted
+            return self._prefilled_batch(rows, kv, features, capacity)
         noise = self._noise(rows, [1] * len(rows))
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
                               torch.stack(noise) if noise is not None else None)
         now = time.perf_counter()
-        batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
-        if features is not None:  # the prompts' context goes to the drafter now, for these rows alone
-            self.proposer.absorb(batch.proposer_state, features, capacity, self.block_size)
-            batch.features = features.none_pending()
+        batch = self._prefilled_batch(rows, kv, features, capacity)
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -483,12 +496,20 @@ class SpecEngine:
         self._drop_finished(batch)
         return batch
 
+    def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, capacity: int) -> Batch:
+        batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
+        if features is not None:  # the prompts' context goes to the drafter now, for these rows alone
+            self.proposer.absorb(batch.proposer_state, features, capacity, self.block_size)
+            batch.features = features.none_pending()
+        return batch
+
     # ---- one cycle ------------------------------------------------------------------------------------------
 
     def _cycle(self, batch: Batch, forced_width: int | None = None) -> None:
         """plan -> propose -> target forward -> verify -> commit, for every live row at once."""
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
+        batch.grow()  # the caches take the positions this cycle's blocks may reach, in chunks
         widths = ([forced_width] * len(rows) if forced_width is not None
                   else batch.policy.widths([r.acceptance for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
@@ -650,12 +671,17 @@ class SpecEngine:
 
     def _drop_finished(self, batch: Batch) -> None:
         keep = [i for i, r in enumerate(batch.rows) if r.finish_reason is None]
-        if len(keep) == len(batch.rows):
+        if len(keep) < len(batch.rows):
+            self._keep_rows(batch, keep)
+
+    def _keep_rows(self, batch: Batch, keep: list[int]) -> None:
+        """Rows `keep` stay, in that order; an emptied batch lets its caches go (the next merge adopts the
+        incoming rows' caches wholesale)."""
+        if keep:
+            batch.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
             return
-        if not keep:
-            batch.rows = []  # the next merge adopts the incoming rows' caches wholesale
-            return
-        batch.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
+        batch.rows, batch.kv, batch.features, batch.capacity = [], None, None, 0
+        batch.proposer_state = self.proposer.new_batch_state(self.buckets)
 
     def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:
         for r in rows:

@@ -6,7 +6,9 @@
     [(logits, features)] = cache.forward_ragged(groups, capture, end)
                                                           fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
-    cache.select_rows(idx) / cache.merge(other) / cache.shrink(capacity) / cache.num_rows
+    cache.ensure_capacity(n) / cache.shrink(n)            room for positions < n per row (static: in place of
+                                                          what it holds, the batch sizes it in chunks)
+    cache.select_rows(idx) / cache.merge(other) / cache.num_rows
 
 - `DynamicTargetKV`, the generic path for ANY transformers decoder: transformers' DynamicCache, prompts
   left-padded, explicit per-row positions and a per-row slot mask. Rows that accepted fewer tokens than the
@@ -71,6 +73,9 @@ class DynamicTargetKV:
     def shrink(self, capacity: int) -> None:
         pass  # a dynamic cache holds only what was written (and compacts its holes)
 
+    def ensure_capacity(self, capacity: int) -> None:
+        pass  # it grows by what each forward writes
+
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
         self.slot_mask = self.slot_mask.index_select(0, idx)
@@ -105,7 +110,9 @@ class StaticTargetKV:
 
     @classmethod
     def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, capacity: int,
-                buckets: RowBuckets = RowBuckets(), compiled_forward=None, pad_id: int = 0):
+                buckets: RowBuckets = RowBuckets(), compiled_forward=None, pad_id: int = 0,
+                exact_from: list[int] | None = None):
+        """`exact_from`: per row, where the tokens a resumed row had decoded start (`FastTarget.prefill`)."""
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -115,7 +122,7 @@ class StaticTargetKV:
         positions = torch.arange(width, device=dev)[None].expand(len(prompts), -1)
         valid = positions < lengths[:, None]
         kv = fast.new_cache(len(prompts), max(capacity, width))
-        logits, features = fast.prefill(ids, positions, kv, lengths, capture)
+        logits, features = fast.prefill(ids, positions, kv, lengths, capture, exact_from)
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
         return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], _prompt_features(features, positions,
@@ -156,6 +163,9 @@ class StaticTargetKV:
 
     def shrink(self, capacity: int) -> None:
         self.kv.shrink(capacity)
+
+    def ensure_capacity(self, capacity: int) -> None:
+        self.kv.ensure_capacity(capacity)
 
     def merge(self, other: "StaticTargetKV") -> None:
         """Our live rows, other's live rows, then the padding the new row count needs."""

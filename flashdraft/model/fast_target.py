@@ -222,19 +222,26 @@ class FastTarget:
         return x, (torch.cat([captured[i] for i in taps], dim=-1) if taps else None)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StaticKV, lengths: torch.Tensor,
-                capture: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                capture: bool, exact_from: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompts (right-padded to one width): last-position logits [b, 1, V] and features [b, w, F]. In exact
         mode each row's prompt runs alone as one ordinary block, so a row's prompt is computed the same way
         whatever the batch (and as transformers' own prefill computes it); the tokens after it go one row at a
-        time through `forward`."""
+        time through `forward`. A resumed row (preempted, recomputed) holds its prompt then the tokens it had
+        decoded, from `exact_from[r]` on: in exact mode those go through the exact forward, as they did first."""
         width = input_ids.shape[1]
         if not self.exact:
             return self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
         logits, features = [], []
         for r, n in enumerate(lengths.tolist()):
-            row_logits, row_features = self.forward(input_ids[r:r + 1, :n], positions[r:r + 1, :n], kv.row(r),
-                                                    logit_index=torch.tensor([n - 1], device=input_ids.device),
-                                                    capture=capture, key_len=n, exact=False)
+            p = n if exact_from is None else min(n, exact_from[r])
+            row_logits, row_features = self.forward(input_ids[r:r + 1, :p], positions[r:r + 1, :p], kv.row(r),
+                                                    logit_index=torch.tensor([p - 1], device=input_ids.device),
+                                                    capture=capture, key_len=p, exact=False)
+            if p < n:  # the decoded tokens, as verification computed them
+                row_logits, decoded = self.forward(input_ids[r:r + 1, p:n], positions[r:r + 1, p:n], kv.row(r),
+                                                   logit_index=torch.tensor([n - p - 1], device=input_ids.device),
+                                                   capture=capture, key_len=n, exact=True)
+                row_features = None if row_features is None else torch.cat([row_features, decoded], dim=1)
             logits.append(row_logits)
             if row_features is not None:
                 features.append(F.pad(row_features, (0, 0, 0, width - n)))

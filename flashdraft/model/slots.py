@@ -2,10 +2,12 @@
 
 - `StaticKV`: preallocated per-layer K/V [batch, capacity, kv_heads, head_dim] where slot p of row r holds
   position p of row r. Writing scatters K/V to the slots of their positions, so rolling back rejected tokens is
-  nothing (they sit past the row's length, are masked, and are overwritten) and rows never hold holes. Shapes
-  change only when the row count or the capacity changes, which keeps compiled steps on one graph; rows leaving
-  or joining without changing the row count (a padded batch) are handled in place, so the tensors keep their
-  addresses and CUDA graphs replay without re-recording (torch re-records at most 128 times, then gives up).
+  nothing (they sit past the row's length, are masked, and are overwritten) and rows never hold holes. The
+  capacity grows (`ensure_capacity`) and shrinks as the caller asks (the engine: in chunks, with the tokens its
+  rows hold); it is marked as a dynamic dimension, so compiled steps keep one graph per row count whatever the
+  capacity. Rows leaving or joining without changing the row count (a padded batch) are handled in place, so the
+  tensors keep their addresses and CUDA graphs replay without re-recording (torch re-records at most 128 times,
+  then gives up); a new capacity is a new shape, which CUDA graphs record once per size.
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
 
@@ -27,8 +29,10 @@ class StaticKV:
         self._mark_static()
 
     def _mark_static(self) -> None:
-        """CUDA graphs may write these tensors in place only if they are marked as static addresses."""
+        """CUDA graphs may write these tensors in place only if they are marked as static addresses; the capacity
+        (dim 1) is dynamic for torch.compile: growing the cache does not compile another graph."""
         for t in self.keys + self.values:
+            torch._dynamo.mark_dynamic(t, 1)
             if t.is_cuda:
                 torch._dynamo.mark_static_address(t)
 
@@ -71,7 +75,7 @@ class StaticKV:
         self._mark_static()
 
     def ensure_capacity(self, needed: int) -> None:
-        """Grow to `needed` slots (callers size caches in a few classes, so shapes change rarely)."""
+        """Grow to `needed` slots (callers grow in chunks, so this copies rarely)."""
         if needed > self.capacity:
             grow = needed - self.capacity
             self._replace(lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1))
