@@ -1,18 +1,17 @@
-"""KV-cache memory at real model sizes: bytes per cache position, what a batch reserves, rows that fit a budget.
+"""KV-cache memory at real model sizes: bytes per cache position, what a batch holds, rows that fit a budget.
 
-The engine's reservation rule (flashdraft.engine.generate, `cache_capacity`): a row needs
-`cache_capacity(prompt + max_new_tokens + block)` positions, a power of two of at least 256, reserved up front; a
-batch holds every row at its largest row's capacity (rows join and leave; the batch shrinks when its longest row
-leaves), with power-of-two row counts when compiled (`RowBuckets`). Each position costs:
+The engine's rule (flashdraft.engine.batch, `Batch.needed_capacity`): a batch's caches hold, per row, the longest
+row's committed tokens plus one block, rounded up to a chunk (`kv_chunk`, 256 by default); they grow as rows
+advance and shrink when the longest row leaves, and compiled steps pad the row count to a power of two
+(`RowBuckets`). Each position costs:
 - target K/V: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes;
 - drafter context K/V: the same over the drafter's layers (its cache holds one scratch slot more per row).
-`reserved_positions` and `positions_for_budget` turn that into the server's admission figure
+`held_positions` and `positions_for_budget` turn that into the server's admission and preemption figures
 (`--kv-cache-memory`, scheduler.py); `REAL_SHAPES` holds the configs of Qwen3-8B and Llama-3.1-70B (written out
 here: no hub access) for `scripts/memory/project.py`.
 
-What this module does not know about: activations, the prefill's transient buffers, the features queued between
-cycles, the allocator's fragmentation (keep a margin), and caches that grow with the tokens held (the engine
-reserves up front; see docs/design.md, 'Memory').
+What this module does not know about: activations, the prefill's transient buffers, the transient copy when a
+cache grows or rows join, the features queued between cycles, the allocator's fragmentation (keep a margin).
 """
 
 from __future__ import annotations
@@ -68,19 +67,21 @@ def engine_bytes_per_position(engine) -> tuple[int, int]:
     return target, kv_bytes_per_position(config, dtype)
 
 
-def row_capacity(prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
-    """Cache positions the engine reserves for one row (its rule, imported: the figures cannot drift from it)."""
-    from flashdraft.engine.generate import cache_capacity
+def row_capacity(tokens: int, block_size: int, chunk: int) -> int:
+    """Cache positions per row of a batch whose longest row holds `tokens` committed tokens, for its next cycle:
+    one block more, in chunks (the engine's rule, imported: the figures cannot drift from it)."""
+    from flashdraft.engine.batch import chunked
 
-    return cache_capacity(prompt_tokens + max_new_tokens + block_size)
+    return chunked(tokens + block_size, chunk)
 
 
-def reserved_positions(capacities: list[int], cache_rows=lambda n: n) -> int:
-    """Positions a static batch of rows with these capacities holds: every row (and every padding row
-    `cache_rows(n)` adds for compiled row buckets) at the largest capacity, plus the drafter's scratch slot."""
-    if not capacities:
+def held_positions(row_tokens: list[int], block_size: int, chunk: int, cache_rows=lambda n: n) -> int:
+    """Positions a batch of rows holding these many committed tokens takes for its next cycle: every row (and
+    every padding row `cache_rows(n)` adds for compiled row buckets) at the longest row's capacity, plus the
+    drafter's scratch slot."""
+    if not row_tokens:
         return 0
-    return cache_rows(len(capacities)) * (max(capacities) + 1)
+    return cache_rows(len(row_tokens)) * (row_capacity(max(row_tokens), block_size, chunk) + 1)
 
 
 def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: int) -> int:
@@ -88,10 +89,11 @@ def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: in
     return int(budget_bytes // max(1, target_bytes + drafter_bytes))
 
 
-def rows_that_fit(budget_bytes: int, prompt_tokens: int, max_new_tokens: int, block_size: int, target_bytes: int,
+def rows_that_fit(budget_bytes: int, tokens: int, block_size: int, chunk: int, target_bytes: int,
                   drafter_bytes: int) -> int:
-    """Rows of this length a budget holds under the engine's reservation rule (uncompiled: no padding rows)."""
-    per_row = row_capacity(prompt_tokens, max_new_tokens, block_size) + 1
+    """Rows holding `tokens` tokens each (e.g. prompt + max_tokens: at their end) that a budget holds under the
+    engine's rule (uncompiled: no padding rows)."""
+    per_row = row_capacity(tokens, block_size, chunk) + 1
     return positions_for_budget(budget_bytes, target_bytes, drafter_bytes) // per_row
 
 
@@ -151,16 +153,17 @@ def resolve_memory_budget(spec: tuple[str, float], device: torch.device) -> int:
     return budget
 
 
-def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, tokens: int, block_size: int) -> str:
-    """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) reserves, and how many such rows
-    the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context)."""
-    capacity = row_capacity(tokens, 0, block_size)
+def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, tokens: int, block_size: int,
+             chunk: int) -> str:
+    """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) holds at its end, and how many
+    such rows the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context)."""
+    capacity = row_capacity(tokens, block_size, chunk)
     per_row = (capacity + 1) * (target_bytes + drafter_bytes)
     text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "
-            f"position; a row of {tokens} tokens (prompt + max_tokens) reserves {capacity} positions "
-            f"= {per_row / GiB:.3f} GiB")
+            f"position, grown in chunks of {chunk}; a row of {tokens} tokens (prompt + max_tokens) holds up to "
+            f"{capacity} positions = {per_row / GiB:.3f} GiB")
     if budget_bytes is not None:
-        fit = rows_that_fit(budget_bytes, tokens, 0, block_size, target_bytes, drafter_bytes)
+        fit = rows_that_fit(budget_bytes, tokens, block_size, chunk, target_bytes, drafter_bytes)
         positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes)
         text += f"; the budget of {budget_bytes / GiB:.3f} GiB holds {positions} positions = {fit} such rows"
     return text

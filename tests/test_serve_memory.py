@@ -1,11 +1,14 @@
-"""Admission by a KV-cache memory budget (`--kv-cache-memory`): rows wait while the batch's reserved cache would
-exceed the budget, outputs stay the target's own greedy ones, a request that cannot fit alone is a clear 400 (chat
-requests without max_tokens reserve the whole context), and the server logs the projection's figure at start-up."""
+"""Admission by a KV-cache memory budget (`--kv-cache-memory`): rows wait while the batch's cache, grown by a chunk
+per row, would exceed the budget; rows that outgrow it are preempted and recomputed; outputs stay the target's own
+greedy ones and the caches never exceed the budget; a request that cannot fit alone is a clear 400 (chat requests
+without max_tokens may need the whole context), and the server logs the projection's figure at start-up."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 
 import httpx
 import pytest
@@ -17,10 +20,10 @@ from test_serve import MAX_LEN, MODEL, live, make_engine, pair  # noqa: E402,F40
 from tiny import greedy_reference, make_drafter, make_target  # noqa: E402
 
 from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
-from flashdraft.engine.generate import cache_capacity  # noqa: E402
 from flashdraft.memory import (batch_kv_bytes, engine_bytes_per_position, memory_budget_arg,  # noqa: E402
                                resolve_memory_budget)
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
+from flashdraft.serve.metrics import Metrics  # noqa: E402
 from flashdraft.serve.scheduler import Failure, Scheduler, TooLarge  # noqa: E402
 
 
@@ -42,7 +45,7 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + i)] for i in range(6)}
     expected = {rid: greedy_reference(target, p, 10) for rid, p in prompts.items()}
-    per_row = cache_capacity(len(prompts["r5"]) + 10 + engine.block_size) + 1  # 256 + the drafter's scratch slot
+    per_row = 256 + 1  # a chunk (8 + 10 tokens + a block fit one) + the drafter's scratch slot
     sched = Scheduler(engine, max_batch_size=8, max_queue=16, kv_cache_positions=2 * per_row + per_row // 2)
     rows = _record_rows(engine)
     sched.start()
@@ -54,7 +57,7 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     try:
         outcomes = asyncio.run(main())
         # one that cannot fit even alone is refused at once, naming its reservation and the budget
-        with pytest.raises(TooLarge, match=r"1024 positions .* budget of 642 positions.*lower max_tokens"):
+        with pytest.raises(TooLarge, match=r"768 positions .*in chunks of 256.* budget of 642 positions.*lower max"):
             sched.submit([1] * 200, SamplingParams(max_new_tokens=400), "big", loop=asyncio.new_event_loop())
     finally:
         sched.stop()
@@ -63,15 +66,81 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     assert max(rows) == 2, rows  # 8 batch slots, but the budget holds two rows' caches: the others waited
 
 
+def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
+    """Caches grow in chunks of 16 here; the budget holds about three rows of the longest length, so running rows
+    outgrow it as they advance: the latest arrivals are preempted, resume later, and every output is still the
+    target's greedy one. The engine's caches never take more than the budget, and 429 still applies beyond the
+    queue bound."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
+    target_bytes, drafter_bytes = engine_bytes_per_position(engine)
+    prompts = {f"r{i}": [(5 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)}
+    expected = {rid: greedy_reference(target, p, 60) for rid, p in prompts.items()}
+    budget = 3 * (80 + 1)  # three rows of up to 19 + 60 tokens + a block (80 positions) + the scratch slot
+    metrics = Metrics("tiny")
+    sched = Scheduler(engine, max_batch_size=6, max_queue=6, kv_cache_positions=budget, metrics=metrics)
+    held, rows = [], []
+    step = engine.step
+
+    def recording(batch):
+        rows.append(len(batch.rows))
+        out = step(batch)
+        held.append(batch_kv_bytes(batch))
+        return out
+
+    engine.step = recording
+    sched.start()
+
+    async def main():
+        reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid) for rid, p in prompts.items()]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        sched.stop()
+    for rid, tokens in zip(prompts, outcomes):
+        assert tokens == expected[rid], rid
+    preempted = metrics.preemptions._value.get()
+    assert preempted >= 1 and max(rows) >= 4, (preempted, rows)  # short rows joined; growing, some had to leave
+    assert max(held) <= budget * (target_bytes + drafter_bytes), (max(held), budget)
+
+
+def test_queue_bound_still_answers_429_with_a_budget():
+    from flashdraft.serve.scheduler import QueueFull
+
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16)
+    sched = Scheduler(engine, max_batch_size=1, max_queue=2, kv_cache_positions=100)
+    gate = threading.Event()
+    step = engine.step
+    engine.step = lambda batch: (gate.wait(30), step(batch))[1]
+    sched.start()
+    loop = asyncio.new_event_loop()
+    try:
+        for i in range(3):  # one runs, two wait
+            sched.submit([1 + i, 2, 3], SamplingParams(max_new_tokens=8), f"q{i}", loop=loop)
+            while i == 0 and sched.num_running == 0:
+                time.sleep(0.01)
+        with pytest.raises(QueueFull):
+            sched.submit([4, 5], SamplingParams(max_new_tokens=8), "over", loop=loop)
+    finally:
+        gate.set()
+        sched.stop(drain_timeout=30)
+        loop.close()
+
+
 def test_admission_figure_is_what_the_engine_allocates():
-    """The scheduler's reservation (flashdraft.memory) against the cache tensors the engine really holds, as rows
-    of different lengths join and leave: never less, and at most one target position per row more."""
+    """The scheduler's figure (flashdraft.memory.held_positions) against the cache tensors the engine really holds,
+    as rows of different lengths join, grow and leave: never less, at most a chunk (and the scratch slot) per row
+    more, and the caches follow the tokens held, in chunks of 16 here."""
     from types import SimpleNamespace
 
     target = make_target("qwen3")
-    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
-    sched = Scheduler(engine)  # not started: its reservation rule only
+    per_position = target_bytes + drafter_bytes
+    sched = Scheduler(engine)  # not started: its rule only
     batch = engine.open_batch()
     requests = [SimpleNamespace(prompt=[1 + i] * n, params=SamplingParams(max_new_tokens=m))
                 for i, (n, m) in enumerate([(10, 20), (30, 100), (5, 10), (200, 60)])]
@@ -83,14 +152,15 @@ def test_admission_figure_is_what_the_engine_allocates():
         if not batch.rows:
             break
         engine.step(batch)
-        running = [requests[r.index] for r in batch.rows]
-        if not running:  # (an emptied batch keeps its last caches until rows join again: the engine's business)
+        if not batch.rows:
             continue
-        reserved = sched.reserved_positions(running) * (target_bytes + drafter_bytes)
+        tokens = [r.n_cached for r in batch.rows]
+        figure = sched.positions(tokens) * per_position
         held = batch_kv_bytes(batch)
-        assert reserved - len(running) * target_bytes <= held <= reserved, (step, held, reserved)
-        sizes.add((len(running), held))
-    assert not batch.rows and len(sizes) >= 4  # rows joined and left, the long one (512 positions) among them
+        assert figure - len(tokens) * (16 + 1) * per_position <= held <= figure, (step, held, figure)
+        sizes.add((len(tokens), held))
+    assert not batch.rows and len(sizes) >= 8  # rows joined, grew and left, the long one (260 tokens) among them
+    assert batch_kv_bytes(batch) == 0  # an emptied batch lets its caches go
 
 
 async def _collect(req) -> list[int]:
@@ -107,11 +177,11 @@ def test_server_budget_chat_default_max_tokens_is_a_400_and_setting_it_fits(pair
     engine = make_engine(pair)
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     assert target_bytes > 0 and drafter_bytes > 0
-    budget = 300 * (target_bytes + drafter_bytes)  # a 256-position row fits; a whole-context (512) row does not
+    budget = 300 * (target_bytes + drafter_bytes)  # a one-chunk row fits; a whole-context (512) row does not
     with caplog.at_level(logging.INFO, logger="flashdraft.serve"):
         app = create_app(engine, ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, kv_cache_bytes=budget))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
-    assert f"a row of {MAX_LEN} tokens (prompt + max_tokens) reserves 512 positions" in line
+    assert f"a row of {MAX_LEN} tokens (prompt + max_tokens) holds up to 512 positions" in line
     assert "holds 300 positions = 0 such rows" in line
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
     with live(app) as s:

@@ -10,7 +10,8 @@ Speculative decoding (counted per verify cycle, live, as vLLM does):
                                               draft policy verifies a prefix of them)
   spec_decode_num_one_token_steps             cycles a request decoded one token without a draft (policy's choice)
 Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / generation_tokens (counters),
-request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, and histograms
+request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, num_preemptions (running
+requests preempted for the KV-cache budget), kv_cache_reserved_positions / kv_cache_budget_positions, and histograms
 e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds.
 prometheus_client appends `_total` to counter names in the exposition text (`spec_decode_num_drafts_total`).
 
@@ -50,10 +51,13 @@ class Metrics:
         self._generation_tokens = counter("generation_tokens", "Number of generated tokens.")
         self._success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self._rejected = counter("requests_rejected", "Requests refused before generation.", ["reason"])
+        self._preemptions = counter("num_preemptions", "Running requests preempted to stay within the KV-cache "
+                                    "budget (recomputed when they resume).")
         self._running = Gauge("num_requests_running", "Requests in the running batch.", m, registry=r)
         self._waiting = Gauge("num_requests_waiting", "Requests waiting for a batch slot.", m, registry=r)
-        self._kv_reserved = Gauge("kv_cache_reserved_positions", "KV-cache positions the running batch reserves "
-                                  "(target and drafter; every row at the largest row's capacity).", m, registry=r)
+        self._kv_reserved = Gauge("kv_cache_reserved_positions", "KV-cache positions the running batch takes for "
+                                  "its next cycle (target and drafter; every row at the longest row's tokens plus "
+                                  "a block, in chunks).", m, registry=r)
         self._kv_budget = Gauge("kv_cache_budget_positions", "KV-cache positions --kv-cache-memory allows "
                                 "(0: no budget).", m, registry=r)
         self._e2e = Histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", m,
@@ -68,6 +72,7 @@ class Metrics:
         self.waiting = self._waiting.labels(model_name)
         self.kv_reserved = self._kv_reserved.labels(model_name)
         self.kv_budget = self._kv_budget.labels(model_name)
+        self.preemptions = self._preemptions.labels(model_name)
         self.ttft = self._ttft.labels(model_name)
         self._block_size = 0
         for c in (self._num_drafts, self._draft_tokens, self._accepted, self._proposed, self._one_token_steps):

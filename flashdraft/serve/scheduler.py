@@ -2,18 +2,24 @@
 
 Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches it. Its loop, per iteration:
 1. cancel  - rows whose clients went away are dropped from the batch (`engine.cancel`), freeing their cache rows;
-2. admit   - waiting requests join the batch (`engine.add`: one prefill for all of them) while it has free slots
-             (`max_batch_size`), the prefill token budget allows, and (with `kv_cache_positions`, the server's
-             `--kv-cache-memory`) the cache positions the batch would reserve fit the budget;
-3. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
-4. deliver - each request's new tokens are handed to its asyncio queue with `loop.call_soon_threadsafe`.
+2. admit   - waiting requests join the batch (`engine.add`: one prefill for all of them; preempted ones
+             `engine.resume`) while it has free slots (`max_batch_size`), the prefill token budget allows, and (with
+             `kv_cache_positions`, the server's `--kv-cache-memory`) the batch would fit the budget with room to grow;
+3. preempt - (with a budget) while the batch's next cycle would take more than the budget, the running request
+             that arrived last is preempted (`engine.preempt`) and goes back to the head of the queue;
+4. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
+5. deliver - each request's new tokens are handed to its asyncio queue with `loop.call_soon_threadsafe`.
 With nothing to do the thread sleeps on a condition variable. Requests beyond the batch wait in a bounded FIFO
 queue; `submit` on a full queue raises `QueueFull` at once (the server answers 429) instead of blocking.
-Memory admission: the engine reserves each row's cache up front, `cache_capacity(prompt + max_new_tokens + block)`
-positions, and a batch holds every row (and the padding rows of compiled row buckets) at its largest row's
-capacity (`flashdraft.memory.reserved_positions`). The head of the queue joins only while that figure, with it
-added, stays within `kv_cache_positions`; otherwise it waits (FIFO: later, smaller requests do not overtake it)
-until running rows finish. A request that could not fit even alone is refused at `submit` (`TooLarge`, HTTP 400).
+Memory: the engine's caches grow with the tokens rows hold; a batch takes, per row (and per padding row of
+compiled row buckets), the longest row's committed tokens plus a block, in chunks (`flashdraft.memory`,
+`held_positions`). Admission counts what rows hold now with one chunk of growth each (capped at what they may
+ever hold, prompt + max_tokens): the head of the queue joins only while that stays within `kv_cache_positions`,
+otherwise it waits (FIFO: later, smaller requests do not overtake it). Rows that outgrow the budget anyway are
+preempted and recomputed, vLLM's policy: the latest arrival leaves the batch with everything it generated, waits at
+the head of the queue, and when it fits again its prompt and output are prefilled again and it goes on with the
+output it would have had (`SpecEngine.resume`). A lone row always fits, because a request that could not fit even
+alone, at prompt + max_tokens, is refused at `submit` (`TooLarge`, HTTP 400); so the batch always progresses.
 Each request carries its own SamplingParams (temperature, stop ids/strings, max tokens); the engine applies them
 per row, so mixing greedy and sampled requests in one batch is fine.
 
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine, StreamEvent
-from flashdraft.memory import reserved_positions, row_capacity
+from flashdraft.memory import held_positions, row_capacity
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -68,6 +74,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     stats: object = None  # the engine's RequestStats of this request, once admitted
+    preempted: object = None  # the engine's state of this request while it waits preempted (`engine.resume`)
     counted_cycles: int = 0  # drafting cycles already added to the spec-decode counters
     counted_steps: int = 0  # one-token steps already added
 
@@ -83,6 +90,7 @@ class Scheduler:
         self.engine = engine
         self.kv_cache_positions = kv_cache_positions
         self._cache_rows = getattr(getattr(engine, "buckets", None), "rows", lambda n: n)
+        self.kv_chunk = engine.config.kv_chunk
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -99,6 +107,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.num_running = 0  # rows in the batch after the last iteration (read by other threads)
+        self.held_positions = 0  # cache positions the batch takes for its next cycle (read by other threads)
         self.cycles = 0
 
     # ---- any thread -------------------------------------------------------------------------------------------
@@ -136,29 +145,60 @@ class Scheduler:
         self._gauges()
         return req
 
-    def capacity(self, req: Request) -> int:
-        """Cache positions the engine reserves for this request's row."""
-        return row_capacity(len(req.prompt), req.params.max_new_tokens, self.engine.block_size)
+    @staticmethod
+    def most_tokens(req: Request) -> int:
+        """Tokens the request's row may ever hold: its prompt and max_tokens."""
+        return len(req.prompt) + req.params.max_new_tokens
 
-    def reserved_positions(self, reqs) -> int:
-        """Positions a batch of these requests holds (every row at the largest row's capacity)."""
-        return reserved_positions([self.capacity(r) for r in reqs], self._cache_rows)
+    def positions(self, row_tokens: list[int]) -> int:
+        """Cache positions a batch of rows holding these many tokens takes for its next cycle (`held_positions`)."""
+        return held_positions(row_tokens, self.engine.block_size, self.kv_chunk, self._cache_rows)
 
     def _check_fits_alone(self, req: Request) -> None:
         budget = self.kv_cache_positions
-        if budget is None or self.reserved_positions([req]) <= budget:
+        if budget is None or self.positions([self.most_tokens(req)]) <= budget:
             return
+        capacity = row_capacity(self.most_tokens(req), self.engine.block_size, self.kv_chunk)
         raise TooLarge(
-            f"this request needs a KV cache of {self.capacity(req)} positions ({len(req.prompt)} prompt tokens + "
-            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.block_size}, rounded up to a power "
-            f"of two), more than the server's whole budget of {budget} positions (--kv-cache-memory); lower "
-            "max_tokens or shorten the prompt")
+            f"this request may need a KV cache of {capacity} positions ({len(req.prompt)} prompt tokens + "
+            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.block_size}, in chunks of "
+            f"{self.kv_chunk}), more than the server's whole budget of {budget} positions (--kv-cache-memory); "
+            "lower max_tokens or shorten the prompt")
+
+    @staticmethod
+    def _tokens_to_prefill(req: Request) -> int:
+        """A new request's prompt, or a preempted one's prompt and output so far (recomputed)."""
+        return req.preempted.n_cached if req.preempted is not None else len(req.prompt)
 
     def _fits(self, admit: list[Request], candidate: Request) -> bool:
-        """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget."""
+        """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget with one
+        chunk of growth for every row (no more than it may ever hold), so that a join is not undone at once by a
+        preemption."""
         if self.kv_cache_positions is None:
             return True
-        return self.reserved_positions([*self._running.values(), *admit, candidate]) <= self.kv_cache_positions
+        joining = (*admit, candidate)
+        held = [row.n_cached for row in self._batch.rows] + [self._tokens_to_prefill(r) for r in joining]
+        most = [self.most_tokens(self._running[row.index]) if row.index in self._running else row.n_cached
+                for row in self._batch.rows] + [self.most_tokens(r) for r in joining]
+        return self.positions([min(h + self.kv_chunk, m) for h, m in zip(held, most)]) <= self.kv_cache_positions
+
+    def _preempt_to_fit(self) -> None:
+        """While the batch's next cycle would take more than the budget, the running request that arrived last
+        leaves it (its cache freed, its state kept) for the head of the queue; a lone row always fits."""
+        if self.kv_cache_positions is None:
+            return
+        while (len(self._batch.rows) > 1
+               and self.positions([row.n_cached for row in self._batch.rows]) > self.kv_cache_positions):
+            req = max((self._running[row.index] for row in self._batch.rows if row.index in self._running),
+                      key=lambda r: r.arrival)
+            req.preempted = self.engine.preempt(self._batch, req.rid)
+            del self._running[req.rid]
+            with self._cond:
+                self._waiting.appendleft(req)
+            if self.metrics is not None:
+                self.metrics.preemptions.inc()
+            log.info("preempted request %s (%d tokens held) to stay within --kv-cache-memory; it resumes when the "
+                     "cache has room again", req.rid, req.preempted.n_cached)
 
     def cancel(self, rid: str) -> None:
         """Drop a request (waiting or running); nothing more is delivered for it. Safe to call more than once."""
@@ -207,10 +247,11 @@ class Scheduler:
             else:
                 admit, budget = [], self.max_prefill_tokens
                 free = self.max_batch_size - len(self._batch.rows)
-                while (self._waiting and len(admit) < free and (not admit or len(self._waiting[0].prompt) <= budget)
+                while (self._waiting and len(admit) < free
+                       and (not admit or self._tokens_to_prefill(self._waiting[0]) <= budget)
                        and self._fits(admit, self._waiting[0])):
                     req = self._waiting.popleft()
-                    budget -= len(req.prompt)
+                    budget -= self._tokens_to_prefill(req)
                     admit.append(req)
             cancels, self._cancels = self._cancels, set()
         if self._stopping:
@@ -225,9 +266,13 @@ class Scheduler:
             if req is not None:
                 self.engine.cancel(self._batch, rid)
                 self._count_finish(req, "abort", 0)
-        if admit:
-            self._admit(admit)
-            self.num_running = len(self._batch.rows)  # admitted rows run from now (their first tokens are out)
+        resumed, new = [r for r in admit if r.preempted is not None], [r for r in admit if r.preempted is None]
+        if resumed:
+            self._resume(resumed)
+        if new:
+            self._admit(new)
+        self.num_running = len(self._batch.rows)  # admitted rows run from now (their first tokens are out)
+        self._preempt_to_fit()
         if self._batch.rows:
             try:
                 events = self.engine.step(self._batch)
@@ -238,8 +283,23 @@ class Scheduler:
             self.cycles += 1
             self._deliver(events)
         self.num_running = len(self._batch.rows)
+        self.held_positions = self.positions([row.n_cached for row in self._batch.rows])
         self._gauges()
         return True
+
+    def _resume(self, reqs: list[Request]) -> None:
+        """Preempted requests back into the batch (their prompt and output prefilled again)."""
+        try:
+            self.engine.resume(self._batch, [r.preempted for r in reqs])
+        except Exception:
+            log.exception("resuming preempted requests failed")
+            for r in reqs:
+                self._count_finish(r, "error", 0)
+                self._send(r, Failure(500, "internal error while resuming a preempted request"))
+            return
+        for r in reqs:
+            r.preempted = None
+            self._running[r.rid] = r
 
     def _admit(self, reqs: list[Request]) -> None:
         try:
@@ -320,12 +380,12 @@ class Scheduler:
             self._count_finish(req, "abort", 0)
             self._send(req, Failure(status, message))
         self._fail_running(status, message)
-        self.num_running = 0
+        self.num_running = self.held_positions = 0
         self._gauges()
 
     def _gauges(self) -> None:
         if self.metrics is not None:
             self.metrics.running.set(self.num_running)
             self.metrics.waiting.set(len(self._waiting))
-            self.metrics.kv_reserved.set(self.reserved_positions(list(self._running.values())))
+            self.metrics.kv_reserved.set(self.held_positions)
             self.metrics.kv_budget.set(self.kv_cache_positions or 0)
