@@ -3,9 +3,10 @@
 Only the per-cycle steps are compiled - the drafter's context write and block forward, and the target's block
 verify on the fast path - because their shapes are static per block size: the static caches are attended over
 their whole capacity (masks, not slices, say which slots are live) and the drafter's context arrives in chunks
-of one block. Prefill, acceptance and bookkeeping stay eager. Each new shape (another batch bucket - the engine
-pads batches to a power of two -, a cache of another size class: powers of two from 256 positions) compiles
-one more static graph, once; `SpecEngine.warmup` builds the buckets' graphs ahead of time.
+of one block. Prefill, acceptance and bookkeeping stay eager. Each batch bucket (the engine pads batches to a
+power of two rows) compiles one graph, once; the caches' capacity, which grows in chunks with the tokens held, is
+a dynamic dimension of it (`StaticKV` marks it), so growing caches compile nothing more. `SpecEngine.warmup`
+builds the buckets' graphs ahead of time.
 
 On CUDA the steps use mode="reduce-overhead" (CUDA graphs). The caches they write in place are static addresses
 (`StaticKV` marks its CUDA tensors), and outputs are cloned because a graph replay overwrites its last outputs.

@@ -13,6 +13,8 @@ One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycl
                    rolled back (a no-op on the static fast path, a crop plus masked holes on the generic path);
                    the kept slots' features become the drafter's next context; the policy sees the acceptance and
                    the cycle's measured costs; finished rows leave the batch.
+Before a cycle the caches grow, in chunks (`EngineConfig.kv_chunk`), to hold every row's next block
+(`Batch.grow`): memory follows the tokens held, not max_tokens.
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
@@ -28,7 +30,8 @@ Limitation of the generic path: with batch > 1, targets whose attention uses a s
 
 What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
 how many tokens to verify (`policy.py`), row padding (`batch.py`, inside the static caches), HTTP, or continuous
-batching (the server drives `SpecEngine` one cycle at a time through `open_batch`, `add`, `step`, `cancel`).
+batching (the server drives `SpecEngine` one cycle at a time through `open_batch`, `add`, `step`, `cancel`, and
+`preempt` / `resume` to stay within a memory budget).
 """
 
 from __future__ import annotations
@@ -341,8 +344,8 @@ class SpecEngine:
     @torch.inference_mode()
     def warmup(self, max_batch_size: int = 1) -> list[int]:
         """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
-        generation per bucket, so that the first requests do not wait for the compiler. Covers the smallest
-        cache size; requests that need a larger cache compile theirs on first use. Returns the buckets warmed
+        generation per bucket, so that the first requests do not wait for the compiler. The graphs take any cache
+        capacity (a dynamic dimension), so longer requests compile nothing more. Returns the buckets warmed
         ([] for an engine that is not compiled)."""
         self._check_open()
         if self.block_step is None:

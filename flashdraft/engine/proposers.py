@@ -43,7 +43,7 @@ from flashdraft.model.target import TargetModel
 class ProposalInput:
     bonus: torch.Tensor  # [b] the last committed token of each row, not yet in the target's cache
     positions: torch.Tensor  # [b, block_size] absolute positions of the block
-    capacity: int  # positions every row of the batch fits in (prompt + max new tokens + a block)
+    capacity: int  # positions per row the batch's caches hold now (the longest row's tokens + a block, in chunks)
     context_len: int  # the longest committed context of a row (= max position of a bonus token)
     new_features: Features | None = None  # with `needs_features`: target features committed since the last call
     histories: list[list[int]] | None = None  # with `needs_histories`: committed tokens per row, bonus included

@@ -65,8 +65,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=memory_budget_arg, default=None,
                    help="memory for the target's and drafter's KV caches: GiB (24 or 24GiB), or a percentage of the "
                         "device's memory for the whole server (90%%: less what the weights already use; CPU: of "
-                        "RAM). Requests wait in the queue while the batch's reserved cache would exceed it; one that "
-                        "cannot fit alone is a 400 (default: no bound beyond --max-batch-size)")
+                        "RAM). Requests wait in the queue while the batch, grown by a chunk per row, would exceed "
+                        "it; running rows that outgrow it are preempted and recomputed later; one that cannot fit "
+                        "alone is a 400 (default: no bound beyond --max-batch-size)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; without either the "
                         "server is open; an empty key is an error)")

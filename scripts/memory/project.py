@@ -5,11 +5,13 @@
 
 Targets are built from their config only (flashdraft.memory.REAL_SHAPES, no weights, no hub access), with a
 5-layer drafter of the same attention shape (`make_draft_config`), in bf16. A length is PROMPT:MAX_TOKENS;
-MAX_TOKENS `rest` is what a chat request without max_tokens reserves (the rest of the context, here
---context). Rows are counted with the engine's own reservation rule (flashdraft.memory.rows_that_fit), the figure
-`flashdraft serve` logs at start-up; in parentheses, the rows a cache holding exactly prompt + max_tokens + block
-positions per row (no power of two, no largest-row padding) would fit: what paged KV would win. The weights are
-counted on the meta device, so budgets can be read against a GPU: KV budget = GPU memory - weights - activations.
+MAX_TOKENS `rest` is what a chat request without max_tokens may run to (the rest of the context, here --context).
+Rows are counted at their end (prompt + max_tokens held) with the engine's own rule (flashdraft.memory.rows_that_fit:
+caches grow in chunks of --kv-chunk positions), the figure `flashdraft serve` logs at start-up; in parentheses, the
+rows the engine fitted before caches grew (a power of two of at least 256 positions reserved per row up front).
+Rows that have not reached their end hold less, so the server runs more of them and preempts when they outgrow
+the budget. The weights are counted on the meta device, so budgets can be read against a GPU: KV budget = GPU
+memory - weights - activations.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 
 import torch
 
+from flashdraft.engine.batch import next_power_of_two
 from flashdraft.memory import GiB, REAL_SHAPES, kv_bytes_per_position, real_config, row_capacity, rows_that_fit
 from flashdraft.model.drafter import make_draft_config
 
@@ -45,6 +48,7 @@ def main(argv=None) -> None:
                    help="PROMPT:MAX_TOKENS (default 512:512, 2048:1024, 512:rest, 4096:rest)")
     p.add_argument("--context", type=int, default=8192, help="context a chat request's max_tokens defaults to")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-chunk", type=int, default=256, help="positions the engine's caches grow by")
     p.add_argument("--draft-layers", type=int, default=5)
     args = p.parse_args(argv)
     budgets = args.budget_gib or [20.0, 60.0]
@@ -56,16 +60,16 @@ def main(argv=None) -> None:
         d_bytes = kv_bytes_per_position(drafter, torch.bfloat16)
         print(f"\n{name}: weights {weight_bytes(config) / GiB:.1f} GiB (bf16); K/V per position: target "
               f"{t_bytes / 1024:.0f} KiB, {args.draft_layers}-layer drafter {d_bytes / 1024:.0f} KiB")
-        print("| prompt | max_tokens | reserved positions / row | GiB / row | "
-              + " | ".join(f"rows in {b:g} GiB (exact)" for b in budgets) + " |")
+        print("| prompt | max_tokens | positions / row at its end | GiB / row | "
+              + " | ".join(f"rows in {b:g} GiB (before)" for b in budgets) + " |")
         print("|---:|---:|---:|---:|" + "---:|" * len(budgets))
         for prompt, new in lengths:
             max_new = args.context - prompt if new == "rest" else int(new)
-            capacity = row_capacity(prompt, max_new, args.block_size)
+            capacity = row_capacity(prompt + max_new, args.block_size, args.kv_chunk)
             per_row = (capacity + 1) * (t_bytes + d_bytes) / GiB
-            fits = [f"{rows_that_fit(int(b * GiB), prompt, max_new, args.block_size, t_bytes, d_bytes)} "
-                    f"({int(b * GiB // ((prompt + max_new + args.block_size) * (t_bytes + d_bytes)))})"
-                    for b in budgets]
+            reserved_before = max(256, next_power_of_two(prompt + max_new + args.block_size)) + 1
+            fits = [f"{rows_that_fit(int(b * GiB), prompt + max_new, args.block_size, args.kv_chunk, t_bytes, d_bytes)}"
+                    f" ({int(b * GiB // (reserved_before * (t_bytes + d_bytes)))})" for b in budgets]
             shown = f"{max_new} (rest of {args.context})" if new == "rest" else str(max_new)
             print(f"| {prompt} | {shown} | {capacity} | {per_row:.2f} | " + " | ".join(map(str, fits)) + " |")
 
