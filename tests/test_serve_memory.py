@@ -67,16 +67,15 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
 
 
 def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
-    """Caches grow in chunks of 16 here; the budget holds about three rows of the longest length, so running rows
-    outgrow it as they advance: the latest arrivals are preempted, resume later, and every output is still the
-    target's greedy one. The engine's caches never take more than the budget, and 429 still applies beyond the
-    queue bound."""
+    """Caches grow in chunks of 16 here; the budget holds four rows as they start but only two at their end, so
+    running rows outgrow it as they advance: the latest arrivals are preempted, resume later, and every output is
+    still the target's greedy one. The engine's caches never take more than the budget."""
     target = make_target("qwen3")
     engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     prompts = {f"r{i}": [(5 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)}
     expected = {rid: greedy_reference(target, p, 60) for rid, p in prompts.items()}
-    budget = 3 * (80 + 1)  # three rows of up to 19 + 60 tokens + a block (80 positions) + the scratch slot
+    budget = 243  # rows x (tokens + a block, in chunks of 16, + the scratch slot): 4 x 49 at the start, 2 x 97 at the end
     metrics = Metrics("tiny")
     sched = Scheduler(engine, max_batch_size=6, max_queue=6, kv_cache_positions=budget, metrics=metrics)
     held, rows = [], []
@@ -92,7 +91,8 @@ def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
     sched.start()
 
     async def main():
-        reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid) for rid, p in prompts.items()]
+        with sched._cond:  # all queued before the scheduler admits any: the same batches every run
+            reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid) for rid, p in prompts.items()]
         return await asyncio.gather(*(_collect(r) for r in reqs))
 
     try:
