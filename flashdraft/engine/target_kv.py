@@ -6,8 +6,8 @@
     [(logits, features)] = cache.forward_ragged(groups, capture, end)
                                                           fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
-    cache.ensure_capacity(n) / cache.shrink(n)            room for positions < n per row (static: in place of
-                                                          what it holds, the batch sizes it in chunks)
+    cache.ensure_capacity(n) / cache.shrink(n)            room for positions < n per row (the static cache
+                                                          copies into new tensors; the batch asks in chunks)
     cache.select_rows(idx) / cache.merge(other) / cache.num_rows
 
 - `DynamicTargetKV`, the generic path for ANY transformers decoder: transformers' DynamicCache, prompts
