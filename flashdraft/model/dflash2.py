@@ -112,9 +112,9 @@ def follow(steps: torch.Tensor) -> torch.Tensor:
 
     The maps are composed in log2(k) rounds (a prefix scan: after the round with shift d, map i is the composition
     of maps i - 2d + 1 .. i), each one gather, instead of k dependent steps."""
-    shift = 1
+    steps, shift = steps.clone(), 1
     while shift < steps.shape[1]:
-        steps = torch.cat([steps[:, :shift], steps[:, shift:].gather(-1, steps[:, :-shift])], 1)
+        steps[:, shift:] = steps[:, shift:].gather(-1, steps[:, :-shift])  # the gather reads before the write
         shift *= 2
     return steps[:, :, 0]
 
