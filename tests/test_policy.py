@@ -7,7 +7,7 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import AdaptiveWidth, CostModel, Curve, CycleTiming, width_choices
+from flashdraft.engine.policy import STALE_AFTER, AdaptiveWidth, CostModel, Curve, CycleTiming, width_choices
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -107,7 +107,10 @@ def test_a_cost_bucket_not_measured_for_long_is_forgotten():
     for _ in range(2):
         curve.record(16, 9.0)  # one bad timing of 16 tokens (the first of a bucket is not kept)
     assert curve.known(16)
-    for _ in range(300):
+    for _ in range(STALE_AFTER):
+        curve.record(1, 1.0)
+    assert curve.known(16)  # kept while it may still be current: forgetting makes the plan explore it again
+    for _ in range(2):
         curve.record(1, 1.0)
     assert not curve.known(16) and curve.known(1)
 
