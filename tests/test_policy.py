@@ -145,6 +145,14 @@ class ScriptedWidths:
         pass
 
 
+class UniformWidths(ScriptedWidths):
+    """Every row of cycle c gets widths[c % len(widths)] (compiled steps give all rows one width)."""
+
+    def widths(self, rows):
+        self.cycle += 1
+        return [self.script[self.cycle % len(self.script)]] * len(rows)
+
+
 @pytest.mark.parametrize("arch,fast_path", [("qwen3", None), ("qwen3", False), ("llama", None), ("phi3", None)])
 def test_mixed_widths_are_lossless(arch, fast_path):
     """Rows verifying different widths in the same cycle (ragged on the fast path, padded on the generic one),
@@ -265,10 +273,16 @@ def test_compiled_steps_warm_up_every_width_they_use():
     assert engine.width_choices == (1, 4) and not engine.ragged
     engine.warmup(max_batch_size=2)
     params = SamplingParams(max_new_tokens=40)
+    expected = [greedy_reference(target, p, 40) for p in PROMPTS[:2]]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        results = engine.generate(PROMPTS[:2], params)
-    assert [r.token_ids for r in results] == [greedy_reference(target, p, 40) for p in PROMPTS[:2]]
-    assert all(r.stats.plain_steps > 0 for r in results)
+        results = engine.generate(PROMPTS[:2], params)  # the adaptive policy's own (timing-dependent) choices
+        batch = engine.open_batch()
+        batch.policy = UniformWidths([4, 1, 1])  # and both widths for certain
+        out = {e.index: e.token_ids for e in engine.add(batch, PROMPTS[:2], params)}
+        while batch.rows:
+            for e in engine.step(batch):
+                out[e.index] = out.get(e.index, []) + e.token_ids
+    assert [r.token_ids for r in results] == expected and [out[0], out[1]] == expected
 
 
 def test_fixed_policy_always_drafts_the_block():
