@@ -13,14 +13,18 @@ created by `new_row()` and travels with the row.
     verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
     drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
     row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing):
-    judged by the optimistic starting prior once, so it drafts again where drafting could pay and its own
-    acceptance decides; a request whose drafts recover is drafting again within a few cycles.
+    judged by the optimistic starting prior once, so it drafts again where drafting could pay; what its drafts
+    show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
+    (a probe the plan declines counts as lost), so good drafts at a load where drafting does not pay neither
+    probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
+    whose drafts recover is drafting again within a few probes.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
     verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
-    the number of drafting rows, each an exponential moving average per power-of-two bucket, interpolated
-    between buckets. A bucket not measured for a while is forgotten (the plan then tries it again), so one bad
-    timing cannot keep a width out for good. Nothing is hard-coded: a busy machine or a GPU gets its own curves
-    within a few cycles.
+    the number of drafting rows, each the median of the last timings per power-of-two bucket (one preempted cycle
+    on a busy machine does not move it), interpolated between buckets and never decreasing with size (a size
+    timed slow once and avoided since is capped by the larger sizes timed after it). A bucket not measured for a
+    while is forgotten (the plan then tries it again). Nothing is hard-coded: a busy machine or a GPU gets its own
+    curves within a few cycles.
   With ragged verification (the fast target path, eager) each row gets its own width: the plan starts from the
   best batch-wide width and then lets every row take the width that pays at the batch's throughput (one
   Dinkelbach step on the linearised cost). Where one forward pads every row to the widest one (compiled steps,
@@ -36,11 +40,14 @@ What this module does not know about: drafters, caches, tokens; time only as the
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 import numpy as np
 
-SMOOTHING = 0.3  # weight of the newest observation in a row's acceptance estimates and in the cost curves
+SMOOTHING = 0.3  # weight of the newest observation in a row's acceptance estimates
+COST_WINDOW = 9  # a cost bucket is the median of its last timings: a cycle the OS preempted does not move it
 PRIOR_SMOOTHING = 0.05  # the engine-wide prior moves slowly: it summarises many rows
 MIN_PLAIN_RUN, MAX_PLAIN_RUN = 4, 128  # one-token steps before a row is probed again, doubling while probes lose
 OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's: draft first, then judge
@@ -84,6 +91,7 @@ class Curve:
 
     def __init__(self):
         self.points: dict[int, tuple[float, float]] = {}
+        self.window: dict[int, deque] = {}
         self.seen: set[int] = set()
         self.measured_at: dict[int, int] = {}  # bucket -> the timing count when it was last measured
         self.timings = 0
@@ -96,27 +104,31 @@ class Curve:
         if key not in self.seen:
             self.seen.add(key)
             return
-        old = self.points.get(key)
-        self.points[key] = (size, seconds) if old is None else tuple(
-            (1 - SMOOTHING) * o + SMOOTHING * n for o, n in zip(old, (size, seconds)))
+        window = self.window.setdefault(key, deque(maxlen=COST_WINDOW))
+        window.append((size, seconds))
+        self.points[key] = (median([x for x, _ in window]), median([y for _, y in window]))
         self.measured_at[key] = self.timings
         stale = [k for k, t in self.measured_at.items() if self.timings - t > STALE_AFTER]
         for k in stale:
-            del self.points[k], self.measured_at[k]
+            del self.points[k], self.measured_at[k], self.window[k]
         self._xy = None
 
     def known(self, size: int) -> bool:
         return bucket(size) in self.points
 
     def __call__(self, sizes):
-        """Seconds at `sizes` (a number or an array): piecewise-linear through the measured points, beyond them the
-        nearest segment's slope (never below zero); with one point, proportional below it and flat above it (an
-        optimistic guess, so the plan tries other sizes and measures them). None before any point was measured."""
+        """Seconds at `sizes` (a number or an array): piecewise-linear through the measured points (made
+        non-decreasing), beyond them the nearest segment's slope (never below zero); with one point, proportional
+        below it and flat above it (an optimistic guess, so the plan tries other sizes and measures them). None
+        before any point was measured."""
         if not self.points:
             return None
         if self._xy is None:
             pts = sorted(self.points.values())
-            self._xy = np.array([x for x, _ in pts]), np.array([y for _, y in pts])
+            ys = np.array([y for _, y in pts])
+            # more work never takes less time: a size measured in a bad moment and not since (the plan avoids it
+            # because it looked slow) is capped by the larger sizes measured after it
+            self._xy = np.array([x for x, _ in pts]), np.minimum.accumulate(ys[::-1])[::-1]
         xs, ys = self._xy
         sizes = np.asarray(sizes, dtype=np.float64)
         if len(xs) == 1:
@@ -245,6 +257,10 @@ class AdaptiveWidth:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
             return [1] * n
         plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
+        for r, w in zip(rows, plan):
+            if r.probing and w == 1:  # declined even judged optimistically: a lost probe, no draft needed to know
+                r.survival, r.probing, r.plain_steps = r.judged, False, 0
+                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
         drafting = bool((plan > 1).any())
         self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
         return plan.tolist()
@@ -303,12 +319,14 @@ class AdaptiveWidth:
                 r.plain_steps += 1
                 continue
             self.priors.update(r.sampled, w, a)
-            if r.probing:  # a probe that keeps at least half what the prior expects resumes drafting
+            if r.probing:  # a probe is evidence for the row's own estimates; the optimistic prior only bought it
                 r.probing = False
-                won = a >= 0.5 * float(r.survival[:w - 1].sum())
-                r.plain_run = MIN_PLAIN_RUN if won else min(2 * r.plain_run, MAX_PLAIN_RUN)
-                if not won:  # back to what sent it to one-token steps, plus this evidence
-                    r.survival = r.judged
+                r.survival = r.judged
+                # the wait doubles until the row drafts again on its own estimates: good drafts at a load where
+                # drafting does not pay must not bring a probe every few steps
+                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
+            else:
+                r.plain_run = MIN_PLAIN_RUN
             r.plain_steps = 0
             r.update(w, a)
 
