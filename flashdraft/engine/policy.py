@@ -51,9 +51,9 @@ COST_WINDOW = 9  # a cost bucket is the median of its last timings: a cycle the 
 PRIOR_SMOOTHING = 0.05  # the engine-wide prior moves slowly: it summarises many rows
 MIN_PLAIN_RUN, MAX_PLAIN_RUN = 4, 128  # one-token steps before a row is probed again, doubling while probes lose
 OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's: draft first, then judge
-# a cost bucket not measured in this many timings of its curve is forgotten; forgetting makes the plan try that size
-# again at full width (one extrapolates optimistically), which at 256 cost a 16-row batch of plain steps ~7 % of
-# its throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
+# a cost bucket not measured in this many timings of its curve is forgotten; the plan then tries that size again
+# (an unmeasured size is priced optimistically), which at 256 cost a 16-row batch of plain steps ~7 % of its
+# throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
 REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row changes (costs drift slowly)
 
