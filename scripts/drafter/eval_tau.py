@@ -17,8 +17,8 @@ Lengths 256 / 1024 / 1800: contexts of that many tokens starting at a line start
 
 Every prompt runs alone (batch 1), block 16, the fixed draft policy (every cycle verifies the whole block), greedy
 or at `--temperature` with seed = the prompt's index in its cell (so two drafters see the same noise), up to
-`--max-new-tokens` (stopping at eos); tau of a prompt = its mean acceptance length over cycles. Per (set, ending, length) cell: min / p10 / median / mean over prompts, and
-the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
+`--max-new-tokens` (stopping at eos); tau of a prompt = its mean acceptance length over cycles. Per (set, ending,
+length) cell: min / p10 / median / mean over prompts, and the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
 Writes `results.json`, `results.md` and `tau.png` (box plots per cell) into `--out`.
 
 `--draft-vocab-size N` restricts an existing full-vocabulary drafter to the N most frequent response tokens of the
