@@ -201,6 +201,8 @@ def run_train(args) -> int:
         if trainer.rank == 0:
             print(f"flashdraft train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
+    finally:
+        trainer.close()
     if trainer.rank == 0:
         print(json.dumps({"steps": result.steps, "final_dir": result.final_dir, "log": result.log_path,
                           "tau_start": (result.eval_start or {}).get("tau"), "tau_end": (result.eval_end or {}).get("tau"),

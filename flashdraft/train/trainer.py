@@ -429,8 +429,16 @@ class Trainer:
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if self.world_size > 1 and not dist.is_initialized():
+        self._owns_process_group = self.world_size > 1 and not dist.is_initialized()
+        if self._owns_process_group:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
+
+    def close(self) -> None:
+        """Tear down the process group this trainer started. Left to interpreter exit, gloo's threads can abort
+        a rank that already finished (SIGABRT, 'terminate called without an active exception')."""
+        if getattr(self, "_owns_process_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
 
     def _barrier(self) -> None:
         if self.world_size > 1:
