@@ -43,12 +43,18 @@ class EngineConfig:
     # the static K/V caches (target and drafter) grow and shrink in chunks of this many positions per row, with
     # the tokens the rows hold (the compiled steps take the capacity as a dynamic dimension: one graph for all)
     kv_chunk: int = 256
+    # token trees (`tree.py`): 0 = verify the argmax chain; N = a tree of the N most likely draft nodes (best-first
+    # by path probability) for every drafting row; "auto" = the size that maximises the batch's committed tokens
+    # per second under the measured verify costs, per cycle. Eager fast path only (elsewhere: the chain)
+    tree_budget: int | str = 0
 
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
         if not isinstance(self.kv_chunk, int) or self.kv_chunk < 1:
             raise ValueError(f"kv_chunk must be an integer >= 1, got {self.kv_chunk!r}")
+        if not (self.tree_budget == "auto" or (isinstance(self.tree_budget, int) and 0 <= self.tree_budget <= 512)):
+            raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

@@ -37,6 +37,7 @@ batching (the server drives `SpecEngine` one cycle at a time through `open_batch
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -52,7 +53,9 @@ from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
-from flashdraft.engine.verify import SamplingParams, sample_tokens, verify
+from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, TreeCalibration, best_first, stack,
+                                    tree_attention_mask)
+from flashdraft.engine.verify import SamplingParams, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
@@ -282,8 +285,27 @@ class SpecEngine:
         self.acceptance_priors = AcceptancePriors(self.block_size)
         self.ragged = self.fast is not None and self.block_step is None
         self.width_choices = (1, self.block_size)
+        # token trees (`tree.py`): the eager fast path verifies them; elsewhere rows verify the chain
+        self.tree_budget = config.tree_budget if self.block_size > 1 else 0
+        why_no_trees = (("compiled steps verify one width" if self.block_step is not None else None)
+                        or ("the generic target path has no tree attention" if self.fast is None else None)
+                        or ("exact mode attends by position" if exact else None)
+                        or (None if hasattr(self.proposer, "propose_candidates") else
+                            f"{type(self.proposer).__name__} proposes no candidates"))
+        if self.tree_budget and why_no_trees:
+            warnings.warn(f"tree_budget={self.tree_budget!r} ignored, rows verify the chain: {why_no_trees}",
+                          stacklevel=2)
+            self.tree_budget = 0
+        self.tree_calibration = TreeCalibration()
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
+
+    @property
+    def scratch_slots(self) -> int:
+        """Cache slots past a row's committed tokens that one cycle may write: its block, or its tree's nodes."""
+        if self.tree_budget == "auto":
+            return max(self.block_size, AUTO_TREE_SIZES[-1])
+        return max(self.block_size, self.tree_budget + 1)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 
@@ -371,7 +393,7 @@ class SpecEngine:
         return self._new_batch()
 
     def _new_batch(self, **fields) -> Batch:
-        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets), block_size=self.block_size,
+        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets), block_size=self.scratch_slots,
                      kv_chunk=self.config.kv_chunk,
                      policy=new_policy(self.config.draft_policy, self.block_size, self.costs, self.ragged,
                                        self.acceptance_priors, self.width_choices), **fields)
@@ -476,7 +498,7 @@ class SpecEngine:
         start = time.perf_counter()
         prompts = [r.history[:r.n_cached] for r in rows] if resume else [r.prompt for r in rows]
         capture = self.proposer.needs_features
-        capacity = chunked(max(map(len, prompts)) + self.block_size, self.config.kv_chunk)
+        capacity = chunked(max(map(len, prompts)) + self.scratch_slots, self.config.kv_chunk)
         if self.fast is not None:
             kv, logits, features = StaticTargetKV.prefill(self.fast, prompts, capture, capacity, self.buckets,
                                                           self.block_step,
@@ -518,18 +540,23 @@ class SpecEngine:
         drafting = [i for i, w in enumerate(widths) if w > 1]
         # sampled rows' counter-based noise at the output positions their draft and verify cover
         noise = self._noise(rows, [self.block_size if w > 1 else 1 for w in widths])
-        block, positions, draft_probs = self._propose(batch, drafting, max(widths), noise)
-        drafted_at = self._clock()
-        prof.mark("draft")
-        groups = width_groups(widths, block.device)
-        logits, features = self._target_forward(batch, block, positions, groups)
-        prof.mark("target")
-        accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
-        prof.mark("verify")
-        self._commit_block(batch, block, positions, features, widths, accepted, next_tokens)
+        if self.tree_budget and drafting:  # drafting rows verify token trees (`tree.py`), as chains from here on
+            block, positions, features, verified, accepted, next_tokens, drafted_at = self._tree_step(
+                batch, drafting, noise)
+        else:
+            block, positions, draft_probs = self._propose(batch, drafting, max(widths), noise)
+            drafted_at = self._clock()
+            prof.mark("draft")
+            groups = width_groups(widths, block.device)
+            logits, features = self._target_forward(batch, block, positions, groups)
+            prof.mark("target")
+            accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
+            prof.mark("verify")
+            verified = widths
+        self._commit_block(batch, block, positions, features, verified, accepted, next_tokens)
         prof.mark("commit")
         if forced_width is None:
-            timing = CycleTiming(sum(widths) if self.ragged else len(rows) * max(widths), len(drafting),
+            timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
                                  drafted_at - started, time.perf_counter() - started)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted, timing)
         self._drop_finished(batch)
@@ -559,31 +586,112 @@ class SpecEngine:
         positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
         if not drafting:
             return bonus[:, None], positions, None
-        every_row = len(drafting) == len(rows)
-        idx = None if every_row else torch.tensor(drafting, device=dev)
-        pick = (lambda x: x) if every_row else (lambda x: x.index_select(0, idx))  # noqa: E731
+        inp = self._proposal_input(batch, drafting, noise)
+        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, self.block_size)
+        block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        block[:, 0] = bonus
+        if inp.draft_rows is None:
+            block[:, 1:] = drafts[:, :width - 1]
+        else:
+            block[inp.draft_rows, 1:] = drafts[:, :width - 1]
+        return block, positions, draft_probs
+
+    def _proposal_input(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None) -> ProposalInput:
+        """What the drafting method receives for the rows `drafting` (and every row's new features)."""
+        rows, dev = batch.rows, self.target.device
+        idx = None if len(drafting) == len(rows) else torch.tensor(drafting, device=dev)
+        drafters = [rows[i] for i in drafting]
         histories = self.proposer.needs_histories
         k = self.block_size - 1
-        drafters = [rows[i] for i in drafting]
         draft_noise = temperatures = None
         if noise is not None:
             draft_noise = torch.stack([noise[i][:k] for i in drafting])
         if any(not r.params.greedy for r in drafters):
             temperatures = torch.tensor([r.params.temperature for r in drafters], dtype=torch.float32, device=dev)
+        bonus = torch.tensor([r.bonus for r in drafters], dtype=torch.long, device=dev)
+        n_cached = torch.tensor([r.n_cached for r in drafters], dtype=torch.long, device=dev)
         block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
-        inp = ProposalInput(pick(bonus), pick(block_positions), batch.capacity,
-                            max(r.n_cached for r in drafters), batch.features,
-                            [r.history for r in drafters] if histories else None,
-                            [r.index for r in drafters] if histories else None,
-                            draft_noise, temperatures, draft_rows=idx)
-        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, self.block_size)
-        block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        block[:, 0] = bonus
-        if every_row:
-            block[:, 1:] = drafts[:, :width - 1]
-        else:
-            block[idx, 1:] = drafts[:, :width - 1]
-        return block, positions, draft_probs
+        return ProposalInput(bonus, block_positions, batch.capacity, max(r.n_cached for r in drafters),
+                             batch.features, [r.history for r in drafters] if histories else None,
+                             [r.index for r in drafters] if histories else None,
+                             draft_noise, temperatures, draft_rows=idx)
+
+    def _tree_step(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None):
+        """Propose, target forward and verify with token trees for the rows `drafting` (the others: one-token
+        steps, as trees of their root alone). Returns what `_commit_block` takes, each row's tree linearised into
+        its accepted path: (block, positions, features, nodes verified, accepted, next tokens) and the time the
+        draft was done."""
+        rows, dev, prof = batch.rows, self.target.device, self.profiler
+        inp = self._proposal_input(batch, drafting, noise)
+        ids, logp = self.proposer.propose_candidates(batch.proposer_state, inp, self.block_size, TREE_CANDIDATES)
+        most = AUTO_TREE_SIZES[-1] - 1 if self.tree_budget == "auto" else self.tree_budget
+        grown = [best_first(rows[i].bonus, ids[j], logp[j], most) for j, i in enumerate(drafting)]
+        nodes = self._tree_nodes(batch, grown)
+        trees = [RowTree([r.bonus], [-1], [0], [0.0]) for r in rows]
+        for j, i in enumerate(drafting):
+            trees[i] = grown[j].prefix(nodes)
+        drafted_at = self._clock()
+        prof.mark("draft")
+        # 2. one forward over every row's tree: node j at position n + depth, K/V in scratch slot n + j
+        n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
+        sizes = [len(t.tokens) for t in trees]
+        groups, stacked, inputs = width_groups(sizes, dev), [], []
+        for w, idx in groups:
+            tree = stack([trees[i] for i in idx.tolist()], dev)
+            context = n_cached.index_select(0, idx)
+            group = (idx, tree.tokens, context[:, None] + tree.depths)
+            if w > 1:
+                slots = context[:, None] + torch.arange(w, device=dev)[None]
+                group += (slots, tree_attention_mask(tree.ancestors(), context, int(context.max()) + w))
+            inputs.append(group)
+            stacked.append(tree)
+        capture = self.proposer.needs_features
+        outputs = batch.kv.forward_ragged(inputs, capture, max(r.n_cached for r in rows) + max(sizes))
+        prof.mark("target")
+        # 3. walk each tree; its accepted path becomes a chain: tokens, features, K/V moved to consecutive slots
+        depth = max(t.path_depth() for t in stacked) + 1
+        block = torch.zeros(len(rows), depth, dtype=torch.long, device=dev)
+        features = None
+        accepted, next_tokens = [0] * len(rows), [0] * len(rows)
+        for (w, idx), tree, (logits, group_features) in zip(groups, stacked, outputs):
+            members = idx.tolist()
+            group_noise = torch.stack([noise[i] for i in members]) if noise is not None else None
+            verdict = verify_tree(logits, tree, [rows[i].params for i in members],
+                                  [rows[i].generator for i in members], group_noise)
+            path = torch.tensor([p + [p[-1]] * (depth - len(p)) for p in verdict.paths], device=dev)
+            block[idx] = tree.tokens.gather(1, path)
+            if group_features is not None:
+                if features is None:
+                    features = group_features.new_zeros(len(rows), depth, group_features.shape[-1])
+                features[idx] = group_features.gather(1, path[..., None].expand(-1, -1, group_features.shape[-1]))
+            if w > 1:
+                context = n_cached.index_select(0, idx)[:, None]
+                batch.kv.move_slots(idx, context + path, context + torch.arange(depth, device=dev)[None])
+                self.tree_calibration.observe(
+                    [trees[i].expected_accepted()[-1] for i in members], verdict.num_accepted.tolist())
+            for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
+                accepted[i], next_tokens[i] = a, t
+        prof.mark("verify")
+        positions = n_cached[:, None] + torch.arange(depth, device=dev)[None]
+        return block, positions, features, sizes, accepted, next_tokens, drafted_at
+
+    def _tree_nodes(self, batch: Batch, trees: list[RowTree]) -> int:
+        """Nodes per drafting row's tree this cycle (root included): the budget's, or with "auto" the size of
+        `AUTO_TREE_SIZES` that maximises expected committed tokens per second: the trees' expected accepted
+        lengths (scaled by how trees have done so far) against the measured cost of verifying that many tokens."""
+        if self.tree_budget != "auto":
+            return self.tree_budget + 1
+        plain = len(batch.rows) - len(trees)
+        scale = self.tree_calibration.scale
+        best, best_rate = self.block_size, 0.0
+        for size in [self.block_size] + [s for s in AUTO_TREE_SIZES if s > self.block_size]:
+            seconds = self.costs.cycle(plain + size * len(trees), len(trees))
+            if seconds is None:
+                break
+            gain = plain + sum(1.0 + scale * t.expected_accepted()[min(size, len(t.tokens)) - 1] for t in trees)
+            if gain / seconds > best_rate:
+                best, best_rate = size, gain / seconds
+        return best
 
     def _target_forward(self, batch: Batch, block, positions, groups):
         """The target over each row's block: logits [g, w, V] per width group, features [b, W, F] (or None)."""

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
+from flashdraft.engine.tree import candidate_lists
 from flashdraft.model.cpu_linear import packed_linear
 from flashdraft.model.draft_vocab import draft_targets
 from flashdraft.model.drafter import DFlashDraftModel
@@ -204,6 +205,36 @@ class DFlashProposer:
             self._write_step(state.kv, *chunk)
         drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale)
         return self._proposal(drafts, live, inp.bonus.device)
+
+    def propose_candidates(self, state: DraftRows, inp: ProposalInput, block_size: int,
+                           top: int) -> tuple[list, list]:
+        """For token trees (eager only): the drafting rows' top `top` candidates at every draft position and their
+        log-probabilities, most likely first, as lists [rows][k][top] (`tree.candidate_lists`). The scores are the
+        marginals' (DFlash2 drafters too: a tree branches where the selector would pick one); sampled rows rank
+        by softmax(logits / T), under counter-based noise perturbed by it (log q - log E: the first candidate is
+        the draft `propose` makes)."""
+        dev = self.drafter.device
+        _, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
+        self.drafter.write_context(state.kv, features, positions, valid)
+        kv = state.kv if inp.draft_rows is None else state.kv.gather_rows(inp.draft_rows.to(dev), inp.context_len)
+        block = torch.full((inp.bonus.shape[0], block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = inp.bonus.to(dev)
+        hidden = self.drafter.draft(kv, self.drafter.embed(block, self.embedding_weight), inp.positions.to(dev),
+                                    inp.context_len)[:, 1:]
+        scores = self.drafter.draft_logits(hidden, self.lm_head).float()
+        if inp.temperatures is not None:
+            temps = inp.temperatures.to(dev, torch.float32)
+            scores = scores * torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0)[:, None, None]
+        if inp.noise is not None:
+            noise = inp.noise.to(dev)
+            if self.draft_targets is not None:
+                noise = noise.index_select(-1, self.draft_targets)
+            scores = torch.log_softmax(scores, dim=-1) - noise.log()
+        ids, logp = candidate_lists(scores, top)
+        if self.draft_targets is not None:
+            to_target = self.draft_targets.tolist()
+            ids = [[[to_target[i] for i in position] for position in row] for row in ids]
+        return ids, logp
 
     def _proposal(self, drafts: torch.Tensor, live: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [live, k], draft distributions or None for one-hot drafts) from what `_draft_tokens` returned."""

@@ -6,6 +6,7 @@
     [(logits, features)] = cache.forward_ragged(groups, capture, end)
                                                           fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
+    cache.move_slots(rows, source, dest)                  fast path: a token tree's accepted path to its positions
     cache.ensure_capacity(n) / cache.shrink(n)            room for positions < n per row (the static cache
                                                           copies into new tensors; the batch asks in chunks)
     cache.select_rows(idx) / cache.merge(other) / cache.num_rows
@@ -152,6 +153,10 @@ class StaticTargetKV:
 
     def keep(self, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots
+
+    def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """A token tree's accepted path (scratch slots `source`) into consecutive positions `dest` (`tree.py`)."""
+        self.kv.move_slots(rows, source, dest)
 
     @property
     def num_rows(self) -> int:

@@ -16,6 +16,12 @@ one-hot drafts such as DFlash's argmax), decide per row how many drafts are acce
 Either way the committed tokens are distributed exactly as the target's own samples (temperature, top-k, top-p
 applied to p).
 
+Trees (`tree.py`, `verify_tree`): the walk starts at the root and follows the target's own token at each node (its
+argmax, its race winner under the noise of the node's output position, or without noise a sample drawn from p
+there) while that token is one of the node's children; the token that is not is the next token. Every committed
+token is the target's own choice given the tokens before it, so trees keep all of the above, and under the noise
+the output is again plain decoding's with the same seed.
+
 What this module does not know about: KV caches, positions, stop conditions (the engine commits what we return).
 """
 
@@ -147,6 +153,52 @@ def verify(
         num_accepted[row] = acc
         next_tokens[row] = torch.multinomial(dist, 1, generator=gen)[0]
     return Verdict(num_accepted, next_tokens)
+
+
+@dataclass
+class TreeVerdict(Verdict):
+    """Also each row's accepted path: the tree's node indices from the root, one per committed draft plus the root."""
+
+    paths: list[list[int]]
+
+
+def verify_tree(
+    target_logits: torch.Tensor,
+    tree,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+    noise: torch.Tensor | None = None,
+) -> TreeVerdict:
+    """Walk token trees (`tree.TokenTree`, g rows of n nodes) against the target's logits at their nodes [g, n, V].
+
+    noise [g, depth + 1, V] or None: each sampled row's exponential noise by output position (the root's first);
+    without it, sampled rows draw the target's token at each node they reach from p with their generator."""
+    greedy_choice = target_logits.argmax(dim=-1).tolist()  # [g][n]
+    children = tree.children()
+    depths = tree.depths
+    num_accepted, next_tokens, paths = [], [], []
+    for row, p in enumerate(params):
+        if p.greedy:
+            chosen = greedy_choice[row].__getitem__
+        elif noise is not None:  # every node's race winner under the noise of its output position
+            probs = target_probs(target_logits[row], p.temperature, p.top_p, p.top_k)
+            chosen = race(probs, noise[row].index_select(0, depths[row])).tolist().__getitem__
+        else:
+            gen = generators[row] if generators else None
+
+            def chosen(node, row=row, p=p, gen=gen):  # the target's own sample at the node, drawn when reached
+                probs = target_probs(target_logits[row, node], p.temperature, p.top_p, p.top_k)
+                return int(torch.multinomial(probs, 1, generator=gen)[0])
+        path = [0]
+        token = chosen(0)
+        while (path[-1], token) in children[row]:
+            path.append(children[row][(path[-1], token)])
+            token = chosen(path[-1])
+        num_accepted.append(len(path) - 1)
+        next_tokens.append(token)
+        paths.append(path)
+    device = target_logits.device
+    return TreeVerdict(torch.tensor(num_accepted, device=device), torch.tensor(next_tokens, device=device), paths)
 
 
 def sample_tokens(

@@ -149,26 +149,31 @@ class FastTarget:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
         packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
-        group over its rows' cache slots. Returns (logits [g, w, V], features [g, w, F] or None) per group."""
-        sizes = [ids.numel() for _, ids, _ in groups]
-        ids = torch.cat([ids.reshape(-1) for _, ids, _ in groups])[None]
-        positions = torch.cat([pos.reshape(-1) for _, _, pos in groups])[None]
+        group over its rows' cache slots. A group of token trees (`engine/tree.py`) adds (slots [g, w], mask
+        [g, 1, w, key_len]): its tokens' K/V go to those slots and attend as the mask says (context and ancestors),
+        not causally by position. Returns (logits [g, w, V], features [g, w, F] or None) per group."""
+        sizes = [group[1].numel() for group in groups]
+        ids = torch.cat([group[1].reshape(-1) for group in groups])[None]
+        positions = torch.cat([group[2].reshape(-1) for group in groups])[None]
         x = self.embed(ids)
         cos, sin = self.rotary(x, positions)
-        spans = []  # per group: its cache rows (a slice when contiguous: no copy), key length, mask
-        for rows, _, pos in groups:
+        spans = []  # per group: its cache rows (a slice when contiguous: no copy), slots written, key length, mask
+        for rows, _, pos, *tree in groups:
             first = int(rows[0])
             contiguous = torch.equal(rows, torch.arange(first, first + len(rows), device=rows.device))
-            key_len = int(pos.max()) + 1
-            mask = (torch.arange(key_len, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
-            spans.append((slice(first, first + len(rows)) if contiguous else rows, key_len, mask))
+            if tree:
+                slots, mask = tree
+            else:
+                slots = pos
+                mask = (torch.arange(int(pos.max()) + 1, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
+            spans.append((slice(first, first + len(rows)) if contiguous else rows, slots, mask.shape[-1], mask))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
             out = []
-            for (rows, _, pos), (cache_rows, key_len, mask), q, k, v in zip(
+            for (rows, _, pos, *_), (cache_rows, slots, key_len, mask), q, k, v in zip(
                     groups, spans, qs[0].split(sizes), ks[0].split(sizes), vs[0].split(sizes)):
                 g, w = pos.shape
-                kv.write(i, pos, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]), rows=rows)
+                kv.write(i, slots, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]), rows=rows)
                 keys, values = kv.keys[i][cache_rows, :key_len], kv.values[i][cache_rows, :key_len]
                 out.append(self._attention(i, q.view(g, w, *q.shape[1:]), keys, values, pos, mask, self.exact)
                            .reshape(g * w, -1))
@@ -177,8 +182,8 @@ class FastTarget:
         x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, self.exact, capture)
         logits = (per_token if self.exact else _call)(self.lm_head, x)[0].split(sizes)
         features = features[0].split(sizes) if features is not None else [None] * len(groups)
-        return [(lg.view(*pos.shape, -1), f.view(*pos.shape, -1) if f is not None else None)
-                for lg, f, (_, _, pos) in zip(logits, features, groups)]
+        return [(lg.view(*group[2].shape, -1), f.view(*group[2].shape, -1) if f is not None else None)
+                for lg, f, group in zip(logits, features, groups)]
 
     def _attention(self, i: int, qs, keys, values, positions, mask, exact: bool) -> torch.Tensor:
         """Causal attention of queries [b, q, heads, D] over cached keys/values [b, k, kv_heads, D]; the output

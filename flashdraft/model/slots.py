@@ -53,6 +53,12 @@ class StaticKV:
         self.keys[layer][rows[:, None], positions] = keys
         self.values[layer][rows[:, None], positions] = values
 
+    def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy every layer's K/V at slots `source` [b, n] to slots `dest` [b, n] of rows `rows` [b] (a token tree's
+        accepted path into consecutive positions; the source is read whole before anything is written)."""
+        for t in self.keys + self.values:
+            t[rows[:, None], dest] = t[rows[:, None], source]
+
     def _derived(self, fn) -> "StaticKV":
         """A cache whose K/V tensors are fn(t) of ours (views or copies; no static addresses to mark)."""
         other = StaticKV.__new__(StaticKV)

@@ -1,0 +1,166 @@
+"""Token trees: verify more than the argmax chain from one draft.
+
+A DFlash draft is one forward that yields a distribution at each of the k block positions; the chain verifies the
+argmax of each. A tree verifies several candidates per position, chosen best-first by the product of the draft
+probabilities along their path (the drafter's own estimate that the target accepts the whole path) under a node
+budget: each node added is the most likely one left, and any prefix of that order is a tree (a node's parent is
+always more likely than the node). The drafter's positions come out of one parallel forward, so every node at
+depth d takes its children from the same top candidates of position d + 1.
+
+Layout of one row's tree: node 0 is the root, the bonus token at the row's next position n; nodes are in
+topological order (a parent before its children); node j holds a candidate for position n + depths[j]. The target
+reads every node in one forward (`FastTarget.forward_ragged` with a `TreeShape`): node j's K/V go to scratch slot
+n + j, its rotary position is n + depths[j], and it attends to the row's context (slots < n) and to its own
+ancestors. The shared verifier walks the tree (`verify.verify_tree`); the accepted path's K/V then move to slots
+n .. n + a and its features become the drafter's next context, so from there on the row is a chain again.
+
+`expected_accepted` is what the draft policy weighs against the cost of verifying more tokens (`tree_sizes`):
+the sum of the path probabilities of a tree's nodes is its expected accepted length, were the drafter calibrated;
+the engine scales it by how the row's trees actually did.
+
+What this module does not know about: models, caches, sampling (it takes candidate scores and returns shapes).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TREE_CANDIDATES = 8  # candidates per block position a tree may branch into (the top of the drafter's marginal)
+AUTO_TREE_SIZES = (16, 24, 32, 48, 64)  # nodes per tree (root included) that `tree_budget="auto"` chooses among
+CALIBRATION_SMOOTHING = 0.05
+
+
+@dataclass
+class TokenTree:
+    """Trees of the same node count for g rows: tokens, parents (root: -1) and depths, each [g, nodes]."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestors(self) -> torch.Tensor:
+        """[g, nodes, nodes] bool: entry (j, i) is True iff node i is node j or one of its ancestors."""
+        g, w = self.tokens.shape
+        eye = torch.eye(w, dtype=torch.bool, device=self.tokens.device)
+        anc = eye[None].repeat(g, 1, 1)
+        rows = torch.arange(g, device=self.tokens.device)
+        for j in range(1, w):  # topological order: a parent's row is complete before its children's
+            anc[:, j] |= anc[rows, self.parents[:, j]]
+        return anc
+
+    def children(self) -> list[dict[tuple[int, int], int]]:
+        """Per row: (parent node, token) -> child node."""
+        return [{(p, t): j for j, (p, t) in enumerate(zip(ps, ts)) if j}
+                for ps, ts in zip(self.parents.tolist(), self.tokens.tolist())]
+
+    def path_depth(self) -> int:
+        return int(self.depths.max()) if self.depths.numel() else 0
+
+
+@dataclass
+class RowTree:
+    """One row's tree in best-first order (node 0 the root): tokens, parents, depths, and the path log-probability
+    of each node (root: 0), non-increasing after the root."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    path_logp: list[float]
+
+    def prefix(self, nodes: int) -> "RowTree":
+        return RowTree(self.tokens[:nodes], self.parents[:nodes], self.depths[:nodes], self.path_logp[:nodes])
+
+    def expected_accepted(self) -> np.ndarray:
+        """[nodes]: the expected accepted length of the tree cut to its first i + 1 nodes, under the draft
+        probabilities (a node is accepted iff its whole path is)."""
+        return np.cumsum(np.exp(self.path_logp)) - 1.0
+
+
+class TreeCalibration:
+    """How far trees get against what the draft probabilities promise: accepted / expected accepted, both moving
+    averages over trees (a drafter is rarely calibrated; DFlash's late positions are overconfident)."""
+
+    def __init__(self):
+        self.expected = self.accepted = None
+
+    def observe(self, expected: list[float], accepted: list[int]) -> None:
+        e, a = float(np.mean(expected)), float(np.mean(accepted))
+        if self.expected is None:
+            self.expected, self.accepted = e, a
+            return
+        self.expected += CALIBRATION_SMOOTHING * (e - self.expected)
+        self.accepted += CALIBRATION_SMOOTHING * (a - self.accepted)
+
+    @property
+    def scale(self) -> float:
+        if not self.expected:
+            return 1.0
+        return self.accepted / self.expected
+
+
+def best_first(root: int, candidates: list[list[int]], logp: list[list[float]], budget: int) -> RowTree:
+    """The `budget` most likely nodes under the product of per-position candidate probabilities, plus the root.
+
+    candidates[d] / logp[d]: position d + 1's candidate tokens and their log-probabilities, most likely first.
+    Each popped node pushes its first child and its next sibling, both no more likely than itself, so nodes come
+    out in order of their path probability and every parent before its children."""
+    tree = RowTree([root], [-1], [0], [0.0])
+    depth_max = len(candidates)
+    if depth_max == 0:
+        return tree
+    heap = [(-logp[0][0], 1, 0, 0)]  # (-path logp, depth, candidate rank, parent node)
+    while heap and len(tree.tokens) <= budget:
+        neg, depth, rank, parent = heapq.heappop(heap)
+        node = len(tree.tokens)
+        tree.tokens.append(candidates[depth - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        tree.path_logp.append(-neg)
+        if depth < depth_max:
+            heapq.heappush(heap, (neg - logp[depth][0], depth + 1, 0, node))
+        if rank + 1 < len(candidates[depth - 1]):
+            sibling = neg + logp[depth - 1][rank] - logp[depth - 1][rank + 1]
+            heapq.heappush(heap, (sibling, depth, rank + 1, parent))
+    return tree
+
+
+def chain(root: int, drafts: list[int]) -> RowTree:
+    """The chain as a tree: node d is draft d, child of node d - 1."""
+    n = len(drafts)
+    return RowTree([root] + list(drafts), list(range(-1, n)), list(range(n + 1)), [0.0] * (n + 1))
+
+
+def stack(trees: list[RowTree], device) -> TokenTree:
+    """Row trees of one node count as one `TokenTree`."""
+    def as_tensor(name):
+        return torch.tensor([getattr(t, name) for t in trees], dtype=torch.long, device=device)
+
+    return TokenTree(as_tensor("tokens"), as_tensor("parents"), as_tensor("depths"))
+
+
+def candidate_lists(scores: torch.Tensor, top: int = TREE_CANDIDATES) -> tuple[list, list]:
+    """From draft scores [b, k, V] (log-probabilities, or logits: normalised here) the top candidates of every
+    position: (tokens [b][k][top], log-probabilities [b][k][top]) as lists, most likely first."""
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return ids.tolist(), values.tolist()
+
+
+def tree_attention_mask(ancestors: torch.Tensor, context: torch.Tensor, key_len: int) -> torch.Tensor:
+    """The mask [g, 1, nodes, key_len] of a tree forward: node j sees the row's context slots [0, context) and the
+    scratch slots context + i of its ancestors i (itself included). context [g]: each row's committed length."""
+    g, w, _ = ancestors.shape
+    slots = torch.arange(key_len, device=ancestors.device)[None]  # [1, key_len]
+    offset = slots - context[:, None]  # [g, key_len]: the node a scratch slot holds
+    in_tree = (offset >= 0) & (offset < w)
+    node = offset.clamp(0, w - 1)[:, None, :].expand(g, w, key_len)
+    visible = ancestors.gather(2, node) & in_tree[:, None, :]
+    return (visible | (offset < 0)[:, None, :])[:, None]
