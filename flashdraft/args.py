@@ -184,7 +184,7 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 
 def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact, --sampler and --draft-policy (also
+    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact, --sampler, --draft-policy and --tree-budget (also
     `flashdraft bench`)."""
     p.add_argument("--device", type=device_arg, default="auto",
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -207,6 +207,22 @@ def add_device_args(p) -> None:
                    help="adaptive = each row verifies the number of drafts that maximises the batch's tokens per "
                         "second under its measured acceptance and the measured step costs (down to one-token steps; "
                         "default); fixed = every row verifies the whole block every cycle")
+    p.add_argument("--tree-budget", type=tree_budget_arg, default=0,
+                   help="token trees: N = each drafting row verifies the N most likely draft nodes (best-first by "
+                        "path probability) in one target pass; auto = the size that pays under the measured verify "
+                        "cost, per cycle; 0 = the argmax chain (default). Eager fast path only (else the chain)")
+
+
+def tree_budget_arg(value: str):
+    if value == "auto":
+        return value
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = -1
+    if not 0 <= budget <= 512:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer in [0, 512], got {value!r}")
+    return budget
 
 
 def pack_weights_arg(args) -> bool | None:
@@ -253,7 +269,8 @@ def engine_config(args, plain: bool = False):
 
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
                           pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
-                          exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"))
+                          exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
+                          tree_budget=getattr(args, "tree_budget", 0))
     return config.plain() if plain else config
 
 

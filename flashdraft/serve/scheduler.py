@@ -152,16 +152,16 @@ class Scheduler:
 
     def positions(self, row_tokens: list[int]) -> int:
         """Cache positions a batch of rows holding these many tokens takes for its next cycle (`held_positions`)."""
-        return held_positions(row_tokens, self.engine.block_size, self.kv_chunk, self._cache_rows)
+        return held_positions(row_tokens, self.engine.scratch_slots, self.kv_chunk, self._cache_rows)
 
     def _check_fits_alone(self, req: Request) -> None:
         budget = self.kv_cache_positions
         if budget is None or self.positions([self.most_tokens(req)]) <= budget:
             return
-        capacity = row_capacity(self.most_tokens(req), self.engine.block_size, self.kv_chunk)
+        capacity = row_capacity(self.most_tokens(req), self.engine.scratch_slots, self.kv_chunk)
         raise TooLarge(
             f"this request may need a KV cache of {capacity} positions ({len(req.prompt)} prompt tokens + "
-            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.block_size}, in chunks of "
+            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.scratch_slots}, in chunks of "
             f"{self.kv_chunk}), more than the server's whole budget of {budget} positions (--kv-cache-memory); "
             "lower max_tokens or shorten the prompt")
 
