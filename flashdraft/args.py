@@ -211,6 +211,9 @@ def add_device_args(p) -> None:
                    help="token trees: N = each drafting row verifies the N most likely draft nodes (best-first by "
                         "path probability) in one target pass; auto = the size that pays under the measured verify "
                         "cost, per cycle; 0 = the argmax chain (default). Eager fast path only (else the chain)")
+    p.add_argument("--lookup-ngram", type=int_in(0, 16), default=0,
+                   help="with --tree-budget: add a prompt-lookup branch to every tree, the continuation of the "
+                        "latest earlier match of the context's last N tokens (0 = none, default)")
 
 
 def tree_budget_arg(value: str):
@@ -270,7 +273,7 @@ def engine_config(args, plain: bool = False):
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
                           pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
-                          tree_budget=getattr(args, "tree_budget", 0))
+                          tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0))
     return config.plain() if plain else config
 
 

@@ -47,6 +47,9 @@ class EngineConfig:
     # by path probability) for every drafting row; "auto" = the size that maximises the batch's committed tokens
     # per second under the measured verify costs, per cycle. Eager fast path only (elsewhere: the chain)
     tree_budget: int | str = 0
+    # with trees: a prompt-lookup branch in every drafting row's tree, the continuation of the latest earlier match
+    # of the context's last n <= lookup_ngram tokens (0 = none)
+    lookup_ngram: int = 0
 
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"kv_chunk must be an integer >= 1, got {self.kv_chunk!r}")
         if not (self.tree_budget == "auto" or (isinstance(self.tree_budget, int) and 0 <= self.tree_budget <= 512)):
             raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
+        if not isinstance(self.lookup_ngram, int) or not 0 <= self.lookup_ngram <= 16:
+            raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

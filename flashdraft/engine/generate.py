@@ -53,8 +53,8 @@ from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
-from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, TreeCalibration, best_first, stack,
-                                    tree_attention_mask)
+from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, TreeCalibration, add_branch, best_first,
+                                    lookup_continuation, stack, tree_attention_mask)
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
@@ -296,6 +296,9 @@ class SpecEngine:
             warnings.warn(f"tree_budget={self.tree_budget!r} ignored, rows verify the chain: {why_no_trees}",
                           stacklevel=2)
             self.tree_budget = 0
+        if config.lookup_ngram and not self.tree_budget:
+            warnings.warn("lookup_ngram ignored: the prompt-lookup branch is part of a token tree (tree_budget)",
+                          stacklevel=2)
         self.tree_calibration = TreeCalibration()
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
@@ -303,9 +306,11 @@ class SpecEngine:
     @property
     def scratch_slots(self) -> int:
         """Cache slots past a row's committed tokens that one cycle may write: its block, or its tree's nodes."""
-        if self.tree_budget == "auto":
-            return max(self.block_size, AUTO_TREE_SIZES[-1])
-        return max(self.block_size, self.tree_budget + 1)
+        if not self.tree_budget:
+            return self.block_size
+        nodes = AUTO_TREE_SIZES[-1] if self.tree_budget == "auto" else self.tree_budget + 1
+        lookup_nodes = self.block_size - 1 if self.config.lookup_ngram else 0
+        return max(self.block_size, nodes + lookup_nodes)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 
@@ -628,8 +633,11 @@ class SpecEngine:
         grown = [best_first(rows[i].bonus, ids[j], logp[j], most) for j, i in enumerate(drafting)]
         nodes = self._tree_nodes(batch, grown)
         trees = [RowTree([r.bonus], [-1], [0], [0.0]) for r in rows]
+        lookup = self.config.lookup_ngram
         for j, i in enumerate(drafting):
             trees[i] = grown[j].prefix(nodes)
+            if lookup:
+                trees[i] = add_branch(trees[i], lookup_continuation(rows[i].history, lookup, self.block_size - 1))
         drafted_at = self._clock()
         prof.mark("draft")
         # 2. one forward over every row's tree: node j at position n + depth, K/V in scratch slot n + j

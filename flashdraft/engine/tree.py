@@ -138,6 +138,38 @@ def chain(root: int, drafts: list[int]) -> RowTree:
     return RowTree([root] + list(drafts), list(range(-1, n)), list(range(n + 1)), [0.0] * (n + 1))
 
 
+def lookup_continuation(history: list[int], max_ngram: int, length: int) -> list[int]:
+    """Prompt lookup: the `length` tokens that followed the latest earlier occurrence of the history's last n
+    tokens (the longest n <= max_ngram that occurs), or [] if none does. The target often repeats its context
+    (code, lists, quotes); this continuation costs no model call."""
+    h = np.asarray(history)
+    for n in range(min(max_ngram, len(h) - 1), 0, -1):
+        suffix = h[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)  # starts 0 .. len - n - 1: not the suffix
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return h[start:start + length].tolist()
+    return []
+
+
+def add_branch(tree: RowTree, tokens: list[int]) -> RowTree:
+    """The tree with a path of `tokens` under the root: shared where the tree already holds those tokens, new nodes
+    appended (path probability 0: the drafter does not vouch for them) where it does not."""
+    children = {(p, t): j for j, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if j}
+    out = RowTree(list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.path_logp))
+    node = 0
+    for token in tokens:
+        if (node, token) not in children:
+            children[(node, token)] = len(out.tokens)
+            out.tokens.append(token)
+            out.parents.append(node)
+            out.depths.append(out.depths[node] + 1)
+            out.path_logp.append(float("-inf"))
+        node = children[(node, token)]
+    return out
+
+
 def stack(trees: list[RowTree], device) -> TokenTree:
     """Row trees of one node count as one `TokenTree`."""
     def as_tensor(name):
