@@ -17,12 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from flashdraft.bench.methods import ALL_METHODS, DEFAULT_METHODS
+from flashdraft.bench.methods import ALL_METHODS, DEFAULT_METHODS, DRAFTER_METHODS
 from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, http_url_arg,
                              int_at_least, output_dir_arg, parse_args, positive_int, seed_arg, temperature_arg,
                              top_p_arg)
 
-DRAFTER_METHODS = ("dflash", "dflash-fixed", "hf-dflash")  # the methods that need --draft
 
 
 def _csv(value: str) -> list[str]:
@@ -52,8 +51,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=block_size_arg, default=None,
                    help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
-                   help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all but dflash-fixed; ar "
-                        "always runs)")
+                   help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all but dflash-fixed and "
+                        "dflash-chain; ar always runs)")
     m.add_argument("--num-assistant-tokens", type=positive_int, default=5,
                    help="hf-assisted: draft tokens per cycle, fixed (schedule constant, confidence threshold 0)")
     m.add_argument("--prompt-lookup-num-tokens", type=positive_int, default=10,

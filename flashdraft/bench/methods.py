@@ -4,6 +4,7 @@
 - `dflash`        `SpecEngine` with the DFlash drafter (this project), the engine's draft policy (adaptive unless
                   `--draft-policy fixed`).
 - `dflash-fixed`  the same with the fixed policy: the whole block verified every cycle (what the policy replaced).
+- `dflash-chain`  the same without token trees (`--tree-budget 0`, no lookup branch): what trees are measured against.
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -28,9 +29,10 @@ import torch
 
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
-LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "hf-dflash", "hf-assisted", "prompt-lookup")
+LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "hf-dflash", "hf-assisted", "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m != "dflash-fixed")  # the fixed policy on request only
+DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "hf-dflash")  # the methods that need a drafter
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ("dflash-fixed", "dflash-chain"))  # on request only
 
 
 @dataclass

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from flashdraft.bench.datasets import dataset_label, load_prompts
-from flashdraft.bench.methods import ALL_METHODS, EngineMethod, Method, hf_assisted, hf_dflash, prompt_lookup
+from flashdraft.bench.methods import (ALL_METHODS, DRAFTER_METHODS, EngineMethod, Method, hf_assisted, hf_dflash,
+                                      prompt_lookup)
 from flashdraft.bench.metrics import acceptance_summary, timing_summary
 from flashdraft.bench.reference import TARGET_GENERATE, first_difference, target_greedy_generate
 from flashdraft.engine import EngineConfig, SamplingParams
@@ -70,10 +71,11 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     for name in names:
         if name == "ar":
             methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))
-        elif name in ("dflash", "dflash-fixed"):
+        elif name in ("dflash", "dflash-fixed", "dflash-chain"):
             if drafter is None:
                 raise ValueError(f"method {name} needs a drafter (--draft)")
-            config = cfg.engine if name == "dflash" else replace(cfg.engine, draft_policy="fixed")
+            config = {"dflash": cfg.engine, "dflash-fixed": replace(cfg.engine, draft_policy="fixed"),
+                      "dflash-chain": replace(cfg.engine, tree_budget=0, lookup_ngram=0)}[name]
             methods.append(EngineMethod(name, target, drafter, tokenizer, params, config))
         elif name == "hf-dflash":
             from flashdraft.model.hf_export import transformers_dflash_available
@@ -105,7 +107,7 @@ def load_models(cfg: BenchConfig):
     """(target, tokenizer, drafter, assistant) on one device; the assistant only when hf-assisted is requested."""
     from flashdraft.loading import DEFAULT_TARGET, DefaultPairMissing, load_pair, load_target, resolve_device
 
-    if any(m in ("dflash", "hf-dflash") for m in cfg.methods):
+    if any(m in DRAFTER_METHODS for m in cfg.methods):
         target, tokenizer, drafter = load_pair(cfg.target, cfg.draft, cfg.device, cfg.dtype, cfg.draft_dtype)
     else:  # no method drafts with a drafter: do not load one
         if cfg.target is None and not (DEFAULT_TARGET / "config.json").is_file():
