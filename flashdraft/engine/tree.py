@@ -181,9 +181,9 @@ def stack(trees: list[RowTree], device) -> TokenTree:
 def candidate_lists(scores: torch.Tensor, top: int = TREE_CANDIDATES) -> tuple[list, list]:
     """From draft scores [b, k, V] (log-probabilities, or logits: normalised here) the top candidates of every
     position: (tokens [b][k][top], log-probabilities [b][k][top]) as lists, most likely first."""
-    logp = torch.log_softmax(scores.float(), dim=-1)
-    values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-    return ids.tolist(), values.tolist()
+    scores = scores.float()
+    values, ids = scores.topk(min(top, scores.shape[-1]), dim=-1)
+    return ids.tolist(), (values - torch.logsumexp(scores, dim=-1, keepdim=True)).tolist()
 
 
 def tree_attention_mask(ancestors: torch.Tensor, context: torch.Tensor, key_len: int) -> torch.Tensor:
