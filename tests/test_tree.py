@@ -38,10 +38,13 @@ from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.noise import exponential_noise, race
 from flashdraft.engine.tree import TokenTree, best_first, candidate_lists, chain, stack, tree_attention_mask
 from flashdraft.engine.verify import verify_tree
+from flashdraft.model.draft_vocab import count_tokens, restrict_drafter, select_draft_vocab
 from test_sampling import (N_LONG, P_MIN, MixedWidths, conditional_probs, empirical, fit, null_total_variation,
                            per_position_pvalues)
 from test_sampling import MASK as SMALL_MASK
 from test_sampling import VOCAB as SMALL_VOCAB
+from test_preemption import PROMPTS as PREEMPTION_PROMPTS
+from test_preemption import run_with_preemption
 from tiny import VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2")
@@ -314,9 +317,10 @@ class TreeOracle:
     needs_histories = True
 
     def __init__(self, references, ranks, width=3, budget=None, seed=0):
-        self.references, self.ranks, self.width, self.budget = references, ranks, width, budget
+        self.references, self.ranks, self.budget = references, ranks, budget
+        self.width = width if callable(width) else (lambda req: width)  # candidates per position, per request
         rng = random.Random(seed)
-        self.logp = [sorted((-rng.expovariate(1.0) * 2 for _ in range(width)), reverse=True) for _ in range(16)]
+        self.logp = [sorted((-rng.expovariate(1.0) * 2 for _ in range(8)), reverse=True) for _ in range(16)]
         self.expected: dict = {}
         self.ranks_used: dict = {}
 
@@ -328,25 +332,26 @@ class TreeOracle:
 
     def propose_candidates(self, state, inp, block_size, top):
         k = block_size - 1
-        assert top >= self.width
         ids, logp = [], []
         for req, history in zip(inp.request_ids, inp.histories):
-            n = len(history)
+            n, width = len(history), self.width(req)
+            assert top >= width
             ref = self.references[req]
             truth = ref[n:n + k] if ref[:n] == history and len(ref) >= n + k else None
             ranks = self.ranks(req, n) if truth is not None else [None] * k
             rng = random.Random(hash((req, n)))
             row = []
             for d in range(k):
-                fillers = [t for t in rng.sample(range(VOCAB), self.width + 1) if truth is None or t != truth[d]]
-                cands = fillers[:self.width]
-                if ranks[d] is not None:
-                    cands = fillers[:ranks[d]] + [truth[d]] + fillers[ranks[d]:self.width - 1]
+                fillers = [t for t in rng.sample(range(VOCAB), width + 1) if truth is None or t != truth[d]]
+                cands = fillers[:width]
+                if ranks[d] is not None and ranks[d] < width:
+                    cands = fillers[:ranks[d]] + [truth[d]] + fillers[ranks[d]:width - 1]
                 row.append(cands)
             ids.append(row)
-            logp.append([level[:self.width] for level in self.logp[:k]])
+            table = [level[:width] for level in self.logp[:k]]
+            logp.append(table)
             if truth is not None and self.budget is not None:
-                top_paths = set(brute_force_top(self.logp[:k], self.budget))
+                top_paths = set(brute_force_top(table, self.budget))
                 depth = 0
                 while depth < k and ranks[depth] is not None and tuple(ranks[:depth + 1]) in top_paths:
                     depth += 1
@@ -372,7 +377,7 @@ ORACLE_CASES = {  # name: (ranks(req, n), tree budget)
     "third-then-second": (lambda req, n: [2, 1, 2, 1] + [0] * 12, 120),
     "absent-at-depth-1": (lambda req, n: [None] * 16, 40),
     "absent-at-depth-3": (lambda req, n: [1, 2, None, 0] + [0] * 12, 120),
-    "random-shapes": (_random_ranks(), 24),
+    "random-shapes": (_random_ranks(), 40),
     "random-shapes-budget-8": (_random_ranks(seed=1), 8),
 }
 
@@ -412,15 +417,16 @@ def test_oracle_trees_accept_exactly_what_the_tree_holds(name):
 
 
 def test_oracle_trees_in_batches_with_uneven_rows_and_auto_budget():
-    """Rows of different prompt lengths and shapes in one forward (adaptive policy: one-token steps beside
-    trees), the auto budget, every architecture with a fast path."""
+    """Rows of different prompt lengths and tree sizes in one forward (a row with one candidate per position
+    verifies a chain of 8 nodes beside trees of 14; the adaptive policy adds one-token steps), the auto budget,
+    every architecture with a fast path."""
     combos = [("auto", "adaptive"), (13, "adaptive"), ("auto", "fixed"), (13, "fixed")]
     for i, (arch, (budget, policy)) in enumerate(zip(FAST_ARCHS, combos)):
         rng = random.Random(50 + i)
-        prompts = _prompts(rng, 4)
-        max_new = rng.randint(20, 40)
+        prompts = _prompts(rng, 3)
+        max_new = rng.randint(20, 32)
         references = [p + _reference(arch, p, max_new + 8) for p in prompts]
-        oracle = TreeOracle(references, _random_ranks(seed=i))
+        oracle = TreeOracle(references, _random_ranks(seed=i), width=lambda req: [1, 3, 2][req])
         engine = SpecEngine(_target(arch), block_size=8, proposer=oracle, tree_budget=budget, draft_policy=policy)
         results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
         for row, (res, prompt) in enumerate(zip(results, prompts)):
@@ -463,18 +469,26 @@ GREEDY_CASES = [(arch, budget, policy) for (budget, policy), arch in
 
 @pytest.mark.parametrize("arch,budget,policy", GREEDY_CASES)
 def test_greedy_trees_equal_target(arch, budget, policy):
+    """Batches of uneven prompts, half the cases with a stop id the target really produces and small cache
+    chunks (the caches grow during the run), with the DFlash drafter as it is and rigged to hold the truth deep in
+    its trees."""
     rng = random.Random(str((arch, budget, policy)))
     prompts = _prompts(rng, 3, longest=40)
     max_new = rng.randint(16, 40)
-    expected = [_reference(arch, p, max_new) for p in prompts]
-    plain = SpecEngine(_target(arch), _drafter(arch), tree_budget=budget, draft_policy=policy)
+    runs = [_reference(arch, p, max_new) for p in prompts]
+    eos = runs[0][rng.randrange(len(runs[0]))] if rng.random() < 0.5 else None
+    expected = [r[:r.index(eos) + 1] if eos in r else r for r in runs]  # generate stops after the stop id
+    options = dict(tree_budget=budget, draft_policy=policy, kv_chunk=8 if eos is not None else 256)
+    plain = SpecEngine(_target(arch), _drafter(arch), **options)
     references = [p + _reference(arch, p, max_new + 4) for p in prompts]
-    rigged = rig(SpecEngine(_target(arch), _drafter(arch), tree_budget=budget, draft_policy=policy), references,
+    rigged = rig(SpecEngine(_target(arch), _drafter(arch), **options), references,
                  _random_ranks(seed=rng.randrange(100)))
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=() if eos is None else (eos,))
     for name, engine in (("dflash", plain), ("dflash-rigged", rigged)):
-        results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
+        results = engine.generate(prompts, params)
         for row, (res, exp) in enumerate(zip(results, expected)):
-            assert res.token_ids == exp, f"{name} {arch} budget {budget} {policy} row {row}"
+            assert res.token_ids == exp, f"{name} {arch} budget {budget} {policy} eos {eos} row {row}"
+            assert res.finish_reason == ("stop" if eos in exp else "length")
 
 
 def test_long_greedy_generation_with_many_tree_cycles():
@@ -546,6 +560,36 @@ def test_caches_hold_the_accepted_path_with_rows_joining_and_leaving(policy):
         assert outputs[req] == _reference(arch, prompt, max_new), f"request {req}"
     if policy == "fixed":
         assert accepted_deep >= 5
+
+
+def test_preempted_rows_with_trees_end_with_the_targets_output():
+    """Rows taken out mid-generation and prefilled again (`preempt` / `resume`) with trees: greedy rows end with
+    the target's output, a seeded sampled row with plain decoding's."""
+    target = _target("qwen3")
+    prompts = PREEMPTION_PROMPTS
+    params = [SamplingParams(max_new_tokens=30)] * 3 + [_sampled(9, max_new=30)]
+    plain = SpecEngine(target).generate([prompts[3]], [params[3]])[0].token_ids
+    engine = rig(SpecEngine(target, _drafter("qwen3"), tree_budget=12, draft_policy="fixed"),
+                 [p + _reference("qwen3", p, 34) for p in prompts[:3]] + [prompts[3] + plain],
+                 _random_ranks(seed=11))
+    outputs, preemptions = run_with_preemption(engine, prompts, params)
+    assert [outputs[i] for i in range(3)] == [_reference("qwen3", p, 30) for p in prompts[:3]]
+    assert outputs[3] == plain and preemptions >= 4
+
+
+def test_trees_over_a_reduced_draft_vocabulary():
+    """A drafter reading out over half the vocabulary: its candidates are mapped to target ids (greedy output is
+    the target's, seeded sampled output plain decoding's)."""
+    target = _target("qwen3")
+    kept = select_draft_vocab(count_tokens([torch.tensor(_reference("qwen3", p, 24)) for p in GUMBEL_PROMPTS],
+                                           VOCAB), VOCAB // 2)
+    small = restrict_drafter(_drafter("qwen3"), target.get_output_embeddings().weight, kept)
+    engine = SpecEngine(target, small, tree_budget=16, draft_policy="fixed")
+    results = engine.generate(GUMBEL_PROMPTS, SamplingParams(max_new_tokens=24))
+    assert [r.token_ids for r in results] == [_reference("qwen3", p, 24) for p in GUMBEL_PROMPTS]
+    params = [_sampled(40 + i) for i in range(len(GUMBEL_PROMPTS))]
+    plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(GUMBEL_PROMPTS, params)]
+    assert [r.token_ids for r in engine.generate(GUMBEL_PROMPTS, params)] == plain
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------
@@ -638,17 +682,16 @@ def first_two_tokens(model, params):
     return dict(zip(pairs, joint.tolist()))
 
 
-N_TREE_SAMPLES = 800
 # one case of the counter-based sampler: its output is plain decoding's sample for sample (seeded: see
 # test_seeded_output_with_trees_is_plain_decodings), whose distribution test_sampling checks
-SAMPLING_CASES = {  # name: (sampler, tree budget, params, mixed widths)
-    "gumbel-topk-topp-mixed": ("gumbel", 9, SamplingParams(temperature=0.9, top_k=6, top_p=0.8), True),
-    "rejection-t1": ("rejection", 20, SamplingParams(temperature=1.0), False),
-    "rejection-topk-topp-mixed": ("rejection", 9, SamplingParams(temperature=0.9, top_k=6, top_p=0.8), True),
+SAMPLING_CASES = {  # name: (sampler, tree budget, params, mixed widths, samples)
+    "gumbel-topk-topp-mixed": ("gumbel", 9, SamplingParams(temperature=0.9, top_k=6, top_p=0.8), True, 500),
+    "rejection-t1": ("rejection", 20, SamplingParams(temperature=1.0), False, 800),
+    "rejection-topk-topp-mixed": ("rejection", 9, SamplingParams(temperature=0.9, top_k=6, top_p=0.8), True, 800),
 }
 
 
-def tree_samples(target, drafter, sampler, budget, params, mixed, monkeypatch, n=N_TREE_SAMPLES):
+def tree_samples(target, drafter, sampler, budget, params, mixed, monkeypatch, n):
     """n seeded generations of N_LONG tokens through an engine with trees (drafting every cycle; with `mixed`,
     rows of one batch at different widths every cycle: trees beside one-token steps in one forward)."""
     if mixed:
@@ -678,7 +721,7 @@ def distribution_failures(target, params, samples):
 
 @pytest.mark.parametrize("name", SAMPLING_CASES)
 def test_tree_sampling_matches_target_distribution(small_target, small_drafter, name, monkeypatch):
-    sampler, budget, params, mixed = SAMPLING_CASES[name]
+    sampler, budget, params, mixed, n = SAMPLING_CASES[name]
     verdicts = []
 
     def recorded(*args, **kwargs):
@@ -686,8 +729,8 @@ def test_tree_sampling_matches_target_distribution(small_target, small_drafter, 
         return verdicts[-1]
 
     monkeypatch.setattr(engine_module, "verify_tree", recorded)
-    samples = tree_samples(small_target, small_drafter, sampler, budget, params, mixed, monkeypatch)
-    assert sum(int(v.num_accepted.sum()) for v in verdicts) > N_TREE_SAMPLES  # trees did commit tokens
+    samples = tree_samples(small_target, small_drafter, sampler, budget, params, mixed, monkeypatch, n)
+    assert sum(int(v.num_accepted.sum()) for v in verdicts) > n  # trees did commit tokens
     assert distribution_failures(small_target, params, samples) == [], name
 
 
