@@ -506,7 +506,7 @@ def test_long_greedy_generation_with_many_tree_cycles():
 def assert_caches_hold_the_committed_tokens(engine, batch):
     """Every live row's target cache slots [0, n) and its drafter context (written, or pending in the batch's
     features) equal what a fresh forward over its n committed tokens computes."""
-    fast, drafter = engine.fast, engine.proposer.drafter
+    fast, drafter = engine.fast, getattr(engine.proposer, "drafter", None)
     for i, r in enumerate(batch.rows):
         committed = r.prompt + r.output[:-1]  # the last output token is the bonus, not in the cache yet
         n = r.n_cached
@@ -516,6 +516,8 @@ def assert_caches_hold_the_committed_tokens(engine, batch):
         _, features = fast.forward(ids, positions, fresh, capture=True)
         for mine, theirs in zip(batch.kv.kv.keys + batch.kv.kv.values, fresh.keys + fresh.values):
             assert_close(mine[i, :n], theirs[0], msg=f"target cache, row {i}")
+        if drafter is None:  # a drafting method without the target's features
+            continue
         pending = batch.features
         valid = pending.valid[i]
         pending_positions = pending.positions[i][valid].tolist()
@@ -560,6 +562,47 @@ def test_caches_hold_the_accepted_path_with_rows_joining_and_leaving(policy):
         assert outputs[req] == _reference(arch, prompt, max_new), f"request {req}"
     if policy == "fixed":
         assert accepted_deep >= 5
+
+
+def _auto_budget_run(policy):
+    """Three rows whose oracle holds the truth as every position's second candidate (a full tree of 120 nodes
+    accepts the whole block), block 5, tree_budget="auto", stepped one cycle at a time with the caches checked
+    after each: the tree sizes the rows verified."""
+    arch, max_new = "qwen3", 60
+    prompts = _prompts(random.Random(policy), 3)
+    references = [p + _reference(arch, p, max_new + 5) for p in prompts]
+    engine = SpecEngine(_target(arch), block_size=5, proposer=TreeOracle(references, lambda req, n: [1] * 16),
+                        tree_budget="auto", draft_policy=policy)
+    assert engine.scratch_slots == 64
+    batch, outputs, results = engine.open_batch(), {}, {}
+    for e in engine.add(batch, prompts, SamplingParams(max_new_tokens=max_new)):
+        outputs.setdefault(e.index, []).extend(e.token_ids)
+    while batch.rows:
+        for e in engine.step(batch):
+            outputs.setdefault(e.index, []).extend(e.token_ids)
+            if e.finished:
+                results[e.index] = e.result
+        assert_caches_hold_the_committed_tokens(engine, batch)
+    for req, prompt in enumerate(prompts):
+        assert outputs[req] == _reference(arch, prompt, max_new) == results[req].token_ids
+    return {w for r in results.values() for w in r.stats.verify_widths}
+
+
+def test_auto_budget_grows_trees_where_they_pay():
+    """With the adaptive policy the auto budget measures its costs and, where deeper trees are accepted and a
+    wider verify costs a tiny model next to nothing, verifies trees larger than the block (up to 64 nodes: the
+    scratch slots past each row's context)."""
+    sizes = _auto_budget_run("adaptive")
+    assert max(sizes) > 5, sizes
+
+
+@pytest.mark.xfail(strict=True, reason="bug: FixedWidth.observe drops the cycle timing, so under "
+                   "draft_policy='fixed' the CostModel that tree_budget='auto' reads is never measured and "
+                   "_tree_nodes keeps every tree at block_size nodes (fix: record the timing in the engine's "
+                   "CostModel whatever the policy)")
+def test_auto_budget_grows_trees_under_the_fixed_policy():
+    sizes = _auto_budget_run("fixed")
+    assert max(sizes) > 5, sizes
 
 
 def test_preempted_rows_with_trees_end_with_the_targets_output():
@@ -614,6 +657,8 @@ def test_seeded_output_with_trees_is_plain_decodings():
         "dflash-auto-fixed": SpecEngine(target, _drafter("qwen3"), tree_budget="auto", draft_policy="fixed"),
         "oracle-24": SpecEngine(target, block_size=5, tree_budget=24, draft_policy="fixed",
                                 proposer=TreeOracle(refs + [[]] * 2, _random_ranks(seed=5))),
+        "oracle-auto": SpecEngine(target, block_size=5, tree_budget="auto",
+                                  proposer=TreeOracle(refs + [[]] * 2, lambda req, n: [1] * 16)),
     }
     for name, engine in engines.items():
         alone = [engine.generate([p], [q])[0].token_ids for p, q in zip(GUMBEL_PROMPTS, params)]
