@@ -19,7 +19,11 @@
 - Configuration: bad budgets raise with the option's name; compiled steps, exact mode, the generic transformers
   path and proposers without candidates warn and verify the chain, still losslessly.
 
-What this file does not cover: prompt-lookup branches, speed and the auto budget's choice (only its output).
+- The auto budget verifies trees larger than the block where they pay (adaptive policy). Under the fixed policy it
+  never does: `FixedWidth.observe` drops the cycle timings, so the cost model it reads stays empty (a known bug,
+  marked xfail(strict=True) until fixed).
+
+What this file does not cover: prompt-lookup branches, speed, and which size the auto budget picks.
 """
 
 import itertools
@@ -417,16 +421,17 @@ def test_oracle_trees_accept_exactly_what_the_tree_holds(name):
 
 
 def test_oracle_trees_in_batches_with_uneven_rows_and_auto_budget():
-    """Rows of different prompt lengths and tree sizes in one forward (a row with one candidate per position
-    verifies a chain of 8 nodes beside trees of 14; the adaptive policy adds one-token steps), the auto budget,
-    every architecture with a fast path."""
+    """Rows of different prompt lengths and tree sizes in one forward (the middle row, one candidate per
+    position, verifies a chain of 8 nodes between the other two rows' trees of 14: a group of rows that are not
+    contiguous in the cache; the adaptive policy adds one-token steps), the auto budget, every architecture with a
+    fast path."""
     combos = [("auto", "adaptive"), (13, "adaptive"), ("auto", "fixed"), (13, "fixed")]
     for i, (arch, (budget, policy)) in enumerate(zip(FAST_ARCHS, combos)):
         rng = random.Random(50 + i)
         prompts = _prompts(rng, 3)
         max_new = rng.randint(20, 32)
         references = [p + _reference(arch, p, max_new + 8) for p in prompts]
-        oracle = TreeOracle(references, _random_ranks(seed=i), width=lambda req: [1, 3, 2][req])
+        oracle = TreeOracle(references, _random_ranks(seed=i), width=lambda req: [3, 1, 2][req])
         engine = SpecEngine(_target(arch), block_size=8, proposer=oracle, tree_budget=budget, draft_policy=policy)
         results = engine.generate(prompts, SamplingParams(max_new_tokens=max_new))
         for row, (res, prompt) in enumerate(zip(results, prompts)):
