@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.drafter.eval_tau import ENDINGS, SETS, distribution, pair_arguments, save_figure, short_prompts  # noqa: E402
+from scripts.drafter.eval_tau import (ENDINGS, SETS, distribution, pair_arguments, save_figure,  # noqa: E402
+                                      short_prompts)
 
 CHAIN = 0
 GAIN_TARGET = (1.12, 64)  # issue 23: tau >= 1.12x the chain's with at most 64 nodes

@@ -6,20 +6,25 @@ step, the draft that builds it, and the tokens/s the measured tau curve then buy
                                        [--tau runs/tree/shipped/results.json] [--json runs/tree/verify_cost.json]
     python scripts/tree/verify_cost.py --tiny --iters 2          # random tiny pair: a smoke run (what CI does)
 
-Every step is the engine's own, on static caches holding `--context` positions per row (their values do not
-change the time): the one-token step and the 16-token chain verify through `StaticTargetKV.forward_block` (the
-one-token step without features, as plain decoding runs it), a tree of N nodes besides the root through
+Every step is the engine's own (a `SpecEngine`'s fast target and proposer, with its weight packing), on static
+caches holding `--context` positions per row (their values do not change the time): the one-token step and the
+16-token chain verify through `StaticTargetKV.forward_block` (the one-token step without features, as plain
+decoding runs it), the chain's acceptance (`verify.verify`) apart; a tree of N nodes besides the root through
 `forward_ragged` with its ancestor mask (`tree.TokenTree.ancestors` + `tree_attention_mask`, built in the timed
 call as `SpecEngine._tree_step` builds them), the walk (`verify.verify_tree`, greedy) and the accepted path's K/V
 move (`move_slots`) apart. The chain's draft is `DFlashProposer.propose`; a tree's is `propose_candidates` plus
 `tree.best_first` per row. Trees are best-first over fixed, geometric candidate probabilities: their shape does
-not change the time (the mask is dense), only their node count does. Each figure is the median of `--iters` runs
-after 3 warm-up runs.
+not change the time (the mask is dense), only their node count does. Each figure is the median thread CPU time
+of `--iters` runs after 3 warm-up runs, all the calls alternating round by round (one torch thread, so every op
+runs in the timed thread: CPU time counts the work, not the share of the cores a niced process got from its
+neighbours; median wall times are saved too).
 
-Projected speed relative to plain decoding at budget N = tau(N) * t_step / (t_draft(N) + t_verify(N) + t_walk(N)),
-with tau(N) the mean tau per cell from `tau_curve.py`'s results (greedy): what the engine would gain if nothing else
-in a cycle cost anything. The machine's load (load average, the processes using most CPU) is printed and saved
-with the figures: on a shared machine every time here is an upper bound of the unloaded one.
+Projected speed relative to plain decoding at budget N = tau(N) * t_step / (t_draft(N) + t_verify(N) + t_walk(N))
+(the chain: its draft, verify and acceptance), with tau(N) the mean tau per cell from `tau_curve.py`'s results
+(greedy): what the engine would gain if nothing else in a cycle cost anything. The machine's load (load average,
+the processes using most CPU) is printed and saved with the figures: CPU time is robust to being descheduled but
+not to caches and memory bandwidth shared with the neighbours, so on a busy machine every time here is at most a
+little above the idle machine's.
 
 What this script does not know about: acceptance (it reads tau from tau_curve.py), the adaptive policy, GPUs.
 """
@@ -30,14 +35,16 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.speed.gpu_shapes import TINY, build_pair, timed_ms  # noqa: E402
+from scripts.speed.gpu_shapes import TINY, build_pair  # noqa: E402
 
 CHAIN_WIDTH = 16
 
@@ -85,67 +92,93 @@ def load_models(args):
     return target, drafter
 
 
+def interleaved_ms(calls: dict, iters: int) -> dict:
+    """{name: (median thread CPU ms, median wall ms)} of each call, after 3 warm-up calls each; the calls alternate
+    round by round, so a change in the machine's load falls on all of them alike. Thread CPU time (one torch
+    thread: every op runs in this thread) counts the work, not the time the scheduler gave other processes: under
+    `nice` on a busy machine the wall times can be several times longer and vary with the neighbours."""
+    for fn in calls.values():
+        for _ in range(3):
+            fn()
+    cpu, wall = {name: [] for name in calls}, {name: [] for name in calls}
+    for _ in range(iters):
+        for name, fn in calls.items():
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fn()
+            cpu[name].append(1e3 * (time.thread_time() - c0))
+            wall[name].append(1e3 * (time.perf_counter() - w0))
+    return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in calls}
+
+
 def measure_rows(target, drafter, rows: int, context: int, budgets: list[int], iters: int) -> dict:
-    """Median ms of: the one-token step, the chain's draft and verify, and per budget the tree's draft, verify
-    forward (mask included) and walk + K/V move, for `rows` rows each holding `context` positions."""
+    """Median ms (thread CPU time; wall time beside it) of: the one-token step, the chain's draft and verify, and
+    per budget the tree's draft, verify forward (mask included) and walk + K/V move, for `rows` rows each holding
+    `context` positions."""
     import torch
 
+    from flashdraft.engine import EngineConfig, SpecEngine
     from flashdraft.engine.batch import Features, RowBuckets
-    from flashdraft.engine.proposers import DFlashProposer, ProposalInput
+    from flashdraft.engine.proposers import ProposalInput
     from flashdraft.engine.target_kv import StaticTargetKV
     from flashdraft.engine.tree import TREE_CANDIDATES, best_first, stack, tree_attention_mask
-    from flashdraft.engine.verify import SamplingParams, verify_tree
-    from flashdraft.model.fast_target import FastTarget
+    from flashdraft.engine.verify import SamplingParams, verify, verify_tree
 
     dev = target.device
-    fast = FastTarget(target)
+    # the engine's own fast target and proposer, with its weight packing (the proposer's unpacked bf16 read-out
+    # takes a much slower path on the [:, 1:] slice of a batch's hidden states)
+    engine = SpecEngine(target, drafter, None, EngineConfig(draft_policy="fixed", tree_budget=max(budgets)))
+    fast, proposer = engine.fast, engine.proposer
     capacity = context + max(budgets + [CHAIN_WIDTH]) + 1
     kv = StaticTargetKV(fast, fast.new_cache(rows, capacity), rows, RowBuckets())
     idx = torch.arange(rows, device=dev)
     n_cached = torch.full((rows,), context, dtype=torch.long, device=dev)
     ids = torch.randint(2, target.vocab_size - 1, (rows, CHAIN_WIDTH), device=dev)
     positions = context + torch.arange(CHAIN_WIDTH, device=dev)[None].expand(rows, -1).contiguous()
-    out = {"rows": rows, "context": context,
-           "step_ms": timed_ms(lambda: kv.forward_block(ids[:, :1], positions[:, :1].contiguous(), False,
-                                                        context + 1), iters, dev),
-           "chain_verify_ms": timed_ms(lambda: kv.forward_block(ids, positions, True, context + CHAIN_WIDTH),
-                                       iters, dev)}
+    calls = {"step": lambda: kv.forward_block(ids[:, :1], positions[:, :1].contiguous(), False, context + 1),
+             "chain_verify": lambda: kv.forward_block(ids, positions, True, context + CHAIN_WIDTH)}
 
-    proposer = DFlashProposer(drafter, target)
     state = proposer.new_batch_state()
     width = target.config.hidden_size * len(drafter.target_layer_ids)
     features = Features(torch.randn(rows, CHAIN_WIDTH, width, device=dev, dtype=drafter.dtype), positions - CHAIN_WIDTH,
                         torch.ones(rows, CHAIN_WIDTH, dtype=torch.bool, device=dev))
     inp = ProposalInput(ids[:, 0], positions, capacity, context, features)
-    out["chain_draft_ms"] = timed_ms(lambda: proposer.propose(state, inp, CHAIN_WIDTH), iters, dev)
+    calls["chain_draft"] = lambda: proposer.propose(state, inp, CHAIN_WIDTH)
     candidates, logp = geometric_candidates(CHAIN_WIDTH - 1, TREE_CANDIDATES)
     greedy = [SamplingParams(max_new_tokens=1)] * rows
+    chain_logits = calls["chain_verify"]()[0]
+    calls["chain_walk"] = lambda: verify(chain_logits, ids[:, 1:], greedy)
 
     def tree_draft(budget):
         proposer.propose_candidates(state, inp, CHAIN_WIDTH, TREE_CANDIDATES)
         return [best_first(int(ids[r, 0]), candidates, logp, budget) for r in range(rows)]
 
-    out["trees"] = {}
+    nodes = {}
     for budget in budgets:
         tree = stack(tree_draft(budget), dev)
-        nodes = tree.num_nodes
-        slots = n_cached[:, None] + torch.arange(nodes, device=dev)[None]
+        nodes[budget] = tree.num_nodes
+        slots = n_cached[:, None] + torch.arange(tree.num_nodes, device=dev)[None]
+        end = context + tree.num_nodes
 
-        def forward(tree=tree, slots=slots, nodes=nodes):
-            mask = tree_attention_mask(tree.ancestors(), n_cached, context + nodes)
-            return kv.forward_ragged([(idx, tree.tokens, n_cached[:, None] + tree.depths, slots, mask)], True,
-                                     context + nodes)
+        def forward(tree=tree, slots=slots, end=end):
+            mask = tree_attention_mask(tree.ancestors(), n_cached, end)
+            return kv.forward_ragged([(idx, tree.tokens, n_cached[:, None] + tree.depths, slots, mask)], True, end)
 
-        logits = forward()[0][0]
-
-        def walk(tree=tree, logits=logits):
+        def walk(tree=tree, logits=forward()[0][0]):
             verdict = verify_tree(logits, tree, greedy)
             depth = max(map(len, verdict.paths))
             path = torch.tensor([p + [p[-1]] * (depth - len(p)) for p in verdict.paths], device=dev)
             kv.move_slots(idx, n_cached[:, None] + path, n_cached[:, None] + torch.arange(depth, device=dev)[None])
 
-        out["trees"][str(budget)] = {"nodes": nodes, "draft_ms": timed_ms(lambda b=budget: tree_draft(b), iters, dev),
-                                     "verify_ms": timed_ms(forward, iters, dev), "walk_ms": timed_ms(walk, iters, dev)}
+        calls[f"{budget}/draft"] = lambda b=budget: tree_draft(b)
+        calls[f"{budget}/verify"] = forward
+        calls[f"{budget}/walk"] = walk
+    times = interleaved_ms(calls, iters)
+    engine.close()
+    out = {"pack_weights": engine.pack_weights, "rows": rows, "context": context,
+           "wall_ms": {name: round(t[1], 3) for name, t in times.items()}}
+    out.update({f"{name}_ms": times[name][0] for name in ("step", "chain_verify", "chain_draft", "chain_walk")})
+    out["trees"] = {str(b): {"nodes": nodes[b], **{f"{part}_ms": times[f"{b}/{part}"][0]
+                                                   for part in ("draft", "verify", "walk")}} for b in budgets}
     return out
 
 
@@ -163,7 +196,7 @@ def projections(measured: dict, tau: dict) -> dict:
     """Per configuration ("chain", budgets): speed relative to plain decoding per cell and averaged over cells,
     tau * t_step / (t_draft + t_verify + t_walk)."""
     step = measured["step_ms"]
-    configs = {"chain": measured["chain_draft_ms"] + measured["chain_verify_ms"]}
+    configs = {"chain": measured["chain_draft_ms"] + measured["chain_verify_ms"] + measured.get("chain_walk_ms", 0.0)}
     for budget, t in measured["trees"].items():
         configs[budget] = t["draft_ms"] + t["verify_ms"] + t["walk_ms"]
     out = {}
@@ -183,11 +216,13 @@ def table(result: dict) -> str:
         proj = m.get("projection", {})
         lines.append(f"| {m['rows']} | 1-token step | 1 | - | {m['step_ms']:.2f} | - | 1.00 | 1.00x |")
         chain = proj.get("chain", {}).get("mean")
-        lines.append(f"| {m['rows']} | chain | {CHAIN_WIDTH} | {m['chain_draft_ms']:.2f} | {m['chain_verify_ms']:.2f} | "
-                     f"- | {m['chain_verify_ms'] / m['step_ms']:.2f} | {f'{chain:.2f}x' if chain else '-'} |")
+        lines.append(f"| {m['rows']} | chain | {CHAIN_WIDTH} | {m['chain_draft_ms']:.2f} | "
+                     f"{m['chain_verify_ms']:.2f} | {m['chain_walk_ms']:.2f} | "
+                     f"{m['chain_verify_ms'] / m['step_ms']:.2f} | {f'{chain:.2f}x' if chain else '-'} |")
         for budget, t in m["trees"].items():
             p = proj.get(budget, {}).get("mean")
-            lines.append(f"| {m['rows']} | tree {budget} | {t['nodes']} | {t['draft_ms']:.2f} | {t['verify_ms']:.2f} | "
+            lines.append(f"| {m['rows']} | tree {budget} | {t['nodes']} | {t['draft_ms']:.2f} | "
+                         f"{t['verify_ms']:.2f} | "
                          f"{t['walk_ms']:.2f} | {t['verify_ms'] / m['step_ms']:.2f} | {f'{p:.2f}x' if p else '-'} |")
     return "\n".join(lines) + "\n"
 
@@ -243,7 +278,8 @@ def main(argv=None) -> int:
     result = {"pair": "tiny (random)" if args.tiny else (args.draft or "shipped"), "threads": args.threads,
               "context": args.context, "iters": args.iters, "tau_from": str(args.tau) if args.tau else None,
               "load_before": load_before, "load_after": machine_load(), "measurements": measurements}
-    print(f"\nCPU, {args.threads} thread(s), {args.context} cached positions per row, median of {args.iters}; "
+    print(f"\nCPU, {args.threads} thread(s), {args.context} cached positions per row, median thread CPU time of "
+          f"{args.iters} interleaved rounds; "
           f"load average before {load_before['loadavg'][0]:.2f}, after {result['load_after']['loadavg'][0]:.2f} "
           f"on {load_before['cpus']} CPUs; busiest processes before:")
     print("\n".join("    " + line for line in load_before["top"]))
