@@ -74,3 +74,16 @@ def test_verify_cost_projection_from_known_times():
     assert proj["chain"]["per_cell"] == {"a": 3.0, "b": 2.0} and proj["chain"]["mean"] == 2.5
     assert proj["16"]["per_cell"] == {"a": 2.0, "b": 1.5} and proj["16"]["mean"] == 1.75
     assert proj["16"]["cycle_ms"] == 8.0
+
+
+def test_verify_cost_end_to_end_is_lossless(tmp_path):
+    """The engine run beside the projection: every configuration's greedy output equals plain decoding's."""
+    if not (DEFAULT_TARGET / "tokenizer.json").is_file():
+        pytest.skip("the default pair is not shipped in this checkout")
+    out = tmp_path / "cost.json"
+    assert verify_cost.main(["--iters", "1", "--context", "24", "--rows", "2", "--budgets", "4", "--e2e-prompts", "3",
+                             "--e2e-tokens", "12", "--json", str(out)]) == 0
+    e2e = json.loads(out.read_text())["end_to_end"]["2"]
+    assert list(e2e) == ["plain", "chain", "4", "auto"]
+    assert all(f["same_as_plain"] for f in e2e.values()) and e2e["plain"]["vs_plain"] == 1.0
+    assert e2e["plain"]["tau"] == 1.0 and all(f["tau"] > 1.0 for name, f in e2e.items() if name != "plain")

@@ -26,7 +26,11 @@ the processes using most CPU) is printed and saved with the figures: CPU time is
 not to caches and memory bandwidth shared with the neighbours, so on a busy machine every time here is at most a
 little above the idle machine's.
 
-What this script does not know about: acceptance (it reads tau from tau_curve.py), the adaptive policy, GPUs.
+`--e2e-prompts N` then checks the projection against the engine itself: N in-domain held-out prompts (greedy, fixed
+policy, at each row count) through plain decoding, the chain, each budget and `tree_budget="auto"`, as committed
+tokens per second of thread CPU time against plain decoding's (and that every output equals plain decoding's).
+
+What this script does not know about: acceptance (it reads tau from tau_curve.py), the adaptive draft policy, GPUs.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from flashdraft.loading import DEFAULT_TARGET  # noqa: E402
 from scripts.speed.gpu_shapes import TINY, build_pair  # noqa: E402
 
 CHAIN_WIDTH = 16
@@ -182,6 +187,37 @@ def measure_rows(target, drafter, rows: int, context: int, budgets: list[int], i
     return out
 
 
+def end_to_end(target, drafter, tokenizer, prompts: list[list[int]], configs: list, rows: int,
+               max_new_tokens: int) -> dict:
+    """The engine itself, greedy, fixed draft policy: committed tokens per second of thread CPU time for plain
+    decoding and each configuration (0 = the chain, N = a tree budget, "auto"), `rows` prompts per batch, and
+    whether each one's tokens equal plain decoding's (they must: greedy is lossless)."""
+    import time as clock
+
+    from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    out, reference = {}, None
+    for config in ["plain"] + configs:
+        engine = (SpecEngine(target, None, tokenizer) if config == "plain" else
+                  SpecEngine(target, drafter, tokenizer, EngineConfig(draft_policy="fixed", tree_budget=config)))
+        engine.generate(prompts[:rows], SamplingParams(max_new_tokens=8))  # warm-up
+        started, results = clock.thread_time(), []
+        for first in range(0, len(prompts), rows):
+            results += engine.generate(prompts[first:first + rows], params)
+        cpu = clock.thread_time() - started
+        engine.close()
+        tokens = [r.token_ids for r in results]
+        reference = reference or tokens
+        name = "plain" if config == "plain" else "chain" if config == 0 else str(config)
+        lengths = [a for r in results for a in r.stats.acceptance_lengths]
+        out[name] = {"tokens_per_cpu_s": sum(map(len, tokens)) / cpu, "same_as_plain": tokens == reference,
+                     "tau": sum(lengths) / len(lengths) if lengths else 1.0}
+    for figures in out.values():
+        figures["vs_plain"] = figures["tokens_per_cpu_s"] / out["plain"]["tokens_per_cpu_s"]
+    return out
+
+
 def read_tau(path: Path | None) -> dict:
     """{budget name ("chain", "8", ...): {cell: mean tau}} of tau_curve.py's greedy curve ({} without one)."""
     if path is None:
@@ -253,12 +289,17 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tau", type=Path, default=None, help="tau_curve.py's results.json, for the projection")
+    ap.add_argument("--e2e-prompts", type=int, default=16,
+                    help="also run the engine on this many in-domain held-out prompts (0: not; never with --tiny)")
+    ap.add_argument("--e2e-tokens", type=int, default=128, help="new tokens per prompt of the end-to-end run")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = parse_ints(args.rows, "--rows", 1, 256)
     budgets = parse_ints(args.budgets, "--budgets", 1, 512)
     if not 1 <= args.context <= 8192 or args.iters < 1:
         ap.error("--context must be in [1, 8192] and --iters >= 1")
+    if args.e2e_prompts < 0 or args.e2e_tokens < 1:
+        ap.error("--e2e-prompts must be >= 0 and --e2e-tokens >= 1")
     tau = read_tau(args.tau)
 
     import torch
@@ -275,9 +316,23 @@ def main(argv=None) -> int:
             measurements.append(m)
             print(f"  rows {n}: step {m['step_ms']:.2f} ms, chain {m['chain_verify_ms']:.2f} ms, trees "
                   + ", ".join(f"{b}: {t['verify_ms']:.2f}" for b, t in m["trees"].items()), flush=True)
+    e2e = {}
+    if args.e2e_prompts and not args.tiny:
+        from transformers import AutoTokenizer
+
+        from scripts.drafter.eval_tau import short_prompts
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target or DEFAULT_TARGET)
+        prompts = [tokenizer(p, add_special_tokens=False)["input_ids"]
+                   for p in short_prompts("in-domain", "mid-line", args.e2e_prompts)]
+        with torch.inference_mode():
+            for n in rows:
+                e2e[str(n)] = end_to_end(target, drafter, tokenizer, prompts, [0] + budgets + ["auto"], n,
+                                         args.e2e_tokens)
     result = {"pair": "tiny (random)" if args.tiny else (args.draft or "shipped"), "threads": args.threads,
               "context": args.context, "iters": args.iters, "tau_from": str(args.tau) if args.tau else None,
-              "load_before": load_before, "load_after": machine_load(), "measurements": measurements}
+              "load_before": load_before, "load_after": machine_load(), "measurements": measurements,
+              "end_to_end": e2e, "e2e_prompts": args.e2e_prompts, "e2e_tokens": args.e2e_tokens}
     print(f"\nCPU, {args.threads} thread(s), {args.context} cached positions per row, median thread CPU time of "
           f"{args.iters} interleaved rounds; "
           f"load average before {load_before['loadavg'][0]:.2f}, after {result['load_after']['loadavg'][0]:.2f} "
@@ -287,6 +342,13 @@ def main(argv=None) -> int:
     print(table(result))
     for line in verdict(result):
         print(line)
+    if e2e:
+        print(f"\nengine end to end ({args.e2e_prompts} in-domain held-out prompts x {args.e2e_tokens} new tokens, "
+              "greedy, fixed policy): tokens per CPU-second vs plain decoding (tau)")
+        for n, figures in e2e.items():
+            print(f"  {n} row(s): " + ", ".join(f"{name} {f['vs_plain']:.2f}x ({f['tau']:.2f})"
+                                                + ("" if f["same_as_plain"] else " OUTPUT DIFFERS")
+                                                for name, f in figures.items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
