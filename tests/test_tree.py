@@ -18,9 +18,8 @@
   position's marginal, each position's transitions from the previous token), rejection sampling at temperature 1
   and with top-k/top-p, the noise sampler with top-k/top-p; a walk broken by one node (each node judged by its
   parent's logits) must fail them.
-- The auto budget verifies trees larger than the block where they pay (adaptive policy). Under the fixed policy it
-  never does: `FixedWidth.observe` drops the cycle timings, so the cost model it reads stays empty (a known bug,
-  marked xfail(strict=True) until fixed).
+- The auto budget verifies trees larger than the block where they pay, under the adaptive policy and the fixed one
+  (whose cycles feed the cost model too).
 - Configuration: bad budgets raise with the option's name; compiled steps, exact mode, the generic transformers
   path and proposers without candidates warn and verify the chain, still losslessly.
 
@@ -611,10 +610,6 @@ def test_auto_budget_grows_trees_where_they_pay():
     assert max(sizes) > 5, sizes
 
 
-@pytest.mark.xfail(strict=True, reason="bug: FixedWidth.observe drops the cycle timing, so under "
-                   "draft_policy='fixed' the CostModel that tree_budget='auto' reads is never measured and "
-                   "_tree_nodes keeps every tree at block_size nodes (fix: record the timing in the engine's "
-                   "CostModel whatever the policy)")
 def test_auto_budget_grows_trees_under_the_fixed_policy():
     """The fixed policy's cycles must feed the cost model too: its first measured size prices every larger one
     flat (an optimistic guess, `Curve`), so the auto budget tries a larger tree within a few cycles."""

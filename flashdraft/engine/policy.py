@@ -209,10 +209,12 @@ class RowAcceptance:
 
 
 class FixedWidth:
-    """Every row verifies the full block every cycle."""
+    """Every row verifies the full block every cycle. The cycle costs are still measured (when given a cost model):
+    token trees size themselves by them (`tree_budget="auto"`)."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, costs: CostModel | None = None):
         self.block_size = block_size
+        self.costs = costs
 
     def new_row(self, sampled: bool = False) -> None:
         return None
@@ -221,7 +223,8 @@ class FixedWidth:
         return [self.block_size] * len(rows)
 
     def observe(self, rows: list, widths: list[int], accepted: list[int], timing: CycleTiming) -> None:
-        pass
+        if self.costs is not None:
+            self.costs.record(timing)
 
 
 class AdaptiveWidth:
@@ -338,5 +341,5 @@ def new_policy(name: str, block_size: int, costs: CostModel | None = None, ragge
                priors: AcceptancePriors | None = None, choices: tuple[int, ...] | None = None):
     """The policy a new batch of an engine with these settings starts with."""
     if name == "fixed" or block_size <= 1:
-        return FixedWidth(block_size)
+        return FixedWidth(block_size, costs)
     return AdaptiveWidth(block_size, costs if costs is not None else CostModel(), ragged, priors, choices)
