@@ -693,10 +693,11 @@ class SpecEngine:
         scale = self.tree_calibration.scale
         best, best_rate = self.block_size, 0.0
         for size in [self.block_size] + [s for s in AUTO_TREE_SIZES if s > self.block_size]:
-            seconds = self.costs.cycle(plain + size * len(trees), len(trees))
+            nodes = [min(size, len(t.tokens)) for t in trees]  # a small block's trees may hold fewer
+            seconds = self.costs.cycle(plain + sum(nodes), len(trees))
             if seconds is None:
                 break
-            gain = plain + sum(1.0 + scale * t.expected_accepted()[min(size, len(t.tokens)) - 1] for t in trees)
+            gain = plain + sum(1.0 + scale * t.expected_accepted()[n - 1] for t, n in zip(trees, nodes))
             if gain / seconds > best_rate:
                 best, best_rate = size, gain / seconds
         return best
