@@ -8,7 +8,9 @@ level by level; the ratio is DFlash's output tokens per second over plain decodi
     python scripts/speed/serve_sweep.py --concurrency 1,16 --temperatures 0 --serve-args="--draft-policy fixed"
 
 Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-args` go to the drafting server
-only (e.g. `--draft-policy fixed` for the fixed-block behaviour).
+only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
+with its own flags, run in the same interleaved rounds (e.g. `--serve-args="--tree-budget auto" --compare-args=""`:
+trees and the chain side by side against the same plain decoding).
 
 What this script does not know about: how the servers decode (it only starts them and speaks HTTP).
 """
@@ -107,11 +109,15 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
                 raise RuntimeError(f"{name}: {level['errors']} failed requests at concurrency {concurrency}")
             tokens[name] += level["output_tokens"]
             seconds[name] += level["wall_s"]
-            if name == "dflash":
-                extra = {k: level.get(k) for k in ("tau", "mismatches")}
+            if name != "ar":
+                prefix = "" if name == "dflash" else f"{name}_"
+                extra.update({prefix + k: level.get(k) for k in ("tau", "mismatches")})
     tps = {name: tokens[name] / seconds[name] for name in urls}
-    return {"dflash_tok_s": round(tps["dflash"], 1), "ar_tok_s": round(tps["ar"], 1),
-            "ratio": round(tps["dflash"] / tps["ar"], 3), **extra}
+    out = {"dflash_tok_s": round(tps["dflash"], 1), "ar_tok_s": round(tps["ar"], 1),
+           "ratio": round(tps["dflash"] / tps["ar"], 3), **extra}
+    if "compare" in tps:
+        out.update(compare_tok_s=round(tps["compare"], 1), compare_ratio=round(tps["compare"] / tps["ar"], 3))
+    return out
 
 
 def main(argv=None) -> int:
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per server")
     p.add_argument("--no-busy", action="store_true", help="skip the batch-1 cell beside a busy core")
     p.add_argument("--serve-args", default="", help="extra flags for the drafting server")
+    p.add_argument("--compare-args", default=None,
+                   help="a second drafting server with these flags (e.g. the default, \"\"), in the same rounds")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -138,9 +146,13 @@ def main(argv=None) -> int:
         prompts[s] = [q for spec in SETS[s] for q in load_prompts(spec, per)]
     max_batch = max(concurrencies)
     cells = []
-    with server("dflash", shlex.split(args.serve_args), args.threads, max_batch, out) as dflash_url, \
-            server("ar", ["--no-draft"], args.threads, max_batch, out) as ar_url:
-        urls = {"dflash": dflash_url, "ar": ar_url}
+    with contextlib.ExitStack() as servers:
+        urls = {"dflash": servers.enter_context(server("dflash", shlex.split(args.serve_args), args.threads,
+                                                       max_batch, out)),
+                "ar": servers.enter_context(server("ar", ["--no-draft"], args.threads, max_batch, out))}
+        if args.compare_args is not None:
+            urls["compare"] = servers.enter_context(server("compare", shlex.split(args.compare_args), args.threads,
+                                                           max_batch, out))
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
         if not args.no_busy:
             plan += [(s, t, 1, True) for t in temperatures for s in sets]
@@ -150,24 +162,33 @@ def main(argv=None) -> int:
                 result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds)
             row = {"set": s, "temperature": t, "concurrency": c, "busy_core": busy, **result}
             cells.append(row)
+            compared = (f"; compare {row['compare_ratio']:.2f}x (tau {row.get('compare_tau')})"
+                        if "compare_ratio" in row else "")
             print(f"[{i}/{len(plan)}] {s:13s} T={t:g} conc={c:3d}{' busy' if busy else '     '} "
                   f"ratio {row['ratio']:.2f}x (dflash {row['dflash_tok_s']:.0f} / plain {row['ar_tok_s']:.0f} tok/s, "
-                  f"tau {row.get('tau')}) [{time.time() - started:.0f} s]", flush=True)
+                  f"tau {row.get('tau')}){compared} [{time.time() - started:.0f} s]", flush=True)
             (out / "results.json").write_text(json.dumps({"argv": sys.argv, "cells": cells}, indent=1))
     write_table(cells, concurrencies, temperatures, sets, out)
     return 0
 
 
 def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
-    lines = ["| set | temperature | " + " | ".join(f"conc {c}" for c in concurrencies) + " | batch 1, busy core |",
-             "|---|---|" + "---|" * (len(concurrencies) + 1)]
-    for s in sets:
-        for t in temperatures:
-            row = {(c["concurrency"], c["busy_core"]): c for c in cells if c["set"] == s and c["temperature"] == t}
-            vals = [f"{row[(c, False)]['ratio']:.2f}x" if (c, False) in row else "" for c in concurrencies]
-            busy = f"{row[(1, True)]['ratio']:.2f}x" if (1, True) in row else ""
-            lines.append(f"| {s} | {t:g} | " + " | ".join(vals) + f" | {busy} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    lines = []
+    for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)")):
+        if not any(key in c for c in cells):
+            continue
+        lines += [f"{title} / plain decoding", "",
+                  "| set | temperature | " + " | ".join(f"conc {c}" for c in concurrencies) + " | batch 1, busy core |",
+                  "|---|---|" + "---|" * (len(concurrencies) + 1)]
+        for s in sets:
+            for t in temperatures:
+                row = {(c["concurrency"], c["busy_core"]): c for c in cells
+                       if c["set"] == s and c["temperature"] == t}
+                vals = [f"{row[(c, False)][key]:.2f}x" if (c, False) in row else "" for c in concurrencies]
+                busy = f"{row[(1, True)][key]:.2f}x" if (1, True) in row else ""
+                lines.append(f"| {s} | {t:g} | " + " | ".join(vals) + f" | {busy} |")
+        lines.append("")
+    (out / "table.md").write_text("\n".join(lines))
     print("\n".join(lines))
     import matplotlib
 
