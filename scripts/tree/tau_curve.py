@@ -172,12 +172,13 @@ def plot(curves: dict, label: str, path: Path) -> None:
                 continue
             ax.plot(x, [curve[n][key]["mean"] for n in names], "o-", color=color, label=f"{key} mean")
             ax.plot(x, [curve[n][key]["p10"] for n in names], "s--", color=color, alpha=0.6, label=f"{key} p10")
-        ax.set_xticks(list(x), [f"chain\n(15)" if n == "chain" else n for n in names])
+        ax.set_xticks(list(x), ["chain\n(15)" if n == "chain" else n for n in names])
         ax.set_xlabel("tree nodes besides the root (chain: 15 drafts)")
         ax.set_ylabel("tau (accepted path depth + 1)")
         ax.set_title(temp)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7, ncol=2)
+    # the last panel's lower right is empty (T = 1 curves rise steeply); greedy alone: its upper right
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right" if len(temps) > 1 else "upper right")
     fig.suptitle(f"tau against the node budget: {label}")
     save_figure(fig, path)
 
