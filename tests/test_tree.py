@@ -42,7 +42,8 @@ from flashdraft.engine import EngineConfig, NoRowState, target_probs, verify
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.noise import exponential_noise, race
 from flashdraft.engine.policy import COST_WINDOW, CycleTiming
-from flashdraft.engine.tree import TokenTree, best_first, candidate_lists, chain, stack, tree_attention_mask
+from flashdraft.engine.tree import (RowTree, TokenTree, best_first, candidate_lists, chain, stack,
+                                    tree_attention_mask)
 from flashdraft.engine.verify import verify_tree
 from flashdraft.model.draft_vocab import count_tokens, restrict_drafter, select_draft_vocab
 from test_sampling import (N_LONG, P_MIN, MixedWidths, conditional_probs, empirical, fit, null_total_variation,
@@ -850,3 +851,21 @@ def test_compiled_engine_warns_and_keeps_the_chain():
         engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32), compile=True,
                             tree_budget=8)
     assert engine.tree_budget == 0 and engine.block_step is not None
+
+
+def test_calibration_counts_what_each_prefix_of_a_tree_would_have_accepted():
+    """A verified tree calibrates every smaller size: its prefix of s nodes accepts the path up to the first node
+    numbered s or more; sizes above the tree's own are left alone, and an unmeasured size takes the largest
+    measured one's ratio."""
+    from flashdraft.engine.tree import TreeCalibration
+
+    tree = RowTree(list(range(12)), [-1, 0, 1, 0, 2, 1, 3, 4, 5, 8, 6, 9], [0, 1, 2, 1, 3, 2, 2, 4, 3, 4, 3, 5],
+                   [0.0] + [-0.1 * j for j in range(1, 12)])
+    calibration = TreeCalibration((4, 8, 12, 16))
+    calibration.observe(tree, [0, 1, 5, 8, 9])
+    assert calibration.accepted == {4: 1.0, 8: 2.0, 12: 4.0}
+    expected = tree.expected_accepted()
+    assert calibration.expected[8] == pytest.approx(expected[7])
+    assert calibration.scale(8) == pytest.approx(2.0 / expected[7])
+    assert calibration.scale(16) == calibration.scale(12)
+    assert TreeCalibration().scale(16) == 1.0

@@ -299,7 +299,9 @@ class SpecEngine:
         if config.lookup_ngram and not self.tree_budget:
             warnings.warn("lookup_ngram ignored: the prompt-lookup branch is part of a token tree (tree_budget)",
                           stacklevel=2)
-        self.tree_calibration = TreeCalibration()
+        # the tree sizes "auto" chooses among: the chain's width first
+        self.tree_sizes = (self.block_size,) + tuple(n for n in AUTO_TREE_SIZES if n > self.block_size)
+        self.tree_calibration = TreeCalibration(self.tree_sizes)
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -675,8 +677,8 @@ class SpecEngine:
             if w > 1:
                 context = n_cached.index_select(0, idx)[:, None]
                 batch.kv.move_slots(idx, context + path, context + torch.arange(depth, device=dev)[None])
-                self.tree_calibration.observe(
-                    [trees[i].expected_accepted()[-1] for i in members], verdict.num_accepted.tolist())
+                for i, path in zip(members, verdict.paths):
+                    self.tree_calibration.observe(trees[i], path)
             for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
                 accepted[i], next_tokens[i] = a, t
         prof.mark("verify")
@@ -686,17 +688,18 @@ class SpecEngine:
     def _tree_nodes(self, batch: Batch, trees: list[RowTree]) -> int:
         """Nodes per drafting row's tree this cycle (root included): the budget's, or with "auto" the size of
         `AUTO_TREE_SIZES` that maximises expected committed tokens per second: the trees' expected accepted
-        lengths (scaled by how trees have done so far) against the measured cost of verifying that many tokens."""
+        lengths (scaled by how trees of that size have done, `TreeCalibration`) against the measured cost of
+        verifying that many tokens."""
         if self.tree_budget != "auto":
             return self.tree_budget + 1
         plain = len(batch.rows) - len(trees)
-        scale = self.tree_calibration.scale
         best, best_rate = self.block_size, 0.0
-        for size in [self.block_size] + [s for s in AUTO_TREE_SIZES if s > self.block_size]:
+        for size in self.tree_sizes:
             nodes = [min(size, len(t.tokens)) for t in trees]  # a small block's trees may hold fewer
             seconds = self.costs.cycle(plain + sum(nodes), len(trees))
             if seconds is None:
                 break
+            scale = self.tree_calibration.scale(size)
             gain = plain + sum(1.0 + scale * t.expected_accepted()[n - 1] for t, n in zip(trees, nodes))
             if gain / seconds > best_rate:
                 best, best_rate = size, gain / seconds

@@ -85,25 +85,39 @@ class RowTree:
 
 
 class TreeCalibration:
-    """How far trees get against what the draft probabilities promise: accepted / expected accepted, both moving
-    averages over trees (a drafter is rarely calibrated; DFlash's late positions are overconfident)."""
+    """How far trees of each candidate size get against what the draft probabilities promise: per size, moving
+    averages of accepted and expected accepted length. A verified tree also tells what every smaller tree would
+    have accepted: its best-first prefix of s nodes holds the accepted path up to the first node numbered s or
+    more (the target's choices along the path do not depend on the nodes off it), so trees of the size in use
+    calibrate all sizes below it. A size never reached takes the ratio of the largest one measured. Drafters are
+    rarely calibrated, and least on the deep, unlikely nodes that only large trees hold."""
 
-    def __init__(self):
-        self.expected = self.accepted = None
+    def __init__(self, sizes: tuple[int, ...] = AUTO_TREE_SIZES):  # ascending
+        self.sizes = sizes
+        self.expected: dict[int, float] = {}
+        self.accepted: dict[int, float] = {}
 
-    def observe(self, expected: list[float], accepted: list[int]) -> None:
-        e, a = float(np.mean(expected)), float(np.mean(accepted))
-        if self.expected is None:
-            self.expected, self.accepted = e, a
-            return
-        self.expected += CALIBRATION_SMOOTHING * (e - self.expected)
-        self.accepted += CALIBRATION_SMOOTHING * (a - self.accepted)
+    def observe(self, tree: "RowTree", path: list[int]) -> None:
+        """One verified tree and its accepted path (node indices from the root)."""
+        expected = tree.expected_accepted()
+        for size in self.sizes:
+            if size > len(tree.tokens):
+                break
+            depth = next((d for d, node in enumerate(path) if node >= size), len(path)) - 1
+            e, a = float(expected[size - 1]), float(depth)
+            if size not in self.expected:
+                self.expected[size], self.accepted[size] = e, a
+                continue
+            self.expected[size] += CALIBRATION_SMOOTHING * (e - self.expected[size])
+            self.accepted[size] += CALIBRATION_SMOOTHING * (a - self.accepted[size])
 
-    @property
-    def scale(self) -> float:
-        if not self.expected:
+    def scale(self, size: int) -> float:
+        """accepted / expected for trees of `size` nodes (1.0 before any tree was verified)."""
+        measured = [s for s in self.expected if s <= size]
+        if not measured:
             return 1.0
-        return self.accepted / self.expected
+        key = size if size in self.expected else max(measured)
+        return self.accepted[key] / self.expected[key] if self.expected[key] > 0 else 1.0
 
 
 def best_first(root: int, candidates: list[list[int]], logp: list[list[float]], budget: int) -> RowTree:
