@@ -310,7 +310,7 @@ class SpecEngine:
         """Cache slots past a row's committed tokens that one cycle may write: its block, or its tree's nodes."""
         if not self.tree_budget:
             return self.block_size
-        nodes = AUTO_TREE_SIZES[-1] if self.tree_budget == "auto" else self.tree_budget + 1
+        nodes = self.tree_sizes[-1] if self.tree_budget == "auto" else self.tree_budget + 1
         lookup_nodes = self.block_size - 1 if self.config.lookup_ngram else 0
         return max(self.block_size, nodes + lookup_nodes)
 
@@ -631,7 +631,7 @@ class SpecEngine:
         rows, dev, prof = batch.rows, self.target.device, self.profiler
         inp = self._proposal_input(batch, drafting, noise)
         ids, logp = self.proposer.propose_candidates(batch.proposer_state, inp, self.block_size, TREE_CANDIDATES)
-        most = AUTO_TREE_SIZES[-1] - 1 if self.tree_budget == "auto" else self.tree_budget
+        most = self.tree_sizes[-1] - 1 if self.tree_budget == "auto" else self.tree_budget
         grown = [best_first(rows[i].bonus, ids[j], logp[j], most) for j, i in enumerate(drafting)]
         nodes = self._tree_nodes(batch, grown)
         trees = [RowTree([r.bonus], [-1], [0], [0.0]) for r in rows]
@@ -677,8 +677,8 @@ class SpecEngine:
             if w > 1:
                 context = n_cached.index_select(0, idx)[:, None]
                 batch.kv.move_slots(idx, context + path, context + torch.arange(depth, device=dev)[None])
-                for i, path in zip(members, verdict.paths):
-                    self.tree_calibration.observe(trees[i], path)
+                for i, row_path in zip(members, verdict.paths):
+                    self.tree_calibration.observe(trees[i], row_path)
             for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
                 accepted[i], next_tokens[i] = a, t
         prof.mark("verify")
@@ -687,7 +687,7 @@ class SpecEngine:
 
     def _tree_nodes(self, batch: Batch, trees: list[RowTree]) -> int:
         """Nodes per drafting row's tree this cycle (root included): the budget's, or with "auto" the size of
-        `AUTO_TREE_SIZES` that maximises expected committed tokens per second: the trees' expected accepted
+        `tree_sizes` that maximises expected committed tokens per second: the trees' expected accepted
         lengths (scaled by how trees of that size have done, `TreeCalibration`) against the measured cost of
         verifying that many tokens."""
         if self.tree_budget != "auto":
