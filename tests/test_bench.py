@@ -87,6 +87,23 @@ def test_every_method_in_process(pair, tmp_path, capsys):
     assert "losslessness: PASS" in printed and "prompt-lookup" in printed
 
 
+def test_tree_methods_side_by_side(pair, tmp_path):
+    """The chain, the drafter's tree alone and the tree with the prompt-lookup branch, in one run: each equals plain
+    decoding; the chain verifies its 3 drafts per cycle, the tree its 6 nodes, the mix those and its lookup branch."""
+    out = tmp_path / "out"
+    code = main(_args(pair, out, "--strict", "--methods", "dflash-chain,dflash-tree,dflash", "--tree-budget", "6",
+                      "--lookup-ngram", "2", "--draft-policy", "fixed"))
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in res["methods"]] == ["ar", "dflash-chain", "dflash-tree", "dflash"]
+    m = res["datasets"]["prompts"]["methods"]
+    assert all(m[name]["mismatches"] == 0 for name in m)
+    assert m["dflash-chain"]["num_draft_tokens"] == 3 * m["dflash-chain"]["num_drafts"]
+    assert m["dflash-tree"]["num_draft_tokens"] == 6 * m["dflash-tree"]["num_drafts"]
+    assert m["dflash"]["num_draft_tokens"] > 6 * m["dflash"]["num_drafts"]  # lookup branches add nodes
+    assert res["losslessness"]["passed"]
+
+
 class WrongMethod(Method):
     """Plain decoding that flips one token of every other prompt: a lossless method with a bug."""
 

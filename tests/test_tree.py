@@ -42,7 +42,7 @@ from flashdraft.engine import EngineConfig, NoRowState, target_probs, verify
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.noise import exponential_noise, race
 from flashdraft.engine.policy import COST_WINDOW, CycleTiming
-from flashdraft.engine.tree import (RowTree, TokenTree, best_first, candidate_lists, chain, stack,
+from flashdraft.engine.tree import (TREE_CANDIDATES, RowTree, TokenTree, best_first, candidate_lists, chain, stack,
                                     tree_attention_mask)
 from flashdraft.engine.verify import verify_tree
 from flashdraft.model.draft_vocab import count_tokens, restrict_drafter, select_draft_vocab
@@ -333,7 +333,9 @@ class TreeOracle:
         return NoRowState()
 
     def propose(self, state, inp, block_size):
-        raise AssertionError("a tree engine drafts through propose_candidates")
+        """The chain ("auto" verifies it in some cycles): each position's first candidate."""
+        ids, _ = self.propose_candidates(state, inp, block_size, TREE_CANDIDATES)
+        return torch.tensor([[cands[0] for cands in row] for row in ids], device=inp.bonus.device), None
 
     def propose_candidates(self, state, inp, block_size, top):
         k = block_size - 1
@@ -869,3 +871,28 @@ def test_calibration_counts_what_each_prefix_of_a_tree_would_have_accepted():
     assert calibration.scale(8) == pytest.approx(2.0 / expected[7])
     assert calibration.scale(16) == calibration.scale(12)
     assert TreeCalibration().scale(16) == 1.0
+
+
+def test_auto_shape_tries_both_then_runs_the_faster_and_explores_the_other():
+    """`tree_budget="auto"` chooses trees or the chain by measured committed tokens per second per row bucket: both
+    are tried first, then the faster runs, the other every SHAPE_EXPLORE-th cycle; a bucket learns apart."""
+    from flashdraft.engine.tree import SHAPE_EXPLORE, SHAPE_TRIES, ShapeChoice
+
+    choice = ShapeChoice()
+    speed = {True: 3.0, False: 4.0}  # tokens per second: the chain is faster here
+    picks = []
+    for _ in range(2 * SHAPE_TRIES + 4 * SHAPE_EXPLORE):
+        trees = choice.use_trees(1)
+        picks.append(trees)
+        choice.observe(1, trees, 10, 10 / speed[trees])
+    assert picks[:2 * SHAPE_TRIES].count(True) == SHAPE_TRIES  # each kind tried
+    settled = picks[2 * SHAPE_TRIES:]
+    assert settled.count(True) == len(settled) // SHAPE_EXPLORE  # the slower kind only when exploring
+    assert choice.rate(1, False) == pytest.approx(4.0) and choice.rate(1, True) == pytest.approx(3.0)
+    assert choice.rate(16, True) is None and choice.use_trees(16)  # another row bucket starts over
+    speed = {True: 5.0, False: 4.0}  # load changed: trees pay now; explorations refill their window
+    for _ in range(8 * SHAPE_EXPLORE * 8):
+        trees = choice.use_trees(1)
+        choice.observe(1, trees, 10, 10 / speed[trees])
+    assert choice.rate(1, True) > choice.rate(1, False)
+    assert sum(choice.use_trees(1) for _ in range(SHAPE_EXPLORE)) == SHAPE_EXPLORE - 1

@@ -5,6 +5,8 @@
                   `--draft-policy fixed`).
 - `dflash-fixed`  the same with the fixed policy: the whole block verified every cycle (what the policy replaced).
 - `dflash-chain`  the same without token trees (`--tree-budget 0`, no lookup branch): what trees are measured against.
+- `dflash-tree`   the same trees without the prompt-lookup branch (`--lookup-ngram 0`): with `dflash` run with
+                  `--lookup-ngram N`, the drafter's tree alone beside the mix.
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -29,10 +31,11 @@ import torch
 
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
-LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "hf-dflash", "hf-assisted", "prompt-lookup")
+LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash", "hf-assisted",
+                    "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
-DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "hf-dflash")  # the methods that need a drafter
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ("dflash-fixed", "dflash-chain"))  # on request only
+DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash")  # the methods that need a drafter
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ("dflash-fixed", "dflash-chain", "dflash-tree"))  # on request only
 
 
 @dataclass

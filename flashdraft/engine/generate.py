@@ -53,8 +53,8 @@ from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
-from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, TreeCalibration, add_branch, best_first,
-                                    lookup_continuation, stack, tree_attention_mask)
+from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
+                                    best_first, lookup_continuation, stack, tree_attention_mask)
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
@@ -296,12 +296,13 @@ class SpecEngine:
             warnings.warn(f"tree_budget={self.tree_budget!r} ignored, rows verify the chain: {why_no_trees}",
                           stacklevel=2)
             self.tree_budget = 0
-        if config.lookup_ngram and not self.tree_budget:
+        if config.lookup_ngram and not self.tree_budget and self.block_size > 1:
             warnings.warn("lookup_ngram ignored: the prompt-lookup branch is part of a token tree (tree_budget)",
                           stacklevel=2)
         # the tree sizes "auto" chooses among: the chain's width first
         self.tree_sizes = (self.block_size,) + tuple(n for n in AUTO_TREE_SIZES if n > self.block_size)
         self.tree_calibration = TreeCalibration(self.tree_sizes)
+        self.tree_shape = ShapeChoice()  # "auto": trees or the chain, by what each has measured
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -547,7 +548,9 @@ class SpecEngine:
         drafting = [i for i, w in enumerate(widths) if w > 1]
         # sampled rows' counter-based noise at the output positions their draft and verify cover
         noise = self._noise(rows, [self.block_size if w > 1 else 1 for w in widths])
-        if self.tree_budget and drafting:  # drafting rows verify token trees (`tree.py`), as chains from here on
+        trees = bool(self.tree_budget and drafting) and (
+            self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
+        if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, positions, features, verified, accepted, next_tokens, drafted_at = self._tree_step(
                 batch, drafting, noise)
         else:
@@ -566,6 +569,8 @@ class SpecEngine:
             timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
                                  drafted_at - started, time.perf_counter() - started)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted, timing)
+            if self.tree_budget == "auto" and drafting:
+                self.tree_shape.observe(len(rows), trees, len(rows) + sum(accepted), timing.total_s)
         self._drop_finished(batch)
 
     def _clock(self) -> float:

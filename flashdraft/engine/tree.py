@@ -24,14 +24,18 @@ What this module does not know about: models, caches, sampling (it takes candida
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from flashdraft.engine.batch import next_power_of_two
+
 TREE_CANDIDATES = 8  # candidates per block position a tree may branch into (the top of the drafter's marginal)
 AUTO_TREE_SIZES = (16, 24, 32, 48, 64)  # nodes per tree (root included) that `tree_budget="auto"` chooses among
 CALIBRATION_SMOOTHING = 0.05
+SHAPE_WINDOW, SHAPE_TRIES, SHAPE_EXPLORE = 64, 4, 16  # `ShapeChoice`: cycles kept, tried, between explorations
 
 
 @dataclass
@@ -118,6 +122,38 @@ class TreeCalibration:
             return 1.0
         key = size if size in self.expected else max(measured)
         return self.accepted[key] / self.expected[key] if self.expected[key] > 0 else 1.0
+
+
+class ShapeChoice:
+    """`tree_budget="auto"`: whether a drafting cycle verifies token trees or the chain, from the committed tokens
+    per second each has measured at the batch's row count (power-of-two buckets, the last `SHAPE_WINDOW` cycles of
+    each). The tree sizes' cost model prices tokens verified; what trees cost beyond that (the candidates, the
+    best-first heap, the mask, the walk) and how far their calibration errs are only seen in the cycle's own
+    time, so the choice is made on that. Each kind is tried `SHAPE_TRIES` times per bucket; then the faster one
+    runs and the other every `SHAPE_EXPLORE`-th drafting cycle, so a change of load or of prompts is noticed."""
+
+    def __init__(self):
+        self.cycles: dict[tuple[int, bool], deque] = {}  # (row bucket, trees) -> (committed tokens, seconds)
+        self.drafting_cycles: dict[int, int] = {}
+
+    def rate(self, rows: int, trees: bool) -> float | None:
+        window = self.cycles.get((next_power_of_two(rows), trees))
+        if not window or len(window) < SHAPE_TRIES:
+            return None
+        return sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-9)
+
+    def use_trees(self, rows: int) -> bool:
+        key = next_power_of_two(rows)
+        n = self.drafting_cycles[key] = self.drafting_cycles.get(key, 0) + 1
+        trees, chain = self.rate(rows, True), self.rate(rows, False)
+        if trees is None or chain is None:  # try both: trees first, then alternate until each has its tries
+            return trees is None and (chain is not None or n % 2 == 1)
+        faster = trees >= chain
+        return faster != (n % SHAPE_EXPLORE == 0)
+
+    def observe(self, rows: int, trees: bool, committed: int, seconds: float) -> None:
+        window = self.cycles.setdefault((next_power_of_two(rows), trees), deque(maxlen=SHAPE_WINDOW))
+        window.append((committed, seconds))
 
 
 def best_first(root: int, candidates: list[list[int]], logp: list[list[float]], budget: int) -> RowTree:
