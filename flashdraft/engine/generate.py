@@ -303,6 +303,7 @@ class SpecEngine:
         self.tree_sizes = (self.block_size,) + tuple(n for n in AUTO_TREE_SIZES if n > self.block_size)
         self.tree_calibration = TreeCalibration(self.tree_sizes)
         self.tree_shape = ShapeChoice()  # "auto": trees or the chain, by what each has measured
+        self.tree_costs = CostModel()  # "auto": what tree cycles cost (their machinery included), by tokens verified
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -568,9 +569,12 @@ class SpecEngine:
         if forced_width is None:
             timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
                                  drafted_at - started, time.perf_counter() - started)
-            batch.policy.observe([r.acceptance for r in rows], widths, accepted, timing)
             if self.tree_budget == "auto" and drafting:
                 self.tree_shape.observe(len(rows), trees, len(rows) + sum(accepted), timing.total_s)
+            auto_tree = trees and self.tree_budget == "auto"
+            if auto_tree:  # "auto" sizes trees by their own costs; the policy prices drafting by the chain's
+                self.tree_costs.record(timing)
+            batch.policy.observe([r.acceptance for r in rows], widths, accepted, None if auto_tree else timing)
         self._drop_finished(batch)
 
     def _clock(self) -> float:
@@ -693,15 +697,15 @@ class SpecEngine:
     def _tree_nodes(self, batch: Batch, trees: list[RowTree]) -> int:
         """Nodes per drafting row's tree this cycle (root included): the budget's, or with "auto" the size of
         `tree_sizes` that maximises expected committed tokens per second: the trees' expected accepted
-        lengths (scaled by how trees of that size have done, `TreeCalibration`) against the measured cost of
-        verifying that many tokens."""
+        lengths (scaled by how trees of that size have done, `TreeCalibration`) against what tree cycles that
+        verified that many tokens have cost (`tree_costs`)."""
         if self.tree_budget != "auto":
             return self.tree_budget + 1
         plain = len(batch.rows) - len(trees)
         best, best_rate = self.block_size, 0.0
         for size in self.tree_sizes:
             nodes = [min(size, len(t.tokens)) for t in trees]  # a small block's trees may hold fewer
-            seconds = self.costs.cycle(plain + sum(nodes), len(trees))
+            seconds = self.tree_costs.cycle(plain + sum(nodes), len(trees))
             if seconds is None:
                 break
             scale = self.tree_calibration.scale(size)

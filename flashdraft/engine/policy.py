@@ -222,8 +222,9 @@ class FixedWidth:
     def widths(self, rows: list) -> list[int]:
         return [self.block_size] * len(rows)
 
-    def observe(self, rows: list, widths: list[int], accepted: list[int], timing: CycleTiming) -> None:
-        if self.costs is not None:
+    def observe(self, rows: list, widths: list[int], accepted: list[int], timing: CycleTiming | None) -> None:
+        """`timing` None: a cycle the cost model must not learn from (one the engine prices apart)."""
+        if self.costs is not None and timing is not None:
             self.costs.record(timing)
 
 
@@ -315,8 +316,10 @@ class AdaptiveWidth:
 
     # ---- what happened ----------------------------------------------------------------------------------------
 
-    def observe(self, rows: list[RowAcceptance], widths: list[int], accepted: list[int], timing: CycleTiming) -> None:
-        self.costs.record(timing)
+    def observe(self, rows: list[RowAcceptance], widths: list[int], accepted: list[int],
+                timing: CycleTiming | None) -> None:
+        if timing is not None:  # None: a cycle priced apart (`FixedWidth.observe`)
+            self.costs.record(timing)
         for r, w, a in zip(rows, widths, accepted):
             if w == 1:
                 r.plain_steps += 1
