@@ -896,3 +896,21 @@ def test_auto_shape_tries_both_then_runs_the_faster_and_explores_the_other():
         choice.observe(1, trees, 10, 10 / speed[trees])
     assert choice.rate(1, True) > choice.rate(1, False)
     assert sum(choice.use_trees(1) for _ in range(SHAPE_EXPLORE)) == SHAPE_EXPLORE - 1
+
+
+def test_auto_prices_tree_cycles_apart_from_the_policy():
+    """With "auto", tree cycles feed `tree_costs` (which sizes trees) and chain cycles the policy's cost model; the
+    output stays the target's either way."""
+    rng = random.Random(7)
+    prompts = _prompts(rng, 2)
+    references = [p + _reference("qwen3", p, 40) for p in prompts]
+    oracle = TreeOracle(references, _random_ranks(seed=3))
+    engine = SpecEngine(_target("qwen3"), block_size=8, proposer=oracle, tree_budget="auto", draft_policy="fixed")
+    kinds = []
+    choose = engine.tree_shape.use_trees
+    engine.tree_shape.use_trees = lambda rows: kinds.append(choose(rows)) or kinds[-1]
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=32))
+    assert [r.token_ids for r in results] == [_reference("qwen3", p, 32) for p in prompts]
+    assert True in kinds and False in kinds  # both tried
+    assert engine.tree_costs.body.timings == kinds.count(True)
+    assert engine.costs.body.timings == kinds.count(False)  # the fixed policy: every cycle drafts
