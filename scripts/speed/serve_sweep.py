@@ -95,10 +95,12 @@ def busy_core(enabled: bool):
 
 
 def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int) -> dict:
-    """One cell: both servers at one concurrency level, `rounds` alternating rounds; throughputs summed."""
+    """One cell: every server at one concurrency level, `rounds` alternating rounds. The ratio is of throughputs
+    summed over the rounds; each round's own ratio is kept too (`round_ratios`: their spread is this machine's
+    run-to-run noise at that load), and tau is the mean of the rounds'."""
     tokens = {name: 0 for name in urls}
     seconds = {name: 0.0 for name in urls}
-    extra = {}
+    per_round = {name: [] for name in urls}  # (tokens/s, tau) per round
     for r in range(rounds):
         order = list(urls.items()) if r % 2 == 0 else list(urls.items())[::-1]
         res = run_servers([f"{n}={u}" for n, u in order], prompts, [concurrency], max_tokens=max_tokens,
@@ -109,14 +111,21 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
                 raise RuntimeError(f"{name}: {level['errors']} failed requests at concurrency {concurrency}")
             tokens[name] += level["output_tokens"]
             seconds[name] += level["wall_s"]
-            if name != "ar":
-                prefix = "" if name == "dflash" else f"{name}_"
-                extra.update({prefix + k: level.get(k) for k in ("tau", "mismatches")})
+            per_round[name].append((level["output_tokens"] / level["wall_s"], level.get("tau"),
+                                    level.get("mismatches")))
     tps = {name: tokens[name] / seconds[name] for name in urls}
-    out = {"dflash_tok_s": round(tps["dflash"], 1), "ar_tok_s": round(tps["ar"], 1),
-           "ratio": round(tps["dflash"] / tps["ar"], 3), **extra}
-    if "compare" in tps:
-        out.update(compare_tok_s=round(tps["compare"], 1), compare_ratio=round(tps["compare"] / tps["ar"], 3))
+    out = {"ar_tok_s": round(tps["ar"], 1)}
+    for name in urls:
+        if name == "ar":
+            continue
+        prefix = "" if name == "dflash" else f"{name}_"
+        taus = [t for _, t, _ in per_round[name] if t is not None]
+        mismatches = [m for _, _, m in per_round[name] if m is not None]
+        out.update({f"{name}_tok_s": round(tps[name], 1), prefix + "ratio": round(tps[name] / tps["ar"], 3),
+                    prefix + "round_ratios": [round(x / a, 3) for (x, _, _), (a, _, _) in
+                                              zip(per_round[name], per_round["ar"])],
+                    prefix + "tau": round(sum(taus) / len(taus), 4) if taus else None,
+                    prefix + "mismatches": sum(mismatches) if mismatches else None})
     return out
 
 
@@ -172,6 +181,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def ratio_text(cell: dict, key: str) -> str:
+    """"0.93x (0.88-0.99)": the cell's ratio and the range of its rounds' own ratios."""
+    rounds = cell.get(key.replace("ratio", "round_ratios"), [])
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
+    return f"{cell[key]:.2f}x{spread}"
+
+
 def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
     lines = []
     for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)")):
@@ -184,8 +200,8 @@ def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
             for t in temperatures:
                 row = {(c["concurrency"], c["busy_core"]): c for c in cells
                        if c["set"] == s and c["temperature"] == t}
-                vals = [f"{row[(c, False)][key]:.2f}x" if (c, False) in row else "" for c in concurrencies]
-                busy = f"{row[(1, True)][key]:.2f}x" if (1, True) in row else ""
+                vals = [ratio_text(row[(c, False)], key) if (c, False) in row else "" for c in concurrencies]
+                busy = ratio_text(row[(1, True)], key) if (1, True) in row else ""
                 lines.append(f"| {s} | {t:g} | " + " | ".join(vals) + f" | {busy} |")
         lines.append("")
     (out / "table.md").write_text("\n".join(lines))
