@@ -34,8 +34,9 @@ from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash", "hf-assisted",
                     "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
-DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash")  # the methods that need a drafter
-DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ("dflash-fixed", "dflash-chain", "dflash-tree"))  # on request only
+DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash")  # they need a drafter
+ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree")  # variants for side-by-side comparisons
+DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ON_REQUEST_METHODS)
 
 
 @dataclass

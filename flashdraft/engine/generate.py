@@ -569,12 +569,13 @@ class SpecEngine:
         if forced_width is None:
             timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
                                  drafted_at - started, time.perf_counter() - started)
-            if self.tree_budget == "auto" and drafting:
+            auto_shape = self.tree_budget == "auto" and bool(drafting)
+            if auto_shape:
                 self.tree_shape.observe(len(rows), trees, len(rows) + sum(accepted), timing.total_s)
-            auto_tree = trees and self.tree_budget == "auto"
-            if auto_tree:  # "auto" sizes trees by their own costs; the policy prices drafting by the chain's
-                self.tree_costs.record(timing)
-            batch.policy.observe([r.acceptance for r in rows], widths, accepted, None if auto_tree else timing)
+                if trees:  # "auto" sizes trees by their own costs; the policy prices drafting by the chain's
+                    self.tree_costs.record(timing)
+            batch.policy.observe([r.acceptance for r in rows], widths, accepted,
+                                 None if auto_shape and trees else timing)
         self._drop_finished(batch)
 
     def _clock(self) -> float:
