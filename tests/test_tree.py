@@ -512,8 +512,8 @@ def test_long_greedy_generation_with_many_tree_cycles():
 
 
 def assert_caches_hold_the_committed_tokens(engine, batch):
-    """Every live row's target cache slots [0, n) and its drafter context (written, or pending in the batch's
-    features) equal what a fresh forward over its n committed tokens computes."""
+    """Every live row's target cache slots [0, n) and its drafter context (written, or pending in the row's
+    `PendingContext`) equal what a fresh forward over its n committed tokens computes."""
     fast, drafter = engine.fast, getattr(engine.proposer, "drafter", None)
     for i, r in enumerate(batch.rows):
         committed = r.prompt + r.output[:-1]  # the last output token is the bonus, not in the cache yet
@@ -526,12 +526,10 @@ def assert_caches_hold_the_committed_tokens(engine, batch):
             assert_close(mine[i, :n], theirs[0], msg=f"target cache, row {i}")
         if drafter is None:  # a drafting method without the target's features
             continue
-        pending = batch.features
-        valid = pending.valid[i]
-        pending_positions = pending.positions[i][valid].tolist()
-        written = pending_positions[0] if pending_positions else n
-        assert pending_positions == list(range(written, n))
-        assert_close(pending.values[i][valid], features[0, written:n], msg=f"pending drafter features, row {i}")
+        pending_values = torch.cat(r.pending.values) if r.pending.length else features[0, :0]
+        written = r.pending.start if r.pending.length else n
+        assert written + r.pending.length == n
+        assert_close(pending_values, features[0, written:n], msg=f"pending drafter features, row {i}")
         context = drafter.new_cache(1, n)
         drafter.write_context(context, features, positions, torch.ones(1, n, dtype=torch.bool))
         state = batch.proposer_state.kv

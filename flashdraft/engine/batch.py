@@ -1,7 +1,8 @@
 """The live state of a batch between cycles, and the few types the cycle passes around.
 
 - `Features`: target hidden states (the tapped layers, concatenated) of committed slots that the drafter has not
-  read yet, with their positions and which of them are real.
+  read yet, with their positions and which of them are real. Each row keeps its own (`PendingContext`) until it
+  drafts: a row that only takes one-token steps and finishes so never pays for the drafter's context at all.
 - `RowBuckets`: how many rows a static cache holds for n live rows. Compiled steps see a power-of-two row count
   (`batch_bucket`), so a server whose batch moves between 1 and N rows compiles about log2(N) graphs per step;
   the rows past the live ones are padding whose contents are never read. Both static caches (the target's and
@@ -77,29 +78,54 @@ class Features:
     positions: torch.Tensor  # [b, c]
     valid: torch.Tensor  # [b, c] bool: which of the c slots hold committed tokens of the row
 
-    def select_rows(self, idx: torch.Tensor) -> "Features":
-        return Features(self.values.index_select(0, idx), self.positions.index_select(0, idx),
-                        self.valid.index_select(0, idx))
-
-    def then(self, later: "Features") -> "Features":
-        """These slots followed by `later` ones (one-token steps queue theirs up for the next draft)."""
-        return Features(*(torch.cat([a, b], dim=1) for a, b in zip(self.astuple(), later.astuple())))
-
-    def above(self, other: "Features") -> "Features":
-        """Our rows, then `other`'s; the narrower side is padded with invalid slots at the start."""
-        width = max(self.values.shape[1], other.values.shape[1])
-        return Features(*(torch.cat([zero_pad(a, width, 1), zero_pad(b, width, 1)])
-                          for a, b in zip(self.astuple(), other.astuple())))
-
-    def none_pending(self) -> "Features":
-        """No slots (the same rows and feature width): what is left once the queue was written to the drafter."""
-        return Features(*(t[:, :0] for t in self.astuple()))
-
     def pad_rows(self, rows: int) -> "Features":
         return Features(*(zero_pad(t, rows, 0, at_end=True) for t in self.astuple()))
 
     def astuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.values, self.positions, self.valid
+
+
+class PendingContext:
+    """One row's target features that the drafter has not read yet: those of its consecutive positions from
+    `start`, in chunks as they were committed."""
+
+    def __init__(self):
+        self.values: list[torch.Tensor] = []  # [c, F] each
+        self.start = 0
+        self.length = 0
+
+    def add(self, values: torch.Tensor, start: int) -> None:
+        """The features [c, F] of positions start .. start + c - 1 (right after what is pending, if anything)."""
+        if values.shape[0]:
+            if not self.length:
+                self.start = start
+            self.values.append(values)
+            self.length += values.shape[0]
+
+    def take(self) -> tuple[torch.Tensor, int] | None:
+        """Everything pending, (values [c, F], first position), and nothing pending after; None if nothing was."""
+        if not self.length:
+            return None
+        out = torch.cat(self.values) if len(self.values) > 1 else self.values[0], self.start
+        self.values, self.length = [], 0
+        return out
+
+
+def take_pending(pending: list[PendingContext], width: int, dtype, device) -> Features:
+    """The rows' pending features as one `Features` [b, c, width] (c = the most any row had; shorter rows padded
+    with invalid slots at the end), leaving nothing pending."""
+    taken = [p.take() for p in pending]
+    c = max((t[0].shape[0] for t in taken if t is not None), default=0)
+    values = torch.zeros(len(pending), c, width, dtype=dtype, device=device)
+    starts = torch.tensor([t[1] if t is not None else 0 for t in taken], device=device)
+    positions = starts[:, None] + torch.arange(c, device=device)[None]
+    valid = torch.zeros(len(pending), c, dtype=torch.bool, device=device)
+    for i, t in enumerate(taken):
+        if t is not None:
+            n = t[0].shape[0]
+            values[i, :n] = t[0]
+            valid[i, :n] = True
+    return Features(values, positions, valid)
 
 
 @dataclass
@@ -108,7 +134,6 @@ class Batch:
 
     rows: list = field(default_factory=list)
     kv: object = None  # the target's cache (`target_kv.py`), live rows only as far as callers can tell
-    features: Features | None = None  # target features of slots committed since the last draft
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
     policy: object = None  # the draft policy (`policy.py`): each row's verify width per cycle
     capacity: int = 0  # positions every row's cache holds: `needed_capacity()` when last grown or shrunk
@@ -125,17 +150,11 @@ class Batch:
         if needed > self.capacity:
             self.capacity = needed
             self.kv.ensure_capacity(needed)
-
-    def add_features(self, features: Features, after_draft: bool) -> None:
-        """Target features of a verified block for the drafter's next call. A draft consumed the previous ones;
-        one-token steps (no draft) append theirs, so the drafter later sees every committed position."""
-        self.features = features if after_draft or self.features is None else self.features.then(features)
+            self.proposer_state.grow(needed)
 
     def select_rows(self, idx: torch.Tensor) -> None:
         """Keep live rows `idx`, in that order."""
         self.rows = [self.rows[i] for i in idx.tolist()]
-        if self.features is not None:
-            self.features = self.features.select_rows(idx)
         self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
         needed = self.needed_capacity()
@@ -149,13 +168,11 @@ class Batch:
         if not other.rows:
             return
         if not self.rows:  # adopt the newcomers' caches wholesale
-            self.rows, self.kv, self.features = other.rows, other.kv, other.features
+            self.rows, self.kv = other.rows, other.kv
             self.proposer_state, self.capacity = other.proposer_state, other.capacity
             return
         live = len(self.rows)
         self.rows = self.rows + other.rows
         self.capacity = max(self.capacity, other.capacity)
         self.kv.merge(other.kv)
-        if self.features is not None:
-            self.features = self.features.above(other.features)
         self.proposer_state.merge(other.proposer_state, live, len(other.rows))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flashdraft.engine.batch import Batch, Features, RowBuckets, chunked, width_groups
+from flashdraft.engine.batch import Batch, Features, PendingContext, RowBuckets, chunked, take_pending, width_groups
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
@@ -61,7 +61,9 @@ from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
 from flashdraft.model.target import TargetModel, validate_pair
 
-QUEUED_CONTEXT = 16  # slots of one-token steps' features queued for the drafter before they are written to it
+# a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
+# once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
+PENDING_CONTEXT_LIMIT = 256
 
 
 @dataclass
@@ -178,6 +180,7 @@ class _Row:
     acceptance: object = None  # the draft policy's estimates for this row (`policy.RowAcceptance`)
     noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
+    pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
 
     def noise_window(self, width: int, vocab: int, device) -> torch.Tensor:
         """Noise [width, V] of output positions len(output) .. +width. The noise of a position never changes, so
@@ -304,6 +307,7 @@ class SpecEngine:
         self.tree_calibration = TreeCalibration(self.tree_sizes)
         self.tree_shape = ShapeChoice()  # "auto": trees or the chain, by what each has measured
         self.tree_costs = CostModel()  # "auto": what tree cycles cost (their machinery included), by tokens verified
+        self._feature_spec = None  # (width, dtype, device) of the target features the drafter reads
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
 
@@ -531,11 +535,28 @@ class SpecEngine:
         return batch
 
     def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, capacity: int) -> Batch:
-        batch = self._new_batch(rows=list(rows), kv=kv, features=features, capacity=capacity)
-        if features is not None:  # the prompts' context goes to the drafter now, for these rows alone
-            self.proposer.absorb(batch.proposer_state, features, capacity, self.block_size)
-            batch.features = features.none_pending()
+        batch = self._new_batch(rows=list(rows), kv=kv, capacity=capacity)
+        if features is not None:  # the prompts' context waits for each row's first draft (long ones: written now)
+            self._feature_spec = (features.values.shape[-1], features.values.dtype, features.values.device)
+            self.proposer.reserve(batch.proposer_state, len(rows), capacity)
+            for r, values, valid in zip(rows, features.values, features.valid):
+                r.pending = PendingContext()  # a resumed row's drafter context is rebuilt from its prefill
+                r.pending.add(values[valid], 0)  # a prompt's valid slots are its positions 0 .. n - 1
+            self._write_long_pending(batch)
         return batch
+
+    def _write_long_pending(self, batch: Batch) -> None:
+        """Rows whose pending context reached `PENDING_CONTEXT_LIMIT` positions write it to the drafter now (compiled
+        steps write every row's: they take every row at once)."""
+        rows = batch.rows
+        long = [i for i, r in enumerate(rows) if r.pending.length >= PENDING_CONTEXT_LIMIT]
+        if not long:
+            return
+        if self.block_step is not None:
+            long = list(range(len(rows)))
+        features = take_pending([rows[i].pending for i in long], *self._feature_spec)
+        idx = torch.tensor(long, device=self.target.device) if self.block_step is None else None
+        self.proposer.absorb(batch.proposer_state, features, batch.capacity, self.block_size, idx)
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
@@ -552,8 +573,7 @@ class SpecEngine:
         trees = bool(self.tree_budget and drafting) and (
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
-            block, positions, features, verified, accepted, next_tokens, drafted_at = self._tree_step(
-                batch, drafting, noise)
+            block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
         else:
             block, positions, draft_probs = self._propose(batch, drafting, max(widths), noise)
             drafted_at = self._clock()
@@ -564,7 +584,7 @@ class SpecEngine:
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
             verified = widths
-        self._commit_block(batch, block, positions, features, verified, accepted, next_tokens)
+        self._commit_block(batch, block, features, verified, accepted, next_tokens)
         prof.mark("commit")
         if forced_width is None:
             timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
@@ -618,6 +638,9 @@ class SpecEngine:
         rows, dev = batch.rows, self.target.device
         idx = None if len(drafting) == len(rows) else torch.tensor(drafting, device=dev)
         drafters = [rows[i] for i in drafting]
+        new_features = None  # the drafting rows' pending context: the proposer writes it now
+        if self.proposer.needs_features:
+            new_features = take_pending([r.pending for r in drafters], *self._feature_spec)
         histories = self.proposer.needs_histories
         k = self.block_size - 1
         draft_noise = temperatures = None
@@ -629,14 +652,14 @@ class SpecEngine:
         n_cached = torch.tensor([r.n_cached for r in drafters], dtype=torch.long, device=dev)
         block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
         return ProposalInput(bonus, block_positions, batch.capacity, max(r.n_cached for r in drafters),
-                             batch.features, [r.history for r in drafters] if histories else None,
+                             new_features, [r.history for r in drafters] if histories else None,
                              [r.index for r in drafters] if histories else None,
                              draft_noise, temperatures, draft_rows=idx)
 
     def _tree_step(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None):
         """Propose, target forward and verify with token trees for the rows `drafting` (the others: one-token
         steps, as trees of their root alone). Returns what `_commit_block` takes, each row's tree linearised into
-        its accepted path: (block, positions, features, nodes verified, accepted, next tokens) and the time the
+        its accepted path: (block, features, nodes verified, accepted, next tokens) and the time the
         draft was done."""
         rows, dev, prof = batch.rows, self.target.device, self.profiler
         inp = self._proposal_input(batch, drafting, noise)
@@ -692,8 +715,7 @@ class SpecEngine:
             for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
                 accepted[i], next_tokens[i] = a, t
         prof.mark("verify")
-        positions = n_cached[:, None] + torch.arange(depth, device=dev)[None]
-        return block, positions, features, sizes, accepted, next_tokens, drafted_at
+        return block, features, sizes, accepted, next_tokens, drafted_at
 
     def _tree_nodes(self, batch: Batch, trees: list[RowTree]) -> int:
         """Nodes per drafting row's tree this cycle (root included): the budget's, or with "auto" the size of
@@ -752,18 +774,18 @@ class SpecEngine:
                 accepted[i], next_tokens[i] = a, t
         return accepted, next_tokens
 
-    def _commit_block(self, batch: Batch, block, positions, features, widths, accepted, next_tokens) -> None:
+    def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
         the drafter."""
         rows, width = batch.rows, block.shape[1]
         kept = torch.tensor(accepted, device=block.device)
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
         batch.kv.keep(kept_valid)
-        if features is not None:  # the whole block (static shapes); rejected slots are marked invalid
-            batch.add_features(Features(features, positions, kept_valid), after_draft=max(widths) > 1)
-            if batch.features.values.shape[1] >= QUEUED_CONTEXT:  # rows keep stepping: write the queue now
-                self.proposer.absorb(batch.proposer_state, batch.features, batch.capacity, self.block_size)
-                batch.features = batch.features.none_pending()
+        if features is not None:  # each row's kept slots wait for its next draft (a copy of the kept columns only)
+            kept_features = features[:, :max(accepted) + 1].clone()
+            for r, values, a in zip(rows, kept_features, accepted):
+                r.pending.add(values[:a + 1], r.n_cached)
+            self._write_long_pending(batch)
         for r, w, a, nxt, blk in zip(rows, widths, accepted, next_tokens, block.tolist()):
             if w > 1:
                 r.stats.acceptance_lengths.append(a + 1)
@@ -813,7 +835,7 @@ class SpecEngine:
         if keep:
             batch.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
             return
-        batch.rows, batch.kv, batch.features, batch.capacity = [], None, None, 0
+        batch.rows, batch.kv, batch.capacity = [], None, 0
         batch.proposer_state = self.proposer.new_batch_state(self.buckets)
 
     def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:

@@ -4,10 +4,11 @@ shared verifier (`verify.py`) decides what is kept.
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
 (`new_batch_state(buckets)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
 `merge(other, keep, add)` (rows [0, keep) stay, the `add` rows of `other`, a state of the same method, join below
-them) and `shrink(capacity)` (no row
-needs positions >= capacity any more); a state with a static cache pads it to `buckets.rows(live)` rows itself.
-A method with `needs_features` also takes `absorb(state, features, capacity, block_size)`: context to remember
-without drafting (a prefill's prompts, the queue of one-token steps' features).
+them), `shrink(capacity)` (no row needs positions >= capacity any more) and `grow(capacity)`; a state with a
+static cache pads it to `buckets.rows(live)` rows itself.
+A method with `needs_features` receives the drafting rows' context pending since each last drafted, and also takes
+`reserve(state, live, capacity)` (a new batch) and `absorb(state, features, capacity, block_size, rows)`: context to
+remember without drafting (rows whose pending context grew long).
 A method receives exactly what it declares: target features with `needs_features`, the committed tokens and
 request ids of each row with `needs_histories`.
 
@@ -55,7 +56,8 @@ class ProposalInput:
     noise: torch.Tensor | None = None
     temperatures: torch.Tensor | None = None
     # the rows that draft this cycle (indices into the batch's live rows; None: every row). bonus, positions,
-    # histories, request ids, noise and temperatures are the drafting rows'; new_features are every row's
+    # histories, request ids, noise, temperatures and new_features are the drafting rows' (the other rows keep
+    # their context pending until they draft)
     draft_rows: torch.Tensor | None = None
 
 
@@ -69,6 +71,9 @@ class NoRowState:
         pass
 
     def shrink(self, capacity: int) -> None:
+        pass
+
+    def grow(self, capacity: int) -> None:
         pass
 
 
@@ -113,6 +118,11 @@ class DraftRows:
         if self.kv is not None:
             self.kv.shrink(capacity + 1)  # + the scratch slot
 
+    def grow(self, capacity: int) -> None:
+        """Rows may reach positions < capacity (the target's cache grew: this one follows, written or not)."""
+        if self.kv is not None:
+            self.kv.ensure_capacity(capacity + 1)
+
 
 class DFlashProposer:
     """Drafts a block with a DFlash drafter; drafts are the drafter's argmax (one-hot draft distribution).
@@ -152,20 +162,34 @@ class DFlashProposer:
     def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> DraftRows:
         return DraftRows(buckets, self.drafter.new_cache)
 
-    def _context(self, state: DraftRows, new_features: Features, capacity: int):
-        """The drafter's cache sized for the batch (allocated at first use), and the new features padded to its
-        rows: (cache rows, features, positions, valid)."""
-        live = new_features.values.shape[0]
-        b = state.buckets.rows(live)  # padding rows draft garbage that nobody reads
+    def reserve(self, state: DraftRows, live: int, capacity: int) -> None:
+        """The drafter's context cache for a batch of `live` rows (allocated once, then grown): rows are written
+        when they draft (`propose`) or when their pending context grows long (`absorb`)."""
         if state.kv is None:
-            state.kv = state.new_cache(b, capacity)
+            state.kv = state.new_cache(state.buckets.rows(live), capacity)  # padding rows: garbage nobody reads
         state.kv.ensure_capacity(capacity + 1)  # + the scratch slot
+
+    def _context(self, state: DraftRows, new_features: Features, capacity: int):
+        """Every live row's new features, padded to the cache's rows: (cache rows, features, positions, valid)."""
+        live = new_features.values.shape[0]
+        self.reserve(state, live, capacity)
+        b = state.kv.batch
         context = new_features if b == live else new_features.pad_rows(b)
         return (b, *(t.to(self.drafter.device) for t in context.astuple()))
 
-    def absorb(self, state: DraftRows, new_features: Features, capacity: int, block_size: int) -> None:
-        """Write queued context (the features of one-token steps) into the drafter's cache without drafting, so
-        the queue stays short while rows step."""
+    def _write_rows(self, state: DraftRows, new_features: Features, rows: torch.Tensor, capacity: int) -> None:
+        """Eager: the features of live rows `rows` into those rows of the drafter's cache."""
+        state.kv.ensure_capacity(capacity + 1)
+        dev = self.drafter.device
+        self.drafter.write_context(state.kv, *(t.to(dev) for t in new_features.astuple()), rows=rows.to(dev))
+
+    def absorb(self, state: DraftRows, new_features: Features, capacity: int, block_size: int,
+               rows: torch.Tensor | None = None) -> None:
+        """Write pending context into the drafter's cache without drafting: the features of live rows `rows`
+        (eager; None: every live row's, as compiled steps need), so no row's pending context grows without bound."""
+        if rows is not None:
+            self._write_rows(state, new_features, rows, capacity)
+            return
         _, features, positions, valid = self._context(state, new_features, capacity)
         if not self.compiled:
             self.drafter.write_context(state.kv, features, positions, valid)
@@ -176,21 +200,21 @@ class DFlashProposer:
     def propose(self, state: DraftRows, inp: ProposalInput,
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.device
-        live = inp.new_features.values.shape[0]  # every live row's new context is written, drafting or not
-        b, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
         if inp.draft_rows is not None:  # some rows draft (eager: compiled steps draft every row)
             if self.compiled:
                 raise RuntimeError("compiled drafting steps draft every row; draft_rows must be None")
-            self.drafter.write_context(state.kv, features, positions, valid)
             rows = inp.draft_rows.to(dev)
+            self._write_rows(state, inp.new_features, rows, inp.capacity)
             drafting = len(rows)
             block = torch.full((drafting, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = inp.bonus.to(dev)
             noise, scale = _race_inputs(inp, 0, dev)
-            written = (t.index_select(0, rows)[:, :0] for t in (features, positions, valid))  # nothing more to write
+            written = (t[:, :0].to(dev) for t in inp.new_features.astuple())  # nothing more to write
             drafts = self._draft_tokens(state.kv.gather_rows(rows, inp.context_len), *written, block,
                                         inp.positions.to(dev), inp.context_len, noise, scale)
             return self._proposal(drafts, drafting, inp.bonus.device)
+        live = inp.new_features.values.shape[0]
+        b, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:live, 0] = inp.bonus.to(dev)
         block_positions = state.buckets.pad(inp.positions, b).to(dev)
@@ -214,9 +238,12 @@ class DFlashProposer:
         by softmax(logits / T), under counter-based noise perturbed by it (log q - log E: the first candidate is
         the draft `propose` makes)."""
         dev = self.drafter.device
-        _, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
-        self.drafter.write_context(state.kv, features, positions, valid)
-        kv = state.kv if inp.draft_rows is None else state.kv.gather_rows(inp.draft_rows.to(dev), inp.context_len)
+        if inp.draft_rows is None:
+            self.absorb(state, inp.new_features, inp.capacity, block_size)
+            kv = state.kv
+        else:
+            self._write_rows(state, inp.new_features, inp.draft_rows, inp.capacity)
+            kv = state.kv.gather_rows(inp.draft_rows.to(dev), inp.context_len)
         block = torch.full((inp.bonus.shape[0], block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = inp.bonus.to(dev)
         hidden = self.drafter.draft(kv, self.drafter.embed(block, self.embedding_weight), inp.positions.to(dev),

@@ -546,15 +546,16 @@ class DFlashDraftModel(nn.Module):
                         self.device)
 
     def write_context(self, cache: StaticKV, target_hidden: torch.Tensor, positions: torch.Tensor,
-                      valid: torch.Tensor) -> None:
+                      valid: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Project target features [b, c, n_taps*H] at `positions` [b, c] into every layer's context K/V and store
-        them at slot = position. Slots where `valid` is False go to the scratch slot (the last one), which no
-        query attends to, so padded or rejected features never reach the context."""
+        them at slot = position of cache rows `rows` [b] (default: rows 0 .. b-1). Slots where `valid` is False go
+        to the scratch slot (the last one), which no query attends to, so padded or rejected features never reach
+        the context."""
         ctx = self.project_context(target_hidden)
         cos, sin = self.rotary_emb(ctx, positions)
         slots = torch.where(valid, positions, cache.capacity - 1)
         for i, (k, v) in enumerate(self.context_kv(ctx, cos, sin)):
-            cache.write(i, slots, k.transpose(1, 2), v.transpose(1, 2))
+            cache.write(i, slots, k.transpose(1, 2), v.transpose(1, 2), rows)
 
     def draft(self, cache: StaticKV, noise_embedding: torch.Tensor, position_ids: torch.Tensor,
               context_len: int | None = None) -> torch.Tensor:
