@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.engine.proposers import DFlashProposer
+from flashdraft.engine.verify import argmax
 
 
 @dataclass
@@ -46,7 +47,7 @@ class DraftConfidence:
 
 
 def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    return scores.argmax(-1)
+    return argmax(scores)
 
 
 def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
@@ -70,7 +71,7 @@ def sample_choice(inverse_temperature: torch.Tensor):
         cdf = q.cumsum(-1)
         uniform = torch.rand(*scores.shape[:2], 1, 1, device=scores.device)
         sampled = (cdf <= uniform * cdf[..., -1:]).sum(-1).clamp(max=scores.shape[-1] - 1)
-        return torch.where(inverse_temperature[:, None, None] > 0, sampled, scores.argmax(-1))
+        return torch.where(inverse_temperature[:, None, None] > 0, sampled, argmax(scores))
 
     return choose
 
