@@ -86,3 +86,21 @@ def test_bench_speed_smoke(tmp_path):
     assert bench_speed.main(["--num-prompts", "2", "--max-new-tokens", "24", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["identical"].values()) == {2} and report["tau"] > 1
+
+
+def test_engine_concurrency_smoke(tmp_path, capsys):
+    """The in-process load pattern on the shipped pair: every policy's cell is written; `never` never drafts
+    (tau 1), `fixed` always does."""
+    import engine_concurrency
+
+    out = tmp_path / "cells.json"
+    assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
+                                    "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,fixed,never",
+                                    "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    assert cell["set"] == "held-out" and cell["concurrency"] == 2 and cell["plain_tok_s"] > 0
+    assert cell["never"]["tau"] == 1.0 and cell["fixed"]["tau"] > 1.0
+    assert all(cell[p]["ratio"] > 0 for p in ("adaptive", "fixed", "never"))
+    assert "| held-out | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        engine_concurrency.main(["--policies", "sometimes"])

@@ -1,0 +1,153 @@
+"""The engine under a server's load pattern, without the server: DFlash against plain decoding in one process.
+
+    python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
+        [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
+        [--json runs/engine_concurrency.json]
+
+Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
+scheduler does (a request joins with `SpecEngine.add` as soon as one leaves, every live request advances with
+`SpecEngine.step`), on the shipped pair, one torch thread, wall time from the first `add` to the last request's
+end. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
+- `adaptive`: the engine's default policy;
+- `fixed`: every row verifies the full block every cycle;
+- `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing
+  (the drafter's share of every step: the target's tapped features, the rows' pending context, the policy's
+  bookkeeping, without its plans): the floor an ideal policy would reach at loads where drafting does not pay.
+Every engine runs every round (the order reversed every other round); the ratio is of tokens summed over rounds.
+
+The served sweep (`serve_sweep.py`) is what users meet; this one takes the HTTP server, its threads and the
+client out, so a shortfall there can be split into the engine's (here) and the server's (the rest).
+
+What this script does not know about: HTTP, streaming, detokenisation for clients, other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from flashdraft import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
+from flashdraft.engine import EngineConfig  # noqa: E402
+from flashdraft.loading import load_pair  # noqa: E402
+
+SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
+POLICIES = ("adaptive", "fixed", "never")
+
+
+class NeverDraft:
+    """A draft policy whose every width is 1: one-token steps through the drafting engine."""
+
+    def new_row(self, sampled: bool = False) -> None:
+        return None
+
+    def widths(self, rows: list) -> list[int]:
+        return [1] * len(rows)
+
+    def observe(self, rows, widths, accepted, timing) -> None:
+        pass
+
+
+def build_engine(target, tokenizer, drafter, policy: str | None) -> SpecEngine:
+    if policy is None:
+        return SpecEngine(target, None, tokenizer)
+    engine = SpecEngine(target, drafter, tokenizer, EngineConfig(draft_policy="fixed" if policy == "fixed"
+                                                                  else "adaptive"))
+    if policy == "never":
+        open_batch = engine._new_batch
+
+        def never_batch(**fields):
+            batch = open_batch(**fields)
+            batch.policy = NeverDraft()
+            return batch
+
+        engine._new_batch = never_batch
+    return engine
+
+
+@torch.inference_mode()
+def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
+          temperature: float) -> tuple[int, float, list[float]]:
+    """(output tokens, seconds, tau per drafting request) of the queue served `concurrency` at a time."""
+    queue = list(enumerate(prompts))
+    batch = engine.open_batch()
+    tokens, taus = 0, []
+    started = time.perf_counter()
+    while queue or batch.rows:
+        while queue and len(batch.rows) < concurrency:
+            i, prompt = queue.pop(0)
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                    seed=i if temperature > 0 else None)
+            engine.add(batch, [prompt], params, request_ids=[i])
+        for event in engine.step(batch):
+            if event.finished:
+                tokens += len(event.result.token_ids)
+                lengths = event.result.stats.acceptance_lengths
+                if lengths:
+                    taus.append(sum(lengths) / len(lengths))
+    return tokens, time.perf_counter() - started, taus
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets among {list(SETS)}")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per set")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    policies = args.policies.split(",")
+    unknown = [x for x in policies if x not in POLICIES] + [s for s in args.sets.split(",") if s not in SETS]
+    if unknown or min(concurrencies) < 1 or args.rounds < 1 or args.num_prompts < 1:
+        p.error(f"bad value(s): {unknown or 'concurrency, rounds and num-prompts must be >= 1'}")
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = load_pair(None, None, "cpu")
+    rows = []
+    print(f"| set | conc | {' | '.join(policies)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
+    print("|---|---|" + "---|" * len(policies))
+    for name in args.sets.split(","):
+        per = max(1, args.num_prompts // len(SETS[name]))
+        prompts = [tokenizer.encode(q.text) for spec in SETS[name] for q in load_prompts(spec, per)]
+        for concurrency in concurrencies:
+            engines = {"plain": build_engine(target, tokenizer, drafter, None),
+                       **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
+            totals = {k: [0, 0.0, []] for k in engines}
+            for r in range(args.rounds):
+                order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
+                for key, engine in order:
+                    n, seconds, taus = serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
+                    totals[key][0] += n
+                    totals[key][1] += seconds
+                    totals[key][2] += taus
+            plain = totals["plain"][0] / totals["plain"][1]
+            cell = {"set": name, "concurrency": concurrency, "plain_tok_s": round(plain, 1)}
+            shown = []
+            for key in policies:
+                n, seconds, taus = totals[key]
+                tau = sum(taus) / len(taus) if taus else 1.0
+                cell[key] = {"ratio": round(n / seconds / plain, 3), "tok_s": round(n / seconds, 1),
+                             "tau": round(tau, 2)}
+                shown.append(f"{n / seconds / plain:.2f}x ({tau:.2f})")
+            rows.append(cell)
+            print(f"| {name} | {concurrency} | " + " | ".join(shown) + " |", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "cells": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
