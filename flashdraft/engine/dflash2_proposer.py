@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.engine.proposers import DFlashProposer
-from flashdraft.engine.verify import argmax
 
 
 @dataclass
@@ -47,7 +46,7 @@ class DraftConfidence:
 
 
 def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    return argmax(scores)
+    return scores.argmax(-1)
 
 
 def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
@@ -71,7 +70,7 @@ def sample_choice(inverse_temperature: torch.Tensor):
         cdf = q.cumsum(-1)
         uniform = torch.rand(*scores.shape[:2], 1, 1, device=scores.device)
         sampled = (cdf <= uniform * cdf[..., -1:]).sum(-1).clamp(max=scores.shape[-1] - 1)
-        return torch.where(inverse_temperature[:, None, None] > 0, sampled, argmax(scores))
+        return torch.where(inverse_temperature[:, None, None] > 0, sampled, scores.argmax(-1))
 
     return choose
 

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.engine.tree import candidate_lists
-from flashdraft.engine.verify import argmax
 from flashdraft.model.cpu_linear import packed_linear
 from flashdraft.model.draft_vocab import draft_targets
 from flashdraft.model.drafter import DFlashDraftModel
@@ -276,7 +275,7 @@ class DFlashProposer:
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
         if noise is None:
-            return self._target_ids(argmax(logits))
+            return self._target_ids(logits.argmax(dim=-1))
         if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
             noise = noise.index_select(-1, self.draft_targets)
         probs = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)

@@ -68,12 +68,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Index of the first maximum along the last dim, as `argmax`: for bf16 on CPU `argmax` takes a slow path (about
-    6x at 15 x 8192 logits, a sizeable part of a draft), `max`'s indices do not."""
-    return x.max(dim=-1).indices
-
-
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """The distribution the target samples from: softmax(logits / T) restricted by top-k then top-p (float32)."""
     scores = logits.float() / max(temperature, 1e-6)
@@ -118,7 +112,7 @@ def verify(
     b, k = draft_tokens.shape
     device = target_logits.device
     if all(p.greedy for p in params):
-        greedy_next = argmax(target_logits)  # [b, k+1]
+        greedy_next = target_logits.argmax(dim=-1)  # [b, k+1]
         matches = (draft_tokens == greedy_next[:, :k]).long()
         num_accepted = matches.cumprod(dim=1).sum(dim=1)
         next_tokens = greedy_next.gather(1, num_accepted[:, None])[:, 0]
@@ -131,7 +125,7 @@ def verify(
         if p.greedy or noise is not None:
             # the target's own token at every block position (its argmax, or the winner of its race under the
             # row's noise): accept drafts while they equal it, then commit it
-            chosen = argmax(logits) if p.greedy else race(
+            chosen = logits.argmax(dim=-1) if p.greedy else race(
                 target_probs(logits, p.temperature, p.top_p, p.top_k), noise[row])
             acc = int((draft_tokens[row] == chosen[:k]).long().cumprod(0).sum())
             num_accepted[row], next_tokens[row] = acc, chosen[acc]
@@ -179,7 +173,7 @@ def verify_tree(
 
     noise [g, depth + 1, V] or None: each sampled row's exponential noise by output position (the root's first);
     without it, sampled rows draw the target's token at each node they reach from p with their generator."""
-    greedy_choice = argmax(target_logits).tolist()  # [g][n]
+    greedy_choice = target_logits.argmax(dim=-1).tolist()  # [g][n]
     children = tree.children()
     depths = tree.depths
     num_accepted, next_tokens, paths = [], [], []
