@@ -1,17 +1,19 @@
 """KV-cache memory at real model sizes: bytes per cache position, what a batch holds, rows that fit a budget.
 
-The engine's rule (flashdraft.engine.batch, `Batch.needed_capacity`): a batch's caches hold, per row, the longest
-row's committed tokens plus one block, rounded up to a chunk (`kv_chunk`, 256 by default); they grow as rows
-advance and shrink when the longest row leaves, and compiled steps pad the row count to a power of two
-(`RowBuckets`). Each position costs:
+The engine's rule (flashdraft.engine.batch, `Batch.row_lengths`; flashdraft.model.slots, `PagedKV`): each row's
+caches own pages (`kv_page_size` positions, 64 by default) for its committed tokens plus one block; pages come as
+rows advance and go back when rows leave; padding rows of compiled row buckets own none; each cache has one trash
+page. Each position costs:
 - target K/V: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes;
-- drafter context K/V: the same over the drafter's layers (its cache holds one scratch slot more per row).
+- drafter context K/V: the same over the drafter's layers.
 `held_positions` and `positions_for_budget` turn that into the server's admission and preemption figures
 (`--kv-cache-memory`, scheduler.py); `REAL_SHAPES` holds the configs of Qwen3-8B and Llama-3.1-70B (written out
 here: no hub access) for `scripts/memory/project.py`.
 
-What this module does not know about: activations, the prefill's transient buffers, the transient copy when a
-cache grows or rows join, the features queued between cycles, the allocator's fragmentation (keep a margin).
+What this module does not know about: activations, the prefill's transient buffers, the pages gathered for
+attention (one layer at a time), a pool's free pages (it grows by an eighth when it runs out, never past the
+budget's pages, and is compacted when a quarter is free), the transient copy when a pool grows or rows join, the
+features pending between cycles, the allocator's fragmentation (keep a margin).
 """
 
 from __future__ import annotations
@@ -67,21 +69,20 @@ def engine_bytes_per_position(engine) -> tuple[int, int]:
     return target, kv_bytes_per_position(config, dtype)
 
 
-def row_capacity(tokens: int, block_size: int, chunk: int) -> int:
-    """Cache positions per row of a batch whose longest row holds `tokens` committed tokens, for its next cycle:
-    one block more, in chunks (the engine's rule, imported: the figures cannot drift from it)."""
+def row_capacity(tokens: int, block_size: int, page_size: int) -> int:
+    """Cache positions a row holding `tokens` committed tokens owns for its next cycle: one block more, in whole
+    pages (the engine's rule, imported: the figures cannot drift from it)."""
     from flashdraft.engine.batch import chunked
 
-    return chunked(tokens + block_size, chunk)
+    return chunked(tokens + block_size, page_size)
 
 
-def held_positions(row_tokens: list[int], block_size: int, chunk: int, cache_rows=lambda n: n) -> int:
-    """Positions a batch of rows holding these many committed tokens takes for its next cycle: every row (and
-    every padding row `cache_rows(n)` adds for compiled row buckets) at the longest row's capacity, plus the
-    drafter's scratch slot."""
+def held_positions(row_tokens: list[int], block_size: int, page_size: int) -> int:
+    """Positions a batch of rows holding these many committed tokens takes for its next cycle: each row's own
+    pages, plus the trash page."""
     if not row_tokens:
         return 0
-    return cache_rows(len(row_tokens)) * (row_capacity(max(row_tokens), block_size, chunk) + 1)
+    return sum(row_capacity(t, block_size, page_size) for t in row_tokens) + page_size
 
 
 def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: int) -> int:
@@ -89,22 +90,24 @@ def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: in
     return int(budget_bytes // max(1, target_bytes + drafter_bytes))
 
 
-def rows_that_fit(budget_bytes: int, tokens: int, block_size: int, chunk: int, target_bytes: int,
+def rows_that_fit(budget_bytes: int, tokens: int, block_size: int, page_size: int, target_bytes: int,
                   drafter_bytes: int) -> int:
     """Rows holding `tokens` tokens each (e.g. prompt + max_tokens: at their end) that a budget holds under the
-    engine's rule (uncompiled: no padding rows)."""
-    per_row = row_capacity(tokens, block_size, chunk) + 1
-    return positions_for_budget(budget_bytes, target_bytes, drafter_bytes) // per_row
+    engine's rule."""
+    positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes) - page_size
+    return max(0, positions) // row_capacity(tokens, block_size, page_size)
 
 
-def batch_kv_bytes(batch) -> int:
-    """Bytes of the K/V tensors a live engine batch holds: the target's static cache and the drafter's context
-    cache (the measured side of the reservation rule; reads the batch's `kv` and `proposer_state.kv`)."""
+def batch_kv_bytes(batch, held_only: bool = False) -> int:
+    """Bytes of the K/V pools a live engine batch holds: the target's paged cache and the drafter's context
+    cache (the measured side of the rule; reads the batch's `kv` and `proposer_state.kv`). `held_only`: the
+    pages rows own plus the trash pages, without the pools' free pages."""
     total = 0
     for state in (batch.kv, batch.proposer_state):
         kv = getattr(state, "kv", None)
         if kv is not None:
-            total += sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+            pool = sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
+            total += pool * (kv.held_pages + 1) // kv.pool_pages if held_only else pool
     return total
 
 
@@ -154,16 +157,16 @@ def resolve_memory_budget(spec: tuple[str, float], device: torch.device) -> int:
 
 
 def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, tokens: int, block_size: int,
-             chunk: int) -> str:
+             page_size: int) -> str:
     """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) holds at its end, and how many
     such rows the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context)."""
-    capacity = row_capacity(tokens, block_size, chunk)
-    per_row = (capacity + 1) * (target_bytes + drafter_bytes)
+    capacity = row_capacity(tokens, block_size, page_size)
+    per_row = capacity * (target_bytes + drafter_bytes)
     text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "
-            f"position, grown in chunks of {chunk}; a row of {tokens} tokens (prompt + max_tokens) holds up to "
+            f"position, in pages of {page_size}; a row of {tokens} tokens (prompt + max_tokens) holds up to "
             f"{capacity} positions = {per_row / GiB:.3f} GiB")
     if budget_bytes is not None:
-        fit = rows_that_fit(budget_bytes, tokens, block_size, chunk, target_bytes, drafter_bytes)
+        fit = rows_that_fit(budget_bytes, tokens, block_size, page_size, target_bytes, drafter_bytes)
         positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes)
         text += f"; the budget of {budget_bytes / GiB:.3f} GiB holds {positions} positions = {fit} such rows"
     return text

@@ -11,6 +11,7 @@ import torch
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.batch import batch_bucket
+from flashdraft.model import slots
 from tiny import OracleProposer, greedy_reference, make_drafter, make_target
 
 pytestmark = pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None,
@@ -61,17 +62,19 @@ def test_warmup_compiles_every_batch_bucket_so_requests_never_recompile(qwen3):
     assert SpecEngine(target, make_drafter(target, block_size=4)).warmup(4) == []  # not compiled: nothing to do
 
 
-def test_growing_caches_keep_one_graph_per_bucket(qwen3):
-    """Caches grow in chunks (16 positions here) as rows advance and shrink when rows leave; the capacity is a
-    dynamic dimension of the compiled steps, so after warm-up (one small capacity) no size compiles again."""
+def test_growing_caches_keep_one_graph_per_bucket(qwen3, monkeypatch):
+    """Paged caches grow as rows advance (pools by pages, page tables in chunks of 16 positions here) and shrink
+    when rows leave; pool size and table width are dynamic dimensions of the compiled steps, so after warm-up (one
+    small capacity) no size compiles again."""
+    monkeypatch.setattr(slots, "TABLE_POSITIONS", 16)
     target, expected = qwen3
-    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True, kv_chunk=16)
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True, kv_page_size=8)
     engine.warmup(4)
     capacities = set()
     step = engine.step
 
     def recording(batch):
-        capacities.add(batch.capacity)
+        capacities.add(batch.kv.kv.capacity)
         return step(batch)
 
     engine.step = recording
@@ -115,7 +118,8 @@ def test_compile_needs_the_fast_path():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 def test_cuda_graphs_lossless_while_rows_come_and_go_in_place():
-    """On CUDA the steps replay CUDA graphs: rows leaving within a bucket keep the caches' addresses."""
+    """On CUDA the steps replay CUDA graphs: rows leaving within a bucket keep the page table's address (the
+    pools move only when they grow or are compacted)."""
     target = make_target("qwen3", dtype=torch.float32).cuda()
     engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32).cuda(), compile=True)
     assert engine.warmup(4) == [1, 2, 4]
@@ -123,12 +127,12 @@ def test_cuda_graphs_lossless_while_rows_come_and_go_in_place():
     batch = engine.open_batch()
     outputs = {i: e.token_ids for i, e in enumerate(engine.add(batch, prompts, [
         SamplingParams(max_new_tokens=n) for n in budgets]))}
-    address = batch.kv.kv.keys[0].data_ptr()
+    address = batch.kv.kv.table.data_ptr()
     while batch.rows:
         for e in engine.step(batch):
             outputs[e.index] = outputs[e.index] + e.token_ids
         if len(batch.rows) >= 3:  # 4 or 3 live rows: bucket 4, same tensors
-            assert batch.kv.kv.keys[0].data_ptr() == address
+            assert batch.kv.kv.table.data_ptr() == address
     for i, (prompt, n) in enumerate(zip(prompts, budgets)):
         ids = torch.tensor([prompt], device="cuda")
         want = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,

@@ -7,6 +7,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft import SamplingParams, SpecEngine
+from flashdraft.model.slots import pages_for
 from tiny import OracleProposer, greedy_reference, load_tokenizer, make_drafter, make_target
 
 
@@ -132,40 +133,44 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
             live = max(r.n_cached for r in batch.rows)
             if engine.fast is None:
                 assert batch.kv.slot_mask.shape[1] <= 2 * live + 2 * engine.block_size
-            if use_drafter:  # static, one row per request, sized for the longest request (+ a scratch slot)
-                draft_kv = batch.proposer_state.kv
-                assert (draft_kv.batch, draft_kv.capacity) == (len(batch.rows), batch.capacity + 1)
+            caches = [batch.kv.kv] if engine.fast is not None else []
+            if use_drafter:
+                caches.append(batch.proposer_state.kv)
+            for kv in caches:  # paged: one row per request, each owning pages for its own tokens and next block
+                assert kv.batch == len(batch.rows)
+                for r, pages in zip(batch.rows, kv.pages):
+                    assert pages_for(r.n_cached, kv.page_size) <= len(pages)
+                    assert len(pages) <= pages_for(r.n_cached + engine.block_size, kv.page_size)
     assert "r1" not in results
     for rid in prompts:
         if rid != "r1":
             assert results[rid].token_ids == expected[rid], rid
 
 
-def test_caches_grow_with_the_tokens_held_and_shrink_when_the_longest_request_leaves():
-    """Caches hold the longest row's committed tokens plus a block, in chunks (here 16): grown as rows advance,
-    cut back when the longest row leaves; the output stays the target's own."""
-    from flashdraft.engine.batch import chunked
-
+def test_each_row_holds_pages_for_its_own_tokens_and_gives_them_back_when_it_leaves():
+    """Paged caches (pages of 16 positions here): each row owns pages for its committed tokens plus a block, not
+    the longest row's; the long row's pages go back when it leaves; the output stays the target's own."""
     target = make_target("qwen3")
     long_prompt, short_prompt = list(range(20, 58)), [5, 17, 3]
-    expected = [greedy_reference(target, long_prompt, 4), greedy_reference(target, short_prompt, 24)]
-    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
+    expected = [greedy_reference(target, long_prompt, 4), greedy_reference(target, short_prompt, 40)]
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16, draft_policy="fixed")
     batch = engine.open_batch()
-    params = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=24)]
+    params = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=40)]
     outputs = {i: ev.token_ids for i, ev in enumerate(engine.add(batch, [long_prompt, short_prompt], params))}
-    assert batch.capacity == 48 and batch.kv.kv.capacity == 48  # 38 + a block of 4, in chunks of 16
-    capacities = [48]
+    target_kv, draft_kv = batch.kv.kv, batch.proposer_state.kv
+    assert [len(p) for p in target_kv.pages] == [3, 1]  # 38 + a block of 4 in pages of 16; 3 + 4
+    held = []  # the short row's tokens once it is alone
     while batch.rows:
         for ev in engine.step(batch):
             outputs[ev.index] = outputs[ev.index] + ev.token_ids
-        if batch.rows:
-            held = max(r.n_cached for r in batch.rows)
-            assert batch.kv.kv.capacity == batch.capacity and batch.capacity % 16 == 0
-            assert held <= batch.capacity <= chunked(held + 4, 16), (held, batch.capacity)
-            assert batch.proposer_state.kv.capacity == batch.capacity + 1  # + the drafter's scratch slot
-            if batch.capacity != capacities[-1]:
-                capacities.append(batch.capacity)
-    assert capacities == [48, 16, 32]  # the long row left (3 + its first tokens fit 16), then the short one grew
+        for kv in (target_kv, draft_kv):
+            for r, pages in zip(batch.rows, kv.pages):
+                assert pages_for(r.n_cached, 16) <= len(pages) <= pages_for(r.n_cached + 4, 16)
+        if len(batch.rows) == 1:  # the long row left: only the short row's pages are held
+            held.append(batch.rows[0].n_cached)
+            assert target_kv.batch == 1 and target_kv.held_pages == len(target_kv.pages[0])
+            assert draft_kv.batch == 1 and draft_kv.held_pages == len(draft_kv.pages[0])
+    assert held and held[0] < 16 < held[-1]  # the short row alone, from one page to more
     assert [outputs[0], outputs[1]] == expected
 
 

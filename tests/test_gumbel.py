@@ -126,7 +126,7 @@ class _NoisyTargetProposer:
     def __init__(self, target, use_noise):
         self.target, self.use_noise = target, use_noise
 
-    def new_batch_state(self, buckets=None):
+    def new_batch_state(self, buckets=None, page_size=None, max_pages=None):
         from flashdraft.engine import NoRowState
 
         return NoRowState()

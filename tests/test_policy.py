@@ -8,7 +8,7 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.policy import STALE_AFTER, AdaptiveWidth, CostModel, Curve, CycleTiming, width_choices
-from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
 
@@ -243,8 +243,8 @@ def test_ragged_forward_matches_the_padded_one():
     for (r, w), (lg, f) in zip(widths.items(), out):
         torch.testing.assert_close(lg[0], logits[r, :w])
         torch.testing.assert_close(f[0], features[r, :w])
-        for layer in range(len(ragged_kv.keys)):
-            torch.testing.assert_close(ragged_kv.keys[layer][r, :6 + w], padded_kv.keys[layer][r, :6 + w])
+        for mine, theirs in zip(cache_row(ragged_kv, r, 6 + w), cache_row(padded_kv, r, 6 + w), strict=True):
+            torch.testing.assert_close(mine, theirs)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -290,9 +290,8 @@ def test_drafter_sees_the_positions_committed_by_one_token_steps(compile):
     engine.step(reference)
     ours, theirs = batch.proposer_state.kv, reference.proposer_state.kv
     tol = dict(atol=1e-5, rtol=1e-4)  # compiled kernels round differently from the prefill's eager ones
-    for layer in range(len(ours.keys)):
-        torch.testing.assert_close(ours.keys[layer][0, :seen], theirs.keys[layer][0, :seen], **tol)
-        torch.testing.assert_close(ours.values[layer][0, :seen], theirs.values[layer][0, :seen], **tol)
+    for mine, expected in zip(cache_row(ours, 0, seen), cache_row(theirs, 0, seen), strict=True):
+        torch.testing.assert_close(mine, expected, **tol)
 
 
 @pytest.mark.skipif(compile_unavailable(torch.device("cpu")) is not None, reason="no C++ compiler")

@@ -144,7 +144,7 @@ class SoftProposer:
         self.gen = torch.Generator().manual_seed(11)
         self.q = torch.softmax(torch.randn(VOCAB, generator=self.gen, dtype=torch.float64) * 2, dim=-1)
 
-    def new_batch_state(self, buckets=None):
+    def new_batch_state(self, buckets=None, page_size=None, max_pages=None):
         return NoRowState()
 
     def propose(self, state, inp, block_size):

@@ -1,5 +1,5 @@
-"""Admission by a KV-cache memory budget (`--kv-cache-memory`): rows wait while the batch's cache, grown by a chunk
-per row, would exceed the budget; rows that outgrow it are preempted and recomputed; outputs stay the target's own
+"""Admission by a KV-cache memory budget (`--kv-cache-memory`): rows wait while the batch's paged caches, grown by a
+page per row, would exceed the budget; rows that outgrow it are preempted and recomputed; outputs stay the target's own
 greedy ones and the caches never exceed the budget; a request that cannot fit alone is a clear 400 (chat requests
 without max_tokens may need the whole context), and the server logs the projection's figure at start-up."""
 
@@ -45,8 +45,9 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + i)] for i in range(6)}
     expected = {rid: greedy_reference(target, p, 10) for rid, p in prompts.items()}
-    per_row = 256 + 1  # a chunk (8 + 10 tokens + a block fit one) + the drafter's scratch slot
-    sched = Scheduler(engine, max_batch_size=8, max_queue=16, kv_cache_positions=2 * per_row + per_row // 2)
+    # a page of 64 per row (8 + 10 tokens + a block fit one) + the trash page, and an eighth for pool growth:
+    # two rows take 216 positions, three 288
+    sched = Scheduler(engine, max_batch_size=8, max_queue=16, kv_cache_positions=250)
     rows = _record_rows(engine)
     sched.start()
 
@@ -57,7 +58,7 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
     try:
         outcomes = asyncio.run(main())
         # one that cannot fit even alone is refused at once, naming its reservation and the budget
-        with pytest.raises(TooLarge, match=r"768 positions .*in chunks of 256.* budget of 642 positions.*lower max"):
+        with pytest.raises(TooLarge, match=r"640 positions .*in pages of 64.* budget of 250 positions.*lower max"):
             sched.submit([1] * 200, SamplingParams(max_new_tokens=400), "big", loop=asyncio.new_event_loop())
     finally:
         sched.stop()
@@ -67,15 +68,17 @@ def test_budget_bounds_the_batch_and_outputs_stay_the_targets():
 
 
 def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
-    """Caches grow in chunks of 16 here; the budget holds four rows as they start but only two at their end, so
+    """Pages of 16 here; the budget holds four rows as they start but only two at their end, so
     running rows outgrow it as they advance: the latest arrivals are preempted, resume later, and every output is
     still the target's greedy one. The engine's caches never take more than the budget."""
     target = make_target("qwen3")
-    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16, draft_policy="fixed")
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     prompts = {f"r{i}": [(5 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)}
     expected = {rid: greedy_reference(target, p, 60) for rid, p in prompts.items()}
-    budget = 243  # rows x (tokens + a block, in chunks of 16, + the scratch slot): 4 x 49 at the start, 2 x 97 at the end
+    # each row's tokens + a block in pages of 16, + the trash page, + an eighth: four rows at the start with a
+    # page of growth each take 180 (five 234), two at their end 198 (three 288)
+    budget = 220
     metrics = Metrics("tiny")
     sched = Scheduler(engine, max_batch_size=6, max_queue=6, kv_cache_positions=budget, metrics=metrics)
     held, rows = [], []
@@ -110,7 +113,7 @@ def test_queue_bound_still_answers_429_with_a_budget():
     from flashdraft.serve.scheduler import QueueFull
 
     target = make_target("qwen3")
-    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16)
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16)
     sched = Scheduler(engine, max_batch_size=1, max_queue=2, kv_cache_positions=100)
     gate = threading.Event()
     step = engine.step
@@ -131,20 +134,22 @@ def test_queue_bound_still_answers_429_with_a_budget():
 
 
 def test_admission_figure_is_what_the_engine_allocates():
-    """The scheduler's figure (flashdraft.memory.held_positions) against the cache tensors the engine really holds,
-    as rows of different lengths join, grow and leave: never less, at most a chunk (and the scratch slot) per row
-    more, and the caches follow the tokens held, in chunks of 16 here."""
+    """The scheduler's figures (flashdraft.memory) against the pages the engine really holds, as rows of different
+    lengths join, grow and leave: the pages rows own are each row's own tokens and next block (never the longest
+    row's), and the pools never exceed the largest batch's figure so far by more than their growth of an eighth."""
     from types import SimpleNamespace
 
+    from flashdraft.memory import held_positions
+
     target = make_target("qwen3")
-    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_chunk=16, draft_policy="fixed")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16, draft_policy="fixed")
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     per_position = target_bytes + drafter_bytes
     sched = Scheduler(engine)  # not started: its rule only
     batch = engine.open_batch()
     requests = [SimpleNamespace(prompt=[1 + i] * n, params=SamplingParams(max_new_tokens=m))
                 for i, (n, m) in enumerate([(10, 20), (30, 100), (5, 10), (200, 60)])]
-    sizes = set()
+    sizes, peak = set(), 0
     for step in range(400):
         if step % 4 == 0 and step // 4 < len(requests):
             req = requests[step // 4]
@@ -155,10 +160,13 @@ def test_admission_figure_is_what_the_engine_allocates():
         if not batch.rows:
             continue
         tokens = [r.n_cached for r in batch.rows]
-        figure = sched.positions(tokens) * per_position
-        held = batch_kv_bytes(batch)
-        assert figure - len(tokens) * (16 + 1) * per_position <= held <= figure, (step, held, figure)
-        sizes.add((len(tokens), held))
+        held = held_positions(tokens, engine.scratch_slots, 16) * per_position
+        owned = batch_kv_bytes(batch, held_only=True)
+        assert held - len(tokens) * 16 * per_position <= owned <= held, (step, owned, held)
+        peak = max(peak, sched.positions(tokens) * per_position)
+        # without a budget a pool out of pages grows by an eighth of itself (rounded down, at least what is missing)
+        assert batch_kv_bytes(batch) <= peak * 9 / 8, (step, batch_kv_bytes(batch), peak)
+        sizes.add((len(tokens), owned))
     assert not batch.rows and len(sizes) >= 8  # rows joined, grew and left, the long one (260 tokens) among them
     assert batch_kv_bytes(batch) == 0  # an emptied batch lets its caches go
 
@@ -177,11 +185,11 @@ def test_server_budget_chat_default_max_tokens_is_a_400_and_setting_it_fits(pair
     engine = make_engine(pair)
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     assert target_bytes > 0 and drafter_bytes > 0
-    budget = 300 * (target_bytes + drafter_bytes)  # a one-chunk row fits; a whole-context (512) row does not
+    budget = 300 * (target_bytes + drafter_bytes)  # a row of a few pages fits; a whole-context row (448) does not
     with caplog.at_level(logging.INFO, logger="flashdraft.serve"):
         app = create_app(engine, ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, kv_cache_bytes=budget))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
-    assert f"a row of {MAX_LEN} tokens (prompt + max_tokens) holds up to 512 positions" in line
+    assert f"a row of {MAX_LEN} tokens (prompt + max_tokens) holds up to 448 positions" in line
     assert "holds 300 positions = 0 such rows" in line
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
     with live(app) as s:

@@ -1,60 +1,131 @@
-"""StaticKV row management: rows leave and join in place while the row count stays (CUDA graphs keep replaying
-the same addresses), and by one copy when it changes; the live rows always keep their contents."""
+"""PagedKV: each row owns pages for its own positions, reads give back exactly what was written, rows leave and
+join keeping the others' contents, padding rows and invalid writes never touch a live row, and the pool follows
+the pages held (grown by an eighth, compacted when a quarter is free)."""
 
 from __future__ import annotations
 
 import torch
 
-from flashdraft.model.slots import StaticKV
+from flashdraft.model.slots import TABLE_POSITIONS, TRASH_PAGE, PagedKV
+
+PAGE = 4
 
 
-def make_kv(rows: int, capacity: int = 8, fill_from: int = 0) -> StaticKV:
-    kv = StaticKV(2, rows, capacity, 1, 2, torch.float32, torch.device("cpu"))
-    for i, t in enumerate(kv.keys + kv.values):
-        for r in range(rows):
-            t[r] = fill_from + r + 100 * i  # every row of every tensor is recognisable
-    return kv
+def make_kv(lengths: list[int], rows: int | None = None) -> PagedKV:
+    return PagedKV(2, rows or len(lengths), 1, 2, torch.float32, torch.device("cpu"), PAGE, lengths)
 
 
-def row_ids(kv: StaticKV, layer: int = 0, upto: int | None = None) -> list[int]:
-    return [int(v) for v in kv.keys[layer][:, 0, 0, 0][:upto]]
+def fill(kv: PagedKV, row: int, length: int, base: float, rows: torch.Tensor | None = None) -> None:
+    """Write value base + position (keys) and -(base + position) (values) at positions [0, length) of `row`."""
+    positions = torch.arange(length)[None]
+    rows = torch.tensor([row]) if rows is None else rows
+    slots = kv.slots(positions, rows)
+    for layer in range(2):
+        k = (base + positions.float())[..., None, None].expand(1, length, 1, 2) + 1000 * layer
+        kv.write(layer, slots, k, -k)
 
 
-def test_select_rows_in_place_when_the_row_count_stays():
-    kv = make_kv(4)
-    ptrs = [t.data_ptr() for t in kv.keys + kv.values]
-    kv.select_rows(torch.tensor([2, 0, 1, 1]))  # a padded batch: row 3 left, row 1 doubles as padding
-    assert [t.data_ptr() for t in kv.keys + kv.values] == ptrs
-    assert row_ids(kv) == [2, 0, 1, 1] and int(kv.values[1][0, 0, 0, 0]) == 302
-    kv.select_rows(torch.tensor([1]))  # fewer rows: a new, smaller tensor
-    assert kv.batch == 1 and row_ids(kv) == [0]
+def row_values(kv: PagedKV, row: int, length: int, layer: int = 0) -> list[float]:
+    keys, values = kv.read(layer, length, kv.page_index(length, torch.tensor([row])))
+    assert torch.equal(values, -keys)
+    return keys[0, :, 0, 0].tolist()
 
 
-def test_join_rows_and_merge_in_place_when_the_row_count_stays():
-    kv = make_kv(4)
-    ptr = kv.keys[0].data_ptr()
-    kv.join_rows(3, 1)
-    assert kv.keys[0].data_ptr() == ptr and row_ids(kv, upto=3) == [0, 1, 2]
-    other = make_kv(2, capacity=4, fill_from=50)
-    kv.merge(other, keep=1, pad=1)  # 1 live + 2 joining + 1 padding = 4 rows: same tensor
-    assert kv.keys[0].data_ptr() == ptr and row_ids(kv, upto=3) == [0, 50, 51]
-    assert torch.equal(kv.keys[1][1:3, :4], other.keys[1])
+def test_rows_own_pages_for_their_own_lengths_and_read_back_what_was_written():
+    kv = make_kv([30, 3, 9])
+    assert [len(p) for p in kv.pages] == [8, 1, 3] and kv.held_pages == 12
+    assert kv.pool_pages == 13  # the pages held and the trash page: no row pays for the longest one
+    for r, n in enumerate((30, 3, 9)):
+        fill(kv, r, n, 100 * r)
+    for r, n in enumerate((30, 3, 9)):
+        assert row_values(kv, r, n) == [100 * r + p for p in range(n)]
+    assert row_values(kv, 1, 3, layer=1) == [1100 + p for p in range(3)]
 
 
-def test_merge_copies_once_when_the_row_count_or_capacity_changes():
-    kv = make_kv(2)
-    kv.merge(make_kv(3, capacity=16, fill_from=50), keep=2, pad=3)
-    assert kv.batch == 8 and kv.capacity == 16 and row_ids(kv, upto=5) == [0, 1, 50, 51, 52]
-    assert kv.keys[0][5:].abs().sum() == 0  # padding rows start empty
-    kv.join_rows(5, 11)
-    assert kv.batch == 16 and row_ids(kv, upto=5) == [0, 1, 50, 51, 52]
+def test_invalid_writes_and_unowned_positions_go_to_the_trash_page():
+    kv = make_kv([8, 8])
+    fill(kv, 0, 8, 0)
+    fill(kv, 1, 8, 50)
+    slots = kv.slots(torch.tensor([[2, 3]]), torch.tensor([0]), valid=torch.tensor([[False, True]]))
+    assert int(slots[0, 0]) // PAGE == TRASH_PAGE
+    kv.write(0, slots, torch.full((1, 2, 1, 2), -7.0), torch.full((1, 2, 1, 2), 7.0))
+    keys, _ = kv.read(0, 8, kv.page_index(8, torch.tensor([0])))
+    assert keys[0, :, 0, 0].tolist() == [0, 1, 2, -7, 4, 5, 6, 7]  # position 2 (invalid) untouched
+    assert row_values(kv, 1, 8) == [50 + p for p in range(8)]
 
 
-def test_merge_grows_the_smaller_cache_and_shrink_cuts_slots():
-    kv = make_kv(1, capacity=512)
-    kv.merge(make_kv(1, capacity=1024, fill_from=50))
-    assert kv.batch == 2 and kv.capacity == 1024 and row_ids(kv) == [0, 50]
-    kv.shrink(256)
-    assert kv.capacity == 256 and row_ids(kv) == [0, 50]
-    kv.shrink(512)  # never grows
-    assert kv.capacity == 256
+def test_one_row_with_consecutive_pages_is_read_as_a_view():
+    kv = make_kv([10])
+    fill(kv, 0, 10, 0)
+    index = kv.page_index(10)
+    assert isinstance(index, int)
+    keys, _ = kv.read(0, 10, index)
+    assert keys.data_ptr() == kv.keys[0].data_ptr() + index * PAGE * 2 * 4
+    gathered, _ = kv.read(0, 10, kv.page_index(10, torch.tensor([0])))
+    assert torch.equal(keys, gathered)
+
+
+def test_rows_leave_their_pages_and_a_repeated_row_is_an_empty_padding_row():
+    kv = make_kv([12, 4, 8, 4])
+    for r, n in enumerate((12, 4, 8, 4)):
+        fill(kv, r, n, 100 * r)
+    table_ptr = kv.table.data_ptr()
+    pool_ptrs = [t.data_ptr() for t in kv.keys + kv.values]
+    kv.select_rows(torch.tensor([2, 0, 1, 1]))  # row 3 left; row 1 repeated as padding of a 4-row bucket
+    assert kv.table.data_ptr() == table_ptr and [t.data_ptr() for t in kv.keys + kv.values] == pool_ptrs
+    assert [len(p) for p in kv.pages] == [2, 3, 1, 0] and kv.held_pages == 6 and len(kv.free) == 1
+    fill(kv, 3, 4, -1, rows=torch.tensor([3]))  # what the padding row writes lands in the trash page
+    assert row_values(kv, 0, 8) == [200 + p for p in range(8)]
+    assert row_values(kv, 1, 12) == [p for p in range(12)]
+    assert row_values(kv, 2, 4) == [100 + p for p in range(4)]
+
+
+def test_merge_copies_the_newcomers_pages_and_join_rows_adds_empty_rows():
+    kv = make_kv([8, 4])
+    fill(kv, 0, 8, 0)
+    fill(kv, 1, 4, 10)
+    other = make_kv([4, 12])
+    fill(other, 0, 4, 500)
+    fill(other, 1, 12, 600)
+    kv.merge(other, keep=1, pad=1)  # row 1 leaves; other's two rows and one padding row join
+    assert [len(p) for p in kv.pages] == [2, 1, 3, 0]
+    assert row_values(kv, 0, 8) == list(range(8))
+    assert row_values(kv, 1, 4) == [500 + p for p in range(4)]
+    assert row_values(kv, 2, 12) == [600 + p for p in range(12)]
+    kv.join_rows(2, 3)
+    assert [len(p) for p in kv.pages] == [2, 1, 0, 0, 0] and kv.batch == 5
+    assert row_values(kv, 1, 4) == [500 + p for p in range(4)]
+
+
+def test_the_pool_grows_by_an_eighth_and_is_compacted_when_a_quarter_is_free():
+    kv = make_kv([4] * 16)
+    for r in range(16):
+        fill(kv, r, 4, 10 * r)
+    assert kv.pool_pages == 17
+    kv.reserve([8] + [4] * 15)  # one page more: the pool grows by an eighth, not by one page
+    assert kv.pool_pages == 17 + 2 and len(kv.free) == 1
+    kv.reserve([4 * 8] + [4] * 15)  # more than an eighth is missing: exactly what is missing
+    assert kv.pool_pages == 19 + 5 and not kv.free
+    assert kv.capacity == TABLE_POSITIONS  # the table addresses whole chunks of positions per row
+    kv.select_rows(torch.tensor([0, 5, 9]))  # 13 rows leave: 13 of 24 pages free, the pool is compacted
+    assert kv.held_pages == 10 and kv.pool_pages == 11 and not kv.free
+    assert row_values(kv, 1, 4) == [50 + p for p in range(4)]
+    assert row_values(kv, 2, 4) == [90 + p for p in range(4)]
+    assert row_values(kv, 0, 4) == list(range(4))
+
+
+def test_move_slots_copies_a_path_within_each_row():
+    kv = make_kv([8, 8])
+    fill(kv, 0, 8, 0)
+    fill(kv, 1, 8, 100)
+    kv.move_slots(torch.tensor([0, 1]), torch.tensor([[5, 7], [6, 4]]), torch.tensor([[2, 3], [2, 3]]))
+    assert row_values(kv, 0, 8) == [0, 1, 5, 7, 4, 5, 6, 7]
+    assert row_values(kv, 1, 8) == [100, 101, 106, 104, 104, 105, 106, 107]
+
+
+def test_a_budget_stops_the_eighth_but_never_a_page_a_row_needs():
+    kv = PagedKV(2, 16, 1, 2, torch.float32, torch.device("cpu"), PAGE, [4] * 16, max_pages=18)
+    kv.reserve([8] + [4] * 15)  # an eighth would be 2 pages; the budget leaves room for 1
+    assert kv.pool_pages == 18 and not kv.free
+    kv.reserve([12] + [4] * 15)  # past the budget only by what a row needs (the scheduler keeps rows within it)
+    assert kv.pool_pages == 19

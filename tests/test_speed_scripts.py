@@ -16,7 +16,7 @@ import bench_speed  # noqa: E402
 import gpu_shapes  # noqa: E402
 
 from flashdraft.engine.proposers import DFlashProposer  # noqa: E402
-from flashdraft.engine.target_kv import StaticTargetKV  # noqa: E402
+from flashdraft.engine.target_kv import PagedTargetKV  # noqa: E402
 
 
 def test_gpu_shapes_smoke(tmp_path):
@@ -49,7 +49,7 @@ def test_gpu_shapes_projection_from_known_step_times(tmp_path, monkeypatch, caps
     known = {1: {"ar": 2.0, "verify": 3.0, "draft": 1.0},   # cycle 4 ms = 2.0 AR steps -> 6 / 2.0 = 3.0x
              2: {"ar": 4.0, "verify": 9.0, "draft": 7.0}}   # cycle 16 ms = 4.0 AR steps -> 6 / 4.0 = 1.5x
     seen = []
-    real_verify, real_propose = StaticTargetKV.forward_block, DFlashProposer.propose
+    real_verify, real_propose = PagedTargetKV.forward_block, DFlashProposer.propose
 
     def verify(self, block, positions, capture, end):
         seen.append(("ar" if block.shape[1] == 1 else "verify", block.shape[0]))
@@ -65,7 +65,7 @@ def test_gpu_shapes_projection_from_known_step_times(tmp_path, monkeypatch, caps
         (step, batch), = set(seen)
         return known[batch][step]
 
-    monkeypatch.setattr(StaticTargetKV, "forward_block", verify)
+    monkeypatch.setattr(PagedTargetKV, "forward_block", verify)
     monkeypatch.setattr(DFlashProposer, "propose", propose)
     monkeypatch.setattr(gpu_shapes, "timed_ms", fake_timed_ms)
     out = tmp_path / "shapes.json"

@@ -52,7 +52,7 @@ from test_sampling import MASK as SMALL_MASK
 from test_sampling import VOCAB as SMALL_VOCAB
 from test_preemption import PROMPTS as PREEMPTION_PROMPTS
 from test_preemption import run_with_preemption
-from tiny import VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
+from tiny import VOCAB, OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2")
 _targets: dict = {}
@@ -329,7 +329,7 @@ class TreeOracle:
         self.expected: dict = {}
         self.ranks_used: dict = {}
 
-    def new_batch_state(self, buckets=None):
+    def new_batch_state(self, buckets=None, page_size=None, max_pages=None):
         return NoRowState()
 
     def propose(self, state, inp, block_size):
@@ -486,7 +486,7 @@ def test_greedy_trees_equal_target(arch, budget, policy):
     runs = [_reference(arch, p, max_new) for p in prompts]
     eos = runs[0][rng.randrange(len(runs[0]))] if rng.random() < 0.5 else None
     expected = [r[:r.index(eos) + 1] if eos in r else r for r in runs]  # generate stops after the stop id
-    options = dict(tree_budget=budget, draft_policy=policy, kv_chunk=8 if eos is not None else 256)
+    options = dict(tree_budget=budget, draft_policy=policy, kv_page_size=8 if eos is not None else 64)
     plain = SpecEngine(_target(arch), _drafter(arch), **options)
     references = [p + _reference(arch, p, max_new + 4) for p in prompts]
     rigged = rig(SpecEngine(_target(arch), _drafter(arch), **options), references,
@@ -522,8 +522,8 @@ def assert_caches_hold_the_committed_tokens(engine, batch):
         ids, positions = torch.tensor([committed]), torch.arange(n)[None]
         fresh = fast.new_cache(1, n)
         _, features = fast.forward(ids, positions, fresh, capture=True)
-        for mine, theirs in zip(batch.kv.kv.keys + batch.kv.kv.values, fresh.keys + fresh.values):
-            assert_close(mine[i, :n], theirs[0], msg=f"target cache, row {i}")
+        for mine, theirs in zip(cache_row(batch.kv.kv, i, n), cache_row(fresh, 0, n)):
+            assert_close(mine, theirs, msg=f"target cache, row {i}")
         if drafter is None:  # a drafting method without the target's features
             continue
         pending_values = torch.cat(r.pending.values) if r.pending.length else features[0, :0]
@@ -532,9 +532,9 @@ def assert_caches_hold_the_committed_tokens(engine, batch):
         assert_close(pending_values, features[0, written:n], msg=f"pending drafter features, row {i}")
         context = drafter.new_cache(1, n)
         drafter.write_context(context, features, positions, torch.ones(1, n, dtype=torch.bool))
-        state = batch.proposer_state.kv
-        for mine, theirs in zip(state.keys + state.values, context.keys + context.values):
-            assert_close(mine[i, :written], theirs[0, :written], msg=f"drafter context, row {i}")
+        for mine, theirs in zip(cache_row(batch.proposer_state.kv, i, written), cache_row(context, 0, written)):
+            assert_close(mine, theirs, msg=f"drafter context, row {i}")
+
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])

@@ -87,7 +87,7 @@ class OracleProposer:
         self.corrupt = corrupt
         self.rng = torch.Generator().manual_seed(seed)
 
-    def new_batch_state(self, buckets=None):
+    def new_batch_state(self, buckets=None, page_size=None, max_pages=None):
         return NoRowState()
 
     def propose(self, state, inp, block_size):
@@ -134,3 +134,13 @@ def save_text_pair(root: Path, block_size: int = 8, draft_layers: int = 1, max_p
                                                  mask_token_id=tok.mask_token_id))
     drafter.save_pretrained(root / "drafter")
     return tok, cfg
+
+
+def cache_row(kv, row: int, n: int) -> list:
+    """Every layer's keys and values of positions [0, n) of one row of a paged cache (`slots.PagedKV`)."""
+    import torch
+
+    if not n:
+        return []
+    index = kv.page_index(n, torch.tensor([row]))
+    return [t[0] for layer in range(len(kv.keys)) for t in kv.read(layer, n, index)]

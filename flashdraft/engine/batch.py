@@ -7,10 +7,9 @@
   (`batch_bucket`), so a server whose batch moves between 1 and N rows compiles about log2(N) graphs per step;
   the rows past the live ones are padding whose contents are never read. Both static caches (the target's and
   the drafter's) pad and unpad through it, so the cycle itself only ever sees live rows.
-- `Batch`: the rows, the target's cache, the drafter's unread features and per-row state, the draft-length policy.
-  Its caches hold `capacity` positions per row: the longest row's committed tokens plus one block, rounded up to
-  a chunk (`chunked`), grown as rows advance (`grow`) and shrunk when the longest row leaves, so memory follows
-  the tokens held rather than what rows might need by their max_tokens.
+- `Batch`: the rows, the target's cache, the drafter's per-row state, the draft-length policy. Before every cycle
+  (`grow`) each row's caches take pages for its committed tokens plus one block (`row_lengths`); a row that leaves
+  gives its pages back, so memory follows the tokens each row holds, not the longest row's or max_tokens.
 
 What this module does not know about: models, drafting, acceptance (the engine, proposers and verifier).
 """
@@ -33,7 +32,7 @@ def batch_bucket(n: int) -> int:
 
 
 def chunked(positions: int, chunk: int) -> int:
-    """`positions` rounded up to a whole number of chunks: the capacity a cache holding them allocates."""
+    """`positions` rounded up to a whole number of chunks (pages): what a cache holding them allocates."""
     return -(-positions // chunk) * chunk
 
 
@@ -63,7 +62,8 @@ class RowBuckets:
         return batch_bucket(live) if self.bucketed and live else live
 
     def padded_index(self, idx: torch.Tensor) -> torch.Tensor:
-        """Row selection `idx` (live rows) extended with padding rows (copies of a live row, never read)."""
+        """Row selection `idx` (live rows) extended with padding rows (repeats of a live row: a paged cache gives
+        a repeated row no pages)."""
         pad = self.rows(len(idx)) - len(idx)
         return torch.cat([idx, idx[:1].expand(pad)]) if pad else idx
 
@@ -136,43 +136,32 @@ class Batch:
     kv: object = None  # the target's cache (`target_kv.py`), live rows only as far as callers can tell
     proposer_state: object = None  # the drafting method's per-row state (e.g. the drafter's context cache)
     policy: object = None  # the draft policy (`policy.py`): each row's verify width per cycle
-    capacity: int = 0  # positions every row's cache holds: `needed_capacity()` when last grown or shrunk
-    block_size: int = 1  # positions one cycle may add to a row (the cache keeps room for them)
-    kv_chunk: int = 256  # caches grow and shrink in chunks of this many positions
+    block_size: int = 1  # positions one cycle may add to a row (the caches keep room for them)
 
-    def needed_capacity(self) -> int:
-        """Positions every row needs for the next cycle: the longest committed context plus one block, in chunks."""
-        return chunked(max(r.n_cached for r in self.rows) + self.block_size, self.kv_chunk)
+    def row_lengths(self) -> list[int]:
+        """Positions each row may reach in the next cycle: its committed context plus one block."""
+        return [r.n_cached + self.block_size for r in self.rows]
 
-    def grow(self) -> None:
-        """Before a cycle: room for the block of every row (the drafter's cache grows when it is next written)."""
-        needed = self.needed_capacity()
-        if needed > self.capacity:
-            self.capacity = needed
-            self.kv.ensure_capacity(needed)
-            self.proposer_state.grow(needed)
+    def grow(self, lengths: list[int] | None = None) -> None:
+        """Before a cycle: pages for every row's next block (`lengths`: `row_lengths()` unless given)."""
+        lengths = self.row_lengths() if lengths is None else lengths
+        self.kv.reserve(lengths)
+        self.proposer_state.grow(lengths)
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        """Keep live rows `idx`, in that order."""
+        """Keep live rows `idx`, in that order (the others' pages go back to their caches' free lists)."""
         self.rows = [self.rows[i] for i in idx.tolist()]
         self.kv.select_rows(idx)
         self.proposer_state.select_rows(idx)
-        needed = self.needed_capacity()
-        if needed < self.capacity:  # the longest row left: the others stop paying for its cache
-            self.capacity = needed
-            self.kv.shrink(needed)
-            self.proposer_state.shrink(needed)
 
     def merge(self, other: "Batch") -> None:
         """Append `other`'s rows (freshly prefilled by the same engine) below ours."""
         if not other.rows:
             return
         if not self.rows:  # adopt the newcomers' caches wholesale
-            self.rows, self.kv = other.rows, other.kv
-            self.proposer_state, self.capacity = other.proposer_state, other.capacity
+            self.rows, self.kv, self.proposer_state = other.rows, other.kv, other.proposer_state
             return
         live = len(self.rows)
         self.rows = self.rows + other.rows
-        self.capacity = max(self.capacity, other.capacity)
         self.kv.merge(other.kv)
         self.proposer_state.merge(other.proposer_state, live, len(other.rows))

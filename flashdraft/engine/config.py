@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashdraft.engine.policy import DRAFT_POLICIES
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE
 
 SAMPLERS = ("gumbel", "rejection")
 
@@ -40,9 +41,9 @@ class EngineConfig:
     # (`noise.py`; the output equals plain decoding's with the same seed, whatever the drafter or batch);
     # "rejection" = speculative rejection sampling against argmax drafts
     sampler: str = "gumbel"
-    # the static K/V caches (target and drafter) grow and shrink in chunks of this many positions per row, with
-    # the tokens the rows hold (the compiled steps take the capacity as a dynamic dimension: one graph for all)
-    kv_chunk: int = 256
+    # positions per page of the paged K/V caches (target and drafter): each row owns pages for the tokens it holds
+    # (plus its next block), so memory follows the tokens held (`slots.PagedKV`)
+    kv_page_size: int = DEFAULT_PAGE_SIZE
     # token trees (`tree.py`): 0 = verify the argmax chain; N = a tree of the N most likely draft nodes (best-first
     # by path probability) for every drafting row; "auto" = the size that maximises the batch's committed tokens
     # per second under the measured verify costs, per cycle. Eager fast path only (elsewhere: the chain)
@@ -54,8 +55,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
-        if not isinstance(self.kv_chunk, int) or self.kv_chunk < 1:
-            raise ValueError(f"kv_chunk must be an integer >= 1, got {self.kv_chunk!r}")
+        if not isinstance(self.kv_page_size, int) or self.kv_page_size < 1:
+            raise ValueError(f"kv_page_size must be an integer >= 1, got {self.kv_page_size!r}")
         if not (self.tree_budget == "auto" or (isinstance(self.tree_budget, int) and 0 <= self.tree_budget <= 512)):
             raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
         if not isinstance(self.lookup_ngram, int) or not 0 <= self.lookup_ngram <= 16:

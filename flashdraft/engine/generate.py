@@ -10,15 +10,15 @@ One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycl
                    packed, attention per width), padded to the widest elsewhere;
 3. verify          the shared verifier (`verify.py`) returns per row the accepted count a < w and the next token;
 4. commit          tokens `d_1..d_a, next` are appended; block slots `0..a` stay in the target cache, the rest are
-                   rolled back (a no-op on the static fast path, a crop plus masked holes on the generic path);
+                   rolled back (a no-op on the paged fast path, a crop plus masked holes on the generic path);
                    the kept slots' features become the drafter's next context; the policy sees the acceptance and
                    the cycle's measured costs; finished rows leave the batch.
-Before a cycle the caches grow, in chunks (`EngineConfig.kv_chunk`), to hold every row's next block
-(`Batch.grow`): memory follows the tokens held, not max_tokens.
+Before a cycle each row's caches take pages (`EngineConfig.kv_page_size` positions each) for its next block
+(`Batch.grow`): memory follows the tokens each row holds, not the longest row's or max_tokens.
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
-Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, static per-row cache); any other
+Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, paged per-row cache); any other
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flashdraft.engine.batch import Batch, Features, PendingContext, RowBuckets, chunked, take_pending, width_groups
+from flashdraft.engine.batch import Batch, Features, PendingContext, RowBuckets, take_pending, width_groups
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
@@ -52,7 +52,7 @@ from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
-from flashdraft.engine.target_kv import DynamicTargetKV, StaticTargetKV
+from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
 from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
                                     best_first, lookup_continuation, stack, tree_attention_mask)
 from flashdraft.engine.verify import SamplingParams, sample_tokens, verify, verify_tree
@@ -310,6 +310,7 @@ class SpecEngine:
         self._feature_spec = None  # (width, dtype, device) of the target features the drafter reads
         self.profiler = CycleProfiler(config.profile)
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
+        self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
 
     @property
     def scratch_slots(self) -> int:
@@ -406,10 +407,13 @@ class SpecEngine:
         return self._new_batch()
 
     def _new_batch(self, **fields) -> Batch:
-        return Batch(proposer_state=self.proposer.new_batch_state(self.buckets), block_size=self.scratch_slots,
-                     kv_chunk=self.config.kv_chunk,
+        return Batch(proposer_state=self._new_proposer_state(),
+                     block_size=self.scratch_slots,
                      policy=new_policy(self.config.draft_policy, self.block_size, self.costs, self.ragged,
                                        self.acceptance_priors, self.width_choices), **fields)
+
+    def _new_proposer_state(self):
+        return self.proposer.new_batch_state(self.buckets, self.config.kv_page_size, self.kv_page_limit)
 
     @torch.inference_mode()
     def add(
@@ -511,20 +515,21 @@ class SpecEngine:
         start = time.perf_counter()
         prompts = [r.history[:r.n_cached] for r in rows] if resume else [r.prompt for r in rows]
         capture = self.proposer.needs_features
-        capacity = chunked(max(map(len, prompts)) + self.scratch_slots, self.config.kv_chunk)
+        lengths = [len(p) + self.scratch_slots for p in prompts]  # pages for the prompt and the first block
         if self.fast is not None:
-            kv, logits, features = StaticTargetKV.prefill(self.fast, prompts, capture, capacity, self.buckets,
-                                                          self.block_step,
-                                                          exact_from=[len(r.prompt) for r in rows] if resume else None)
+            kv, logits, features = PagedTargetKV.prefill(self.fast, prompts, capture, lengths,
+                                                         self.config.kv_page_size, self.buckets, self.block_step,
+                                                         max_pages=self.kv_page_limit,
+                                                         exact_from=[len(r.prompt) for r in rows] if resume else None)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
-            return self._prefilled_batch(rows, kv, features, capacity)
+            return self._prefilled_batch(rows, kv, features, lengths)
         noise = self._noise(rows, [1] * len(rows))
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
                               torch.stack(noise) if noise is not None else None)
         now = time.perf_counter()
-        batch = self._prefilled_batch(rows, kv, features, capacity)
+        batch = self._prefilled_batch(rows, kv, features, lengths)
         for r, token in zip(rows, first.tolist()):
             r.n_cached = len(r.prompt)
             r.bonus = token
@@ -534,11 +539,12 @@ class SpecEngine:
         self._drop_finished(batch)
         return batch
 
-    def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, capacity: int) -> Batch:
-        batch = self._new_batch(rows=list(rows), kv=kv, capacity=capacity)
+    def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, lengths: list[int]) -> Batch:
+        batch = self._new_batch(rows=list(rows), kv=kv)
+        batch.grow(lengths)
         if features is not None:  # the prompts' context waits for each row's first draft (long ones: written now)
             self._feature_spec = (features.values.shape[-1], features.values.dtype, features.values.device)
-            self.proposer.reserve(batch.proposer_state, len(rows), capacity)
+            self.proposer.reserve(batch.proposer_state, len(rows))
             for r, values, valid in zip(rows, features.values, features.valid):
                 r.pending = PendingContext()  # a resumed row's drafter context is rebuilt from its prefill
                 r.pending.add(values[valid], 0)  # a prompt's valid slots are its positions 0 .. n - 1
@@ -556,7 +562,7 @@ class SpecEngine:
             long = list(range(len(rows)))
         features = take_pending([rows[i].pending for i in long], *self._feature_spec)
         idx = torch.tensor(long, device=self.target.device) if self.block_step is None else None
-        self.proposer.absorb(batch.proposer_state, features, batch.capacity, self.block_size, idx)
+        self.proposer.absorb(batch.proposer_state, features, self.block_size, idx)
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
@@ -564,7 +570,7 @@ class SpecEngine:
         """plan -> propose -> target forward -> verify -> commit, for every live row at once."""
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
-        batch.grow()  # the caches take the positions this cycle's blocks may reach, in chunks
+        batch.grow()  # every row's caches take pages for the positions its block (or tree) may reach
         widths = ([forced_width] * len(rows) if forced_width is not None
                   else batch.policy.widths([r.acceptance for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
@@ -651,7 +657,7 @@ class SpecEngine:
         bonus = torch.tensor([r.bonus for r in drafters], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in drafters], dtype=torch.long, device=dev)
         block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
-        return ProposalInput(bonus, block_positions, batch.capacity, max(r.n_cached for r in drafters),
+        return ProposalInput(bonus, block_positions, max(r.n_cached for r in drafters),
                              new_features, [r.history for r in drafters] if histories else None,
                              [r.index for r in drafters] if histories else None,
                              draft_noise, temperatures, draft_rows=idx)
@@ -835,8 +841,8 @@ class SpecEngine:
         if keep:
             batch.select_rows(torch.tensor(keep, dtype=torch.long, device=self.target.device))
             return
-        batch.rows, batch.kv, batch.capacity = [], None, 0
-        batch.proposer_state = self.proposer.new_batch_state(self.buckets)
+        batch.rows, batch.kv = [], None
+        batch.proposer_state = self._new_proposer_state()
 
     def _events(self, rows: list[_Row]) -> Iterator[StreamEvent]:
         for r in rows:

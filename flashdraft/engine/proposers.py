@@ -2,13 +2,13 @@
 shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
-(`new_batch_state(buckets)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
+(`new_batch_state(buckets, page_size, max_pages)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
 `merge(other, keep, add)` (rows [0, keep) stay, the `add` rows of `other`, a state of the same method, join below
-them), `shrink(capacity)` (no row needs positions >= capacity any more) and `grow(capacity)`; a state with a
-static cache pads it to `buckets.rows(live)` rows itself.
+them) and `grow(lengths)` (live row r may reach positions < lengths[r]); a state with a paged cache pads it to
+`buckets.rows(live)` rows itself (padding rows own no pages).
 A method with `needs_features` receives the drafting rows' context pending since each last drafted, and also takes
-`reserve(state, live, capacity)` (a new batch) and `absorb(state, features, capacity, block_size, rows)`: context to
-remember without drafting (rows whose pending context grew long).
+`reserve(state, live)` (a new batch) and `absorb(state, features, block_size, rows)`: context to remember without
+drafting (rows whose pending context grew long).
 A method receives exactly what it declares: target features with `needs_features`, the committed tokens and
 request ids of each row with `needs_histories`.
 
@@ -27,6 +27,7 @@ What this module does not know about: the target's KV cache and sampling of comm
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from flashdraft.engine.tree import candidate_lists
 from flashdraft.model.cpu_linear import packed_linear
 from flashdraft.model.draft_vocab import draft_targets
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE
 from flashdraft.model.target import TargetModel
 
 
@@ -45,7 +47,6 @@ from flashdraft.model.target import TargetModel
 class ProposalInput:
     bonus: torch.Tensor  # [b] the last committed token of each row, not yet in the target's cache
     positions: torch.Tensor  # [b, block_size] absolute positions of the block
-    capacity: int  # positions per row the batch's caches hold now (the longest row's tokens + a block, in chunks)
     context_len: int  # the longest committed context of a row (= max position of a bonus token)
     new_features: Features | None = None  # with `needs_features`: target features committed since the last call
     histories: list[list[int]] | None = None  # with `needs_histories`: committed tokens per row, bonus included
@@ -70,17 +71,15 @@ class NoRowState:
     def merge(self, other: "NoRowState", keep: int, add: int) -> None:
         pass
 
-    def shrink(self, capacity: int) -> None:
-        pass
-
-    def grow(self, capacity: int) -> None:
+    def grow(self, lengths: list[int]) -> None:
         pass
 
 
 class NoProposer:
     needs_features = needs_histories = False
 
-    def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> NoRowState:
+    def new_batch_state(self, buckets: RowBuckets = RowBuckets(), page_size: int = DEFAULT_PAGE_SIZE,
+                        max_pages: int | None = None) -> NoRowState:
         return NoRowState()
 
     def propose(self, state, inp: ProposalInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,21 +87,24 @@ class NoProposer:
 
 
 class DraftRows:
-    """Batch state of `DFlashProposer`: the drafter's static context cache (allocated at the first write), with
-    `buckets.rows(live)` rows: the live ones, then padding."""
+    """Batch state of `DFlashProposer`: the drafter's paged context cache (allocated at the first write), with
+    `buckets.rows(live)` rows: the live ones, then padding (no pages)."""
 
     def __init__(self, buckets: RowBuckets, new_cache):
         self.kv = None
         self.buckets = buckets
-        self.new_cache = new_cache  # (rows, capacity) -> the drafter's empty context cache
+        self.new_cache = new_cache  # (rows, lengths) -> the drafter's context cache, pages for those lengths
+        self.lengths: list[int] = []  # positions each live row may reach (`grow`)
 
     def select_rows(self, rows: torch.Tensor) -> None:
+        self.lengths = [self.lengths[i] for i in rows.tolist()]
         if self.kv is not None:
             self.kv.select_rows(self.buckets.padded_index(rows))
 
     def merge(self, other: "DraftRows", keep: int, add: int) -> None:
         """Our rows [0, keep), then other's `add` live rows with the context already written for them."""
         pad = self.buckets.rows(keep + add) - keep - add
+        self.lengths = self.lengths[:keep] + other.lengths[:add]
         if other.kv is None:  # nothing written for the newcomers yet: fresh rows
             if self.kv is not None:
                 self.kv.join_rows(keep, add + pad)
@@ -110,18 +112,14 @@ class DraftRows:
         if other.kv.batch > add:
             other.kv.select_rows(torch.arange(add, device=other.kv.keys[0].device))
         if self.kv is None:  # nothing written for our rows yet: fresh rows above the newcomers'
-            self.kv = self.new_cache(keep, other.kv.capacity - 1)
+            self.kv = self.new_cache(keep, self.lengths[:keep])
         self.kv.merge(other.kv, keep=keep, pad=pad)
 
-    def shrink(self, capacity: int) -> None:
-        """No row needs positions >= capacity any more."""
+    def grow(self, lengths: list[int]) -> None:
+        """Live row r may reach positions < lengths[r] (the target's cache grew: this one follows)."""
+        self.lengths = lengths
         if self.kv is not None:
-            self.kv.shrink(capacity + 1)  # + the scratch slot
-
-    def grow(self, capacity: int) -> None:
-        """Rows may reach positions < capacity (the target's cache grew: this one follows, written or not)."""
-        if self.kv is not None:
-            self.kv.ensure_capacity(capacity + 1)
+            self.kv.reserve(lengths)
 
 
 class DFlashProposer:
@@ -159,38 +157,37 @@ class DFlashProposer:
         self._write_step = compile_step(drafter.write_context, drafter.device) if compile else None
         self._draft_step = compile_step(self._draft_tokens, drafter.device) if compile else None
 
-    def new_batch_state(self, buckets: RowBuckets = RowBuckets()) -> DraftRows:
-        return DraftRows(buckets, self.drafter.new_cache)
+    def new_batch_state(self, buckets: RowBuckets = RowBuckets(), page_size: int = DEFAULT_PAGE_SIZE,
+                        max_pages: int | None = None) -> DraftRows:
+        return DraftRows(buckets, functools.partial(self.drafter.new_cache, page_size=page_size, max_pages=max_pages))
 
-    def reserve(self, state: DraftRows, live: int, capacity: int) -> None:
-        """The drafter's context cache for a batch of `live` rows (allocated once, then grown): rows are written
-        when they draft (`propose`) or when their pending context grows long (`absorb`)."""
-        if state.kv is None:
-            state.kv = state.new_cache(state.buckets.rows(live), capacity)  # padding rows: garbage nobody reads
-        state.kv.ensure_capacity(capacity + 1)  # + the scratch slot
+    def reserve(self, state: DraftRows, live: int) -> None:
+        """The drafter's context cache for a batch of `live` rows (allocated once, then grown by `grow`): rows are
+        written when they draft (`propose`) or when their pending context grows long (`absorb`)."""
+        if state.kv is None:  # padding rows own no pages: what they write goes to the trash page
+            state.kv = state.new_cache(state.buckets.rows(live), state.lengths)
 
-    def _context(self, state: DraftRows, new_features: Features, capacity: int):
+    def _context(self, state: DraftRows, new_features: Features):
         """Every live row's new features, padded to the cache's rows: (cache rows, features, positions, valid)."""
         live = new_features.values.shape[0]
-        self.reserve(state, live, capacity)
+        self.reserve(state, live)
         b = state.kv.batch
         context = new_features if b == live else new_features.pad_rows(b)
         return (b, *(t.to(self.drafter.device) for t in context.astuple()))
 
-    def _write_rows(self, state: DraftRows, new_features: Features, rows: torch.Tensor, capacity: int) -> None:
+    def _write_rows(self, state: DraftRows, new_features: Features, rows: torch.Tensor) -> None:
         """Eager: the features of live rows `rows` into those rows of the drafter's cache."""
-        state.kv.ensure_capacity(capacity + 1)
         dev = self.drafter.device
         self.drafter.write_context(state.kv, *(t.to(dev) for t in new_features.astuple()), rows=rows.to(dev))
 
-    def absorb(self, state: DraftRows, new_features: Features, capacity: int, block_size: int,
+    def absorb(self, state: DraftRows, new_features: Features, block_size: int,
                rows: torch.Tensor | None = None) -> None:
         """Write pending context into the drafter's cache without drafting: the features of live rows `rows`
         (eager; None: every live row's, as compiled steps need), so no row's pending context grows without bound."""
         if rows is not None:
-            self._write_rows(state, new_features, rows, capacity)
+            self._write_rows(state, new_features, rows)
             return
-        _, features, positions, valid = self._context(state, new_features, capacity)
+        _, features, positions, valid = self._context(state, new_features)
         if not self.compiled:
             self.drafter.write_context(state.kv, features, positions, valid)
             return
@@ -204,7 +201,7 @@ class DFlashProposer:
             if self.compiled:
                 raise RuntimeError("compiled drafting steps draft every row; draft_rows must be None")
             rows = inp.draft_rows.to(dev)
-            self._write_rows(state, inp.new_features, rows, inp.capacity)
+            self._write_rows(state, inp.new_features, rows)
             drafting = len(rows)
             block = torch.full((drafting, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = inp.bonus.to(dev)
@@ -214,7 +211,7 @@ class DFlashProposer:
                                         inp.positions.to(dev), inp.context_len, noise, scale)
             return self._proposal(drafts, drafting, inp.bonus.device)
         live = inp.new_features.values.shape[0]
-        b, features, positions, valid = self._context(state, inp.new_features, inp.capacity)
+        b, features, positions, valid = self._context(state, inp.new_features)
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:live, 0] = inp.bonus.to(dev)
         block_positions = state.buckets.pad(inp.positions, b).to(dev)
@@ -239,10 +236,10 @@ class DFlashProposer:
         the draft `propose` makes)."""
         dev = self.drafter.device
         if inp.draft_rows is None:
-            self.absorb(state, inp.new_features, inp.capacity, block_size)
+            self.absorb(state, inp.new_features, block_size)
             kv = state.kv
         else:
-            self._write_rows(state, inp.new_features, inp.draft_rows, inp.capacity)
+            self._write_rows(state, inp.new_features, inp.draft_rows)
             kv = state.kv.gather_rows(inp.draft_rows.to(dev), inp.context_len)
         block = torch.full((inp.bonus.shape[0], block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = inp.bonus.to(dev)
@@ -286,8 +283,10 @@ class DFlashProposer:
         return draft_ids if self.draft_targets is None else self.draft_targets[draft_ids]
 
     def _draft_hidden(self, kv, features, feature_positions, feature_valid, block, positions, context_len):
-        """The drafter's hidden states [b, k, H] at the k draft positions, after writing the new context."""
-        self.drafter.write_context(kv, features, feature_positions, feature_valid)
+        """The drafter's hidden states [b, k, H] at the k draft positions, after writing the new context (none:
+        the context was written already and `kv` may be a read-only gather)."""
+        if features.shape[1]:
+            self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
         return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]
 

@@ -7,16 +7,17 @@
                                                           fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
     cache.move_slots(rows, source, dest)                  fast path: a token tree's accepted path to its positions
-    cache.ensure_capacity(n) / cache.shrink(n)            room for positions < n per row (the static cache
-                                                          copies into new tensors; the batch asks in chunks)
+    cache.reserve(lengths)                                row r may write positions < lengths[r] (paged cache:
+                                                          pages for them; the batch asks before every cycle)
     cache.select_rows(idx) / cache.merge(other) / cache.num_rows
 
 - `DynamicTargetKV`, the generic path for ANY transformers decoder: transformers' DynamicCache, prompts
   left-padded, explicit per-row positions and a per-row slot mask. Rows that accepted fewer tokens than the
   longest keep masked holes; the cache is cropped to the longest kept prefix (no copies).
-- `StaticTargetKV`, the fast path (Llama / Mistral / Qwen2 / Qwen3 through `FastTarget`): a static per-row cache
-  where slot = position, so keeping the accepted prefix is a no-op and rows never hold holes. For compiled steps
-  it holds a bucketed row count (`RowBuckets`) and pads its inputs and unpads its outputs itself.
+- `PagedTargetKV`, the fast path (Llama / Mistral / Qwen2 / Qwen3 through `FastTarget`): a paged per-row cache
+  (`slots.PagedKV`) with one slot per position, so keeping the accepted prefix is a no-op and rows never hold
+  holes; each row owns pages for its own positions only. For compiled steps it holds a bucketed row count
+  (`RowBuckets`; padding rows own no pages) and pads its inputs and unpads its outputs itself.
 
 What this module does not know about: drafting, acceptance, stop conditions.
 """
@@ -28,7 +29,7 @@ from transformers.cache_utils import DynamicCache
 
 from flashdraft.engine.batch import Features, RowBuckets, zero_pad
 from flashdraft.model.fast_target import FastTarget
-from flashdraft.model.slots import compaction_order, gather_slots
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, compaction_order, gather_slots
 from flashdraft.model.target import TargetModel
 
 
@@ -71,11 +72,8 @@ class DynamicTargetKV:
     def num_rows(self) -> int:
         return self.slot_mask.shape[0]
 
-    def shrink(self, capacity: int) -> None:
-        pass  # a dynamic cache holds only what was written (and compacts its holes)
-
-    def ensure_capacity(self, capacity: int) -> None:
-        pass  # it grows by what each forward writes
+    def reserve(self, lengths: list[int]) -> None:
+        pass  # a dynamic cache grows by what each forward writes (and compacts its holes)
 
     def select_rows(self, idx: torch.Tensor) -> None:
         self.cache.batch_select_indices(idx)
@@ -101,8 +99,8 @@ class DynamicTargetKV:
         self.slot_mask = torch.cat([zero_pad(self.slot_mask, width, 1), zero_pad(other.slot_mask, width, 1)])
 
 
-class StaticTargetKV:
-    def __init__(self, fast: FastTarget, kv, live: int, buckets: RowBuckets, compiled_forward=None):
+class PagedTargetKV:
+    def __init__(self, fast: FastTarget, kv: PagedKV, live: int, buckets: RowBuckets, compiled_forward=None):
         self.fast = fast
         self.kv = kv  # holds buckets.rows(live) rows: the live ones first, then padding
         self.live = live
@@ -110,10 +108,11 @@ class StaticTargetKV:
         self.compiled_forward = compiled_forward  # `fast.forward` compiled (attends over the whole capacity)
 
     @classmethod
-    def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, capacity: int,
-                buckets: RowBuckets = RowBuckets(), compiled_forward=None, pad_id: int = 0,
-                exact_from: list[int] | None = None):
-        """`exact_from`: per row, where the tokens a resumed row had decoded start (`FastTarget.prefill`)."""
+    def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, lengths: list[int],
+                page_size: int = DEFAULT_PAGE_SIZE, buckets: RowBuckets = RowBuckets(), compiled_forward=None,
+                pad_id: int = 0, exact_from: list[int] | None = None, max_pages: int | None = None):
+        """Rows own pages for `lengths` positions (at least their prompts); `exact_from`: per row, where the
+        tokens a resumed row had decoded start (`FastTarget.prefill`)."""
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -122,7 +121,7 @@ class StaticTargetKV:
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         positions = torch.arange(width, device=dev)[None].expand(len(prompts), -1)
         valid = positions < lengths[:, None]
-        kv = fast.new_cache(len(prompts), max(capacity, width))
+        kv = fast.new_cache(len(prompts), [max(n, len(p)) for n, p in zip(lengths, prompts)], page_size, max_pages)
         logits, features = fast.prefill(ids, positions, kv, lengths, capture, exact_from)
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
@@ -131,9 +130,8 @@ class StaticTargetKV:
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
         """Logits and features of the live rows' blocks; `end` = 1 + the largest position in them."""
-        self.kv.ensure_capacity(end)
         n, rows = block.shape[0], self.kv.batch
-        if rows > n:  # padding rows decode zeros at positions 0..w-1 of their own rows: never read
+        if rows > n:  # padding rows decode zeros at positions 0..w-1 into the trash page: never read
             block = self.buckets.pad(block, rows)
             positions = torch.cat([positions, torch.arange(positions.shape[1], device=positions.device)
                                    .expand(rows - n, -1)])
@@ -148,7 +146,6 @@ class StaticTargetKV:
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int):
         """Rows of different widths in one eager forward (`FastTarget.forward_ragged`): groups of (live rows,
         blocks [g, w], positions [g, w]); (logits, features) per group."""
-        self.kv.ensure_capacity(end)
         return self.fast.forward_ragged(groups, self.kv, capture)
 
     def keep(self, kept_valid: torch.Tensor) -> None:
@@ -166,13 +163,10 @@ class StaticTargetKV:
         self.live = len(idx)
         self.kv.select_rows(self.buckets.padded_index(idx))
 
-    def shrink(self, capacity: int) -> None:
-        self.kv.shrink(capacity)
+    def reserve(self, lengths: list[int]) -> None:
+        self.kv.reserve(lengths)
 
-    def ensure_capacity(self, capacity: int) -> None:
-        self.kv.ensure_capacity(capacity)
-
-    def merge(self, other: "StaticTargetKV") -> None:
+    def merge(self, other: "PagedTargetKV") -> None:
         """Our live rows, other's live rows, then the padding the new row count needs."""
         if other.kv.batch > other.live:
             other.kv.select_rows(torch.arange(other.live, device=other.kv.keys[0].device))

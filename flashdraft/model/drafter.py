@@ -12,7 +12,7 @@ Design (docs/design.md, 'Drafter architecture'):
   (docs/checkpoints.md).
 - The drafter owns no embedding and no lm_head: the block is embedded with the TARGET's embedding and read out
   through the TARGET's lm_head. Checkpoints therefore hold only the draft layers, `fc`, `hidden_norm`, `norm`.
-- When decoding, context K/V lives in a static per-row cache (`new_cache`, slot = position) that persists
+- When decoding, context K/V lives in a paged per-row cache (`new_cache`, `slots.PagedKV`) that persists
   across cycles: `write_context` adds the newly committed positions, `draft` runs one block per row against it.
   Block K/V is never cached. Rejected context needs no rollback: it lies past the next block's start (masked)
   and is overwritten.
@@ -40,7 +40,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from flashdraft.model.slots import StaticKV
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -539,25 +539,28 @@ class DFlashDraftModel(nn.Module):
         return self._blocks(noise_embedding, position_ids, self.context_kv(ctx, ctx_cos, ctx_sin),
                             context_position_ids, context_valid, attention_mask)
 
-    def new_cache(self, batch: int, capacity: int) -> StaticKV:
-        """A static context cache for `capacity` positions per row (plus one scratch slot for padding)."""
+    def new_cache(self, batch: int, lengths: int | list[int] = 0, page_size: int = DEFAULT_PAGE_SIZE,
+                  max_pages: int | None = None) -> PagedKV:
+        """A paged context cache of `batch` rows with pages for `lengths` positions per row (one number: every
+        row; a list: the first rows, the rest none)."""
         attn = self.layers[0].self_attn
-        return StaticKV(len(self.layers), batch, capacity + 1, attn.num_kv_heads, attn.head_dim, self.dtype,
-                        self.device)
+        lengths = [lengths] * batch if isinstance(lengths, int) else lengths
+        return PagedKV(len(self.layers), batch, attn.num_kv_heads, attn.head_dim, self.dtype, self.device, page_size,
+                       lengths, max_pages)
 
-    def write_context(self, cache: StaticKV, target_hidden: torch.Tensor, positions: torch.Tensor,
+    def write_context(self, cache: PagedKV, target_hidden: torch.Tensor, positions: torch.Tensor,
                       valid: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Project target features [b, c, n_taps*H] at `positions` [b, c] into every layer's context K/V and store
         them at slot = position of cache rows `rows` [b] (default: rows 0 .. b-1). Slots where `valid` is False go
-        to the scratch slot (the last one), which no query attends to, so padded or rejected features never reach
-        the context."""
+        to the cache's trash page, which no query attends to, so padded or rejected features never reach the
+        context."""
         ctx = self.project_context(target_hidden)
         cos, sin = self.rotary_emb(ctx, positions)
-        slots = torch.where(valid, positions, cache.capacity - 1)
+        slots = cache.slots(positions, rows, valid)
         for i, (k, v) in enumerate(self.context_kv(ctx, cos, sin)):
-            cache.write(i, slots, k.transpose(1, 2), v.transpose(1, 2), rows)
+            cache.write(i, slots, k.transpose(1, 2), v.transpose(1, 2))
 
-    def draft(self, cache: StaticKV, noise_embedding: torch.Tensor, position_ids: torch.Tensor,
+    def draft(self, cache: PagedKV | DenseKV, noise_embedding: torch.Tensor, position_ids: torch.Tensor,
               context_len: int | None = None) -> torch.Tensor:
         """Hidden states [b, q, H] for one block per row at `position_ids` [b, q], attending to the cached context
         of each row: the slots before the row's block start (and inside the window of sliding layers).
@@ -566,8 +569,8 @@ class DFlashDraftModel(nn.Module):
         b = position_ids.shape[0]
         context_len = context_len or cache.capacity
         slot_positions = torch.arange(context_len, device=position_ids.device)[None].expand(b, -1)
-        ctx_kv = [(k[:, :context_len].transpose(1, 2), v[:, :context_len].transpose(1, 2))
-                  for k, v in zip(cache.keys, cache.values)]
+        index = cache.page_index(context_len)
+        ctx_kv = [tuple(t.transpose(1, 2) for t in cache.read(i, context_len, index)) for i in range(len(self.layers))]
         return self._blocks(noise_embedding, position_ids, ctx_kv, slot_positions,
                             slot_positions < position_ids[:, :1], None)
 

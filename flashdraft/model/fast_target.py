@@ -6,8 +6,9 @@ arithmetic over the model's OWN parameters (nothing is copied): embedding, pre-n
 attention (+ q/k RMSNorm for Qwen3, q/k/v bias for Qwen2), RoPE from the model's own rotary module (so rope
 scaling variants match), SiLU-gated MLP, final norm, lm_head.
 
-The KV cache is static and per row: slot p of row r holds position p of that row. Writing a block scatters its
-K/V to the slots of its positions; a query at position p attends to slots 0..p. Rolling back after a rejection is
+The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
+table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
+positions 0..p. Rolling back after a rejection is
 therefore nothing at all - the next block overwrites the rejected slots - and rows of a batch never hold holes.
 
 `exact=True` makes the forward batch-invariant: every generated token's logits come out bit for bit the same
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
-from flashdraft.model.slots import StaticKV
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -107,15 +108,19 @@ class FastTarget:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
 
-    def new_cache(self, batch: int, capacity: int) -> StaticKV:
-        return StaticKV(len(self.layers), batch, capacity, self.num_kv_heads, self.head_dim,
-                        self.target.dtype, self.target.device)
+    def new_cache(self, batch: int, lengths: int | list[int] = 0, page_size: int = DEFAULT_PAGE_SIZE,
+                  max_pages: int | None = None) -> PagedKV:
+        """A paged cache of `batch` rows with pages for `lengths` positions per row (one number: every row; a list:
+        the first rows, the rest none)."""
+        lengths = [lengths] * batch if isinstance(lengths, int) else lengths
+        return PagedKV(len(self.layers), batch, self.num_kv_heads, self.head_dim, self.target.dtype,
+                       self.target.device, page_size, lengths, max_pages)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv: StaticKV,
+        kv: PagedKV,
         logit_index: torch.Tensor | None = None,
         capture: bool = True,
         key_len: int | None = None,
@@ -123,8 +128,8 @@ class FastTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
 
-        Queries attend to cache slots [0, key_len) (all of them when None: static shapes for compiled steps);
-        the caller guarantees every position fits the cache and is < key_len. `exact` overrides the instance's
+        Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
+        steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact` overrides the instance's
         mode for this call (`prefill` runs each row's prompt as an ordinary block).
         """
         exact = self.exact if exact is None else exact
@@ -133,10 +138,11 @@ class FastTarget:
         x = self.embed(input_ids)
         cos, sin = self.rotary(x, positions)
         mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+        slots, index = kv.slots(positions), kv.page_index(key_len)
 
         def attend(i: int, qs, ks, vs):  # [b, q, heads, D], token-major
-            kv.write(i, positions, ks, vs)
-            keys, values = kv.keys[i][:, :key_len], kv.values[i][:, :key_len]
+            kv.write(i, slots, ks, vs)
+            keys, values = kv.read(i, key_len, index)
             return self._attention(i, qs, keys, values, positions, mask, exact).reshape(b, q, -1)
 
         x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, exact, capture)
@@ -144,7 +150,7 @@ class FastTarget:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         return (per_token if exact else _call)(self.lm_head, x), features
 
-    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: StaticKV,
+    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
                        capture: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
@@ -157,24 +163,24 @@ class FastTarget:
         positions = torch.cat([group[2].reshape(-1) for group in groups])[None]
         x = self.embed(ids)
         cos, sin = self.rotary(x, positions)
-        spans = []  # per group: its cache rows (a slice when contiguous: no copy), slots written, key length, mask
+        spans = []  # per group: the pool slots it writes, the pages it reads, key length, mask
         for rows, _, pos, *tree in groups:
-            first = int(rows[0])
-            contiguous = torch.equal(rows, torch.arange(first, first + len(rows), device=rows.device))
             if tree:
-                slots, mask = tree
+                written, mask = tree
             else:
-                slots = pos
+                written = pos
                 mask = (torch.arange(int(pos.max()) + 1, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
-            spans.append((slice(first, first + len(rows)) if contiguous else rows, slots, mask.shape[-1], mask))
+            key_len = mask.shape[-1]
+            index = kv.page_index(key_len) if kv.batch == len(rows) == 1 else kv.page_index(key_len, rows)
+            spans.append((kv.slots(written, rows), index, key_len, mask))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
             out = []
-            for (rows, _, pos, *_), (cache_rows, slots, key_len, mask), q, k, v in zip(
+            for (rows, _, pos, *_), (slots, index, key_len, mask), q, k, v in zip(
                     groups, spans, qs[0].split(sizes), ks[0].split(sizes), vs[0].split(sizes)):
                 g, w = pos.shape
-                kv.write(i, slots, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]), rows=rows)
-                keys, values = kv.keys[i][cache_rows, :key_len], kv.values[i][cache_rows, :key_len]
+                kv.write(i, slots, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]))
+                keys, values = kv.read(i, key_len, index)
                 out.append(self._attention(i, q.view(g, w, *q.shape[1:]), keys, values, pos, mask, self.exact)
                            .reshape(g * w, -1))
             return torch.cat(out)[None]
@@ -226,7 +232,7 @@ class FastTarget:
             captured[last] = x  # transformers' hidden_states[L] is after the final norm
         return x, (torch.cat([captured[i] for i in taps], dim=-1) if taps else None)
 
-    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: StaticKV, lengths: torch.Tensor,
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV, lengths: torch.Tensor,
                 capture: bool, exact_from: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompts (right-padded to one width): last-position logits [b, 1, V] and features [b, w, F]. In exact
         mode each row's prompt runs alone as one ordinary block, so a row's prompt is computed the same way

@@ -1,40 +1,50 @@
 """KV storage shared by the engine's caches.
 
-- `StaticKV`: preallocated per-layer K/V [batch, capacity, kv_heads, head_dim] where slot p of row r holds
-  position p of row r. Writing scatters K/V to the slots of their positions, so rolling back rejected tokens is
-  nothing (they sit past the row's length, are masked, and are overwritten) and rows never hold holes. The
-  capacity grows (`ensure_capacity`) and shrinks as the caller asks (the engine: in chunks, with the tokens its
-  rows hold); it is marked as a dynamic dimension, so compiled steps keep one graph per row count whatever the
-  capacity. Rows leaving or joining without changing the row count (a padded batch) are handled in place, so the
-  tensors keep their addresses and CUDA graphs replay without re-recording (torch re-records at most 128 times,
-  then gives up); a new capacity is a new shape, which CUDA graphs record once per size.
+- `PagedKV`: the K/V of a batch's rows in fixed-size pages. Per layer one pool [pages, page_size, kv_heads,
+  head_dim]; a page table [rows, width] names the page that holds positions [j x page_size, (j+1) x page_size) of
+  each row, so slot p of row r is slot p % page_size of page table[r, p // page_size]. Rows own pages for the
+  positions they hold (`reserve`, as they advance), so memory follows the tokens each row holds, not the longest
+  row times the row count; a row that leaves returns its pages to the free list. Writing scatters K/V through the
+  table to the slots of their positions, so rolling back rejected tokens is nothing (they sit past the row's
+  length, are masked, and are overwritten). Page 0 is the trash page: table entries a row does not own point to it,
+  so padding rows (compiled row buckets) and invalid writes land there and nobody reads them.
+  Reading (`read`) gathers a row's pages into one dense [rows, length, ...] tensor per layer for SDPA (a view
+  without a copy for a single row whose pages are consecutive, the usual batch-1 case): a transient the size of
+  the keys attended, the price of a paged layout without a paged-attention kernel. The table's width grows in
+  chunks of `TABLE_POSITIONS` and is a dynamic dimension, as is the pool's page count, so compiled steps keep one
+  graph per row count; rows leaving or joining without changing the row count and width are handled in place
+  (CUDA graphs keep replaying the same addresses). The pool grows by at least an eighth when pages run out
+  (amortised copies; never past `max_pages`, a memory budget, unless rows need it) and is compacted when a quarter
+  of it is free.
+- `DenseKV`: a rectangle [rows, length, ...] per layer (gathered rows, for reading only).
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
 
-What this module does not know about: attention, masks, which positions are valid (callers keep lengths).
+What this module does not know about: attention, masks, which positions are valid (callers keep lengths and say
+how many positions each row needs).
 """
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
+DEFAULT_PAGE_SIZE = 64  # positions per page (`EngineConfig.kv_page_size`)
+TABLE_POSITIONS = 256  # the page table's width (positions every row addresses) grows in chunks of this many
+TRASH_PAGE = 0
+MIN_POOL_GROWTH = 1 / 8  # a pool out of pages grows by at least this fraction: copies stay amortised
 
-class StaticKV:
-    """Per-layer K/V [b, capacity, kv_heads, head_dim]; slot p of row r holds position p of row r."""
 
-    def __init__(self, num_layers, batch, capacity, kv_heads, head_dim, dtype, device):
-        shape = (batch, capacity, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._mark_static()
+def pages_for(positions: int, page_size: int) -> int:
+    return -(-positions // page_size)
 
-    def _mark_static(self) -> None:
-        """CUDA graphs may write these tensors in place only if they are marked as static addresses; the capacity
-        (dim 1) is dynamic for torch.compile: growing the cache does not compile another graph."""
-        for t in self.keys + self.values:
-            torch._dynamo.mark_dynamic(t, 1)
-            if t.is_cuda:
-                torch._dynamo.mark_static_address(t)
+
+class DenseKV:
+    """Per-layer K/V [rows, length, kv_heads, head_dim] (a copy of some rows of a `PagedKV`, for reading)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
 
     @property
     def capacity(self) -> int:
@@ -44,85 +54,235 @@ class StaticKV:
     def batch(self) -> int:
         return self.keys[0].shape[0]
 
-    def write(self, layer: int, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              rows: torch.Tensor | None = None) -> None:
-        """Store keys/values [b, n, kv_heads, head_dim] of layer `layer` at slots `positions` [b, n] of rows `rows`
-        [b] (default: rows 0 .. b-1)."""
-        if rows is None:
-            rows = torch.arange(positions.shape[0], device=positions.device)
-        self.keys[layer][rows[:, None], positions] = keys
-        self.values[layer][rows[:, None], positions] = values
+    def page_index(self, length: int | None = None, rows=None):
+        return None
+
+    def read(self, layer: int, length: int | None = None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+        length = length or self.capacity
+        return self.keys[layer][:, :length], self.values[layer][:, :length]
+
+
+class PagedKV:
+    """Paged per-layer K/V of a batch's rows; see the module docstring."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, device, page_size: int,
+                 lengths: list[int] | None = None, max_pages: int | None = None):
+        self.page_size = page_size
+        self.max_pages = max_pages  # growth stops here (a memory budget), unless rows need more
+        self.table_pages = max(1, TABLE_POSITIONS // page_size)  # the table's width grows by this many pages
+        lengths = lengths if lengths is not None else [0] * batch
+        pages = 1 + sum(pages_for(n, page_size) for n in lengths)  # + the trash page
+        shape = (pages, page_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.free = list(range(1, pages))  # a heap: the lowest free page first (a growing row stays consecutive)
+        self.pages: list[list[int]] = [[] for _ in range(batch)]  # the host's copy of each row's owned pages
+        self.table = torch.zeros((batch, self.table_pages), dtype=torch.long, device=device)
+        self._mark_static()
+        self.reserve(lengths)
+
+    def _mark_static(self) -> None:
+        """CUDA graphs may write these tensors in place only if they are marked as static addresses; the pool's
+        page count and the table's width are dynamic for torch.compile: growing them compiles no other graph."""
+        for t in self.keys + self.values:
+            torch._dynamo.mark_dynamic(t, 0)
+            if t.is_cuda:
+                torch._dynamo.mark_static_address(t)
+        torch._dynamo.mark_dynamic(self.table, 1)
+        if self.table.is_cuda:
+            torch._dynamo.mark_static_address(self.table)
+
+    @property
+    def capacity(self) -> int:
+        """Positions every row's table addresses (a row owns pages for its own positions only)."""
+        return self.table.shape[1] * self.page_size
+
+    @property
+    def batch(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def pool_pages(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def held_pages(self) -> int:
+        return sum(map(len, self.pages))
+
+    # ---- reading and writing (traceable: tensors and the page size only) --------------------------------------
+
+    def slots(self, positions: torch.Tensor, rows=None, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat pool slots [b, n] of `positions` [b, n] in rows `rows` (a tensor [b], or None: rows 0 .. b-1);
+        invalid positions (`valid` False) go to the trash page. Computed once, used by every layer's `write`."""
+        table = self.table if rows is None else self.table[rows]
+        if valid is not None:
+            positions = torch.where(valid, positions, 0)
+        page = table.gather(1, positions // self.page_size)
+        if valid is not None:
+            page = torch.where(valid, page, TRASH_PAGE)
+        return page * self.page_size + positions % self.page_size
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys/values [b, n, kv_heads, head_dim] of layer `layer` at flat `slots` [b, n] (`slots`)."""
+        self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots] = keys
+        self.values[layer].view(-1, *self.values[layer].shape[2:])[slots] = values
+
+    def page_index(self, length: int | None = None, rows=None):
+        """What `read` takes for positions [0, length) (default: the capacity) of rows `rows` (a tensor or a
+        slice; default: all): the first page (an int) for one row whose pages are consecutive, read as a view;
+        otherwise the page ids [b, n] to gather. Computed once, used by every layer."""
+        length = length or self.capacity
+        n = pages_for(length, self.page_size)
+        if rows is None and self.batch == 1 and not torch.compiler.is_compiling():
+            pages = self.pages[0]
+            if len(pages) >= n and pages[n - 1] - pages[0] == n - 1 and pages[:n] == list(range(pages[0], pages[0] + n)):
+                return pages[0]
+        return (self.table if rows is None else self.table[rows])[:, :n]
+
+    def read(self, layer: int, length: int | None = None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [b, length, kv_heads, head_dim] of positions [0, length) at `index` (`page_index`;
+        default: every row's)."""
+        length = length or self.capacity
+        index = self.page_index(length) if index is None else index
+        keys, values = self.keys[layer], self.values[layer]
+        if isinstance(index, int):  # consecutive pages: a view, no copy
+            n = pages_for(length, self.page_size)
+            return (keys[index:index + n].view(1, -1, *keys.shape[2:])[:, :length],
+                    values[index:index + n].view(1, -1, *values.shape[2:])[:, :length])
+        return keys[index].flatten(1, 2)[:, :length], values[index].flatten(1, 2)[:, :length]
 
     def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
-        """Copy every layer's K/V at slots `source` [b, n] to slots `dest` [b, n] of rows `rows` [b] (a token tree's
-        accepted path into consecutive positions; the source is read whole before anything is written)."""
+        """Copy every layer's K/V at positions `source` [b, n] to positions `dest` [b, n] of rows `rows` [b] (a
+        token tree's accepted path into consecutive positions; the source is read whole before anything is
+        written)."""
+        src, dst = self.slots(source, rows), self.slots(dest, rows)
         for t in self.keys + self.values:
-            t[rows[:, None], dest] = t[rows[:, None], source]
+            flat = t.view(-1, *t.shape[2:])
+            flat[dst] = flat[src]
 
-    def _derived(self, fn) -> "StaticKV":
-        """A cache whose K/V tensors are fn(t) of ours (views or copies; no static addresses to mark)."""
-        other = StaticKV.__new__(StaticKV)
-        other.keys = [fn(t) for t in self.keys]
-        other.values = [fn(t) for t in self.values]
+    def row(self, r: int) -> "PagedKV":
+        """Row r alone, as a cache of one row sharing this one's pool and table (writes go through)."""
+        other = PagedKV.__new__(PagedKV)
+        other.__dict__.update(self.__dict__)
+        other.table, other.pages = self.table[r:r + 1], [self.pages[r]]
         return other
 
-    def row(self, r: int) -> "StaticKV":
-        """Row r alone, as a cache of one row sharing this one's memory (writes go through)."""
-        return self._derived(lambda t: t[r:r + 1])
+    def gather_rows(self, rows: torch.Tensor, length: int) -> DenseKV:
+        """Positions [0, length) of rows `rows`, copied into a dense cache of their own (for reading only)."""
+        index = self.page_index(length, rows)
+        read = [self.read(i, length, index) for i in range(len(self.keys))]
+        return DenseKV([k for k, _ in read], [v for _, v in read])
 
-    def gather_rows(self, rows: torch.Tensor, length: int) -> "StaticKV":
-        """Slots [0, length) of rows `rows`, copied into a cache of their own (for reading only)."""
-        return self._derived(lambda t: t[rows, :length])
+    # ---- pages (host side) -----------------------------------------------------------------------------------
+
+    def reserve(self, lengths: list[int]) -> None:
+        """Row r owns pages for positions [0, lengths[r]) (pages it already owns stay; rows past the list, e.g.
+        padding rows, get nothing)."""
+        wanted = [pages_for(n, self.page_size) - len(p) for n, p in zip(lengths, self.pages)]
+        missing = sum(w for w in wanted if w > 0)
+        if not missing:
+            return
+        self._ensure_free(missing)
+        for pages, w in zip(self.pages, wanted):
+            for _ in range(w):
+                pages.append(heapq.heappop(self.free))
+        self._write_table()
+
+    def _ensure_free(self, n: int) -> None:
+        short = n - len(self.free)
+        if short <= 0:
+            return
+        grow = int(self.pool_pages * MIN_POOL_GROWTH)
+        if self.max_pages is not None:  # a budget: the eighth only as far as it goes
+            grow = min(grow, self.max_pages - self.pool_pages)
+        grow = max(grow, short)
+        old = self.pool_pages
+        self._replace(lambda t: torch.cat([t, t.new_zeros((grow, *t.shape[1:]))]))
+        for p in range(old, old + grow):
+            heapq.heappush(self.free, p)
+
+    def _release(self, rows) -> None:
+        for r in rows:
+            for p in self.pages[r]:
+                heapq.heappush(self.free, p)
+
+    def _write_table(self, rows: int | None = None) -> None:
+        """The device table from the host's pages (in place when its shape stays: CUDA graphs keep its address)."""
+        rows = len(self.pages) if rows is None else rows
+        most = max(map(len, self.pages), default=0)
+        width = max(1, -(-most // self.table_pages)) * self.table_pages
+        table = torch.zeros((rows, width), dtype=torch.long)
+        for r, pages in enumerate(self.pages):
+            table[r, :len(pages)] = torch.tensor(pages, dtype=torch.long)
+        table = table.to(self.table.device)
+        if table.shape == self.table.shape:
+            self.table.copy_(table)
+        else:
+            self.table = table
+            self._mark_static()
 
     def _replace(self, fn) -> None:
-        """Every K/V tensor t becomes fn(t) (new tensors: new addresses to mark)."""
+        """Every pool tensor t becomes fn(t) (new tensors: new addresses to mark)."""
         self.keys = [fn(t) for t in self.keys]
         self.values = [fn(t) for t in self.values]
         self._mark_static()
 
-    def ensure_capacity(self, needed: int) -> None:
-        """Grow to `needed` slots (callers grow in chunks, so this copies rarely)."""
-        if needed > self.capacity:
-            grow = needed - self.capacity
-            self._replace(lambda t: torch.cat([t, t.new_zeros((t.shape[0], grow, *t.shape[2:]))], dim=1))
+    def compact(self) -> None:
+        """When a quarter of the pool is free: move the pages in use to the front and let the rest go."""
+        if 3 * self.pool_pages <= 4 * (self.held_pages + 1) or self.pool_pages <= 8:
+            return
+        order = [TRASH_PAGE] + [p for pages in self.pages for p in pages]
+        index = torch.tensor(order, dtype=torch.long, device=self.table.device)
+        self._replace(lambda t: t.index_select(0, index))
+        renumber = {old: new for new, old in enumerate(order)}
+        self.pages = [[renumber[p] for p in pages] for pages in self.pages]
+        self.free = list(range(len(order), self.pool_pages))
+        self._write_table()
 
-    def shrink(self, capacity: int) -> None:
-        """Keep slots [0, capacity) only (the caller knows no row needs more)."""
-        if capacity < self.capacity:
-            self._replace(lambda t: t[:, :capacity].clone())
+    # ---- rows leaving and joining ----------------------------------------------------------------------------
 
     def select_rows(self, idx: torch.Tensor) -> None:
-        """Keep rows `idx`, in that order. In place when the row count stays (see the module docstring)."""
-        if idx.numel() == self.batch:
-            for t in self.keys + self.values:
-                t.copy_(t.index_select(0, idx))
-            return
-        self._replace(lambda t: t.index_select(0, idx))
+        """Keep rows `idx`, in that order; a row selected twice (a padding row of a compiled bucket) keeps its
+        pages once and is empty (trash) the other times."""
+        chosen = idx.tolist()
+        kept, pages = set(), []
+        for r in chosen:
+            pages.append(self.pages[r] if r not in kept else [])
+            kept.add(r)
+        self._release(r for r in range(len(self.pages)) if r not in kept)
+        self.pages = pages
+        self._write_table()
+        self.compact()
 
     def join_rows(self, keep: int, add: int) -> None:
-        """Rows [0, keep) stay, then `add` fresh rows. In place when the row count stays: a fresh row's slots are
-        written before they are read (slot = position), so what an earlier occupant left there never shows."""
-        if keep + add != self.batch:
-            self._replace(lambda t: torch.cat([t[:keep], t.new_zeros((add, *t.shape[1:]))]))
+        """Rows [0, keep) stay, then `add` fresh (empty) rows."""
+        self._release(range(keep, len(self.pages)))
+        self.pages = self.pages[:keep] + [[] for _ in range(add)]
+        self._write_table()
+        self.compact()
 
-    def merge(self, other: "StaticKV", keep: int | None = None, pad: int = 0) -> None:
-        """Rows [0, keep) of self (all by default), then all of other's, then `pad` fresh rows. In place when the
-        row count stays and other's rows fit, otherwise one copy."""
-        keep = self.batch if keep is None else keep
-        rows = slice(keep, keep + other.batch)
-        if keep + other.batch + pad == self.batch and other.capacity <= self.capacity:
-            for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
-                mine[rows, :other.capacity].copy_(theirs)
-            return
-        self.ensure_capacity(other.capacity)  # both end up max(capacities) wide
-        other.ensure_capacity(self.capacity)
+    def merge(self, other: "PagedKV", keep: int | None = None, pad: int = 0) -> None:
+        """Rows [0, keep) of self (all by default), then all of other's rows (their pages copied into this pool),
+        then `pad` fresh rows."""
+        keep = len(self.pages) if keep is None else keep
+        self._release(range(keep, len(self.pages)))
+        self.pages = self.pages[:keep]
+        theirs = [p for pages in other.pages for p in pages]
+        self._ensure_free(len(theirs))
+        mine = [heapq.heappop(self.free) for _ in theirs]
+        if theirs:
+            src = torch.tensor(theirs, dtype=torch.long, device=self.table.device)
+            dst = torch.tensor(mine, dtype=torch.long, device=self.table.device)
+            for a, b in zip(self.keys + self.values, other.keys + other.values):
+                a[dst] = b.index_select(0, src)
+        renumber = dict(zip(theirs, mine))
+        self.pages += [[renumber[p] for p in pages] for pages in other.pages] + [[] for _ in range(pad)]
+        self._write_table()
 
-        def joined(a, b):
-            return torch.cat([a[:keep], b, a.new_zeros((pad, *a.shape[1:]))])
-
-        self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
-        self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
-        self._mark_static()
+    def shrink(self) -> None:
+        """After rows left: the table as wide as the longest remaining row needs, the pool compacted."""
+        self._write_table()
+        self.compact()
 
 
 def compaction_order(valid: torch.Tensor) -> torch.Tensor | None:

@@ -11,10 +11,11 @@ Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches
 5. deliver - each request's new tokens are handed to its asyncio queue with `loop.call_soon_threadsafe`.
 With nothing to do the thread sleeps on a condition variable. Requests beyond the batch wait in a bounded FIFO
 queue; `submit` on a full queue raises `QueueFull` at once (the server answers 429) instead of blocking.
-Memory: the engine's caches grow with the tokens rows hold; a batch takes, per row (and per padding row of
-compiled row buckets), the longest row's committed tokens plus a block, in chunks (`flashdraft.memory`,
-`held_positions`). Admission counts what rows hold now with one chunk of growth each (capped at what they may
-ever hold, prompt + max_tokens): the head of the queue joins only while that stays within `kv_cache_positions`,
+Memory: the engine's caches are paged; a batch takes, per row, its own committed tokens plus a block, in pages
+(`flashdraft.memory.held_positions`); the engine's pools never grow past the budget's pages
+(`SpecEngine.kv_page_limit`, set here). Admission counts what rows hold now with one page of growth each (capped at
+what they may ever hold, prompt + max_tokens): the head of the queue joins only while that stays within
+`kv_cache_positions`,
 otherwise it waits (FIFO: later, smaller requests do not overtake it). Rows that outgrow the budget anyway are
 preempted and recomputed, vLLM's policy: the latest arrival leaves the batch with everything it generated, waits at
 the head of the queue, and when it fits again its prompt and output are prefilled again and it goes on with the
@@ -89,8 +90,9 @@ class Scheduler:
             raise ValueError(f"kv_cache_positions must be >= 1 or None, got {kv_cache_positions}")
         self.engine = engine
         self.kv_cache_positions = kv_cache_positions
-        self._cache_rows = getattr(getattr(engine, "buckets", None), "rows", lambda n: n)
-        self.kv_chunk = engine.config.kv_chunk
+        if kv_cache_positions is not None:  # the pools stop growing at the budget (they may hold free pages)
+            engine.kv_page_limit = kv_cache_positions // engine.config.kv_page_size
+        self.page_size = engine.config.kv_page_size
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -152,17 +154,17 @@ class Scheduler:
 
     def positions(self, row_tokens: list[int]) -> int:
         """Cache positions a batch of rows holding these many tokens takes for its next cycle (`held_positions`)."""
-        return held_positions(row_tokens, self.engine.scratch_slots, self.kv_chunk, self._cache_rows)
+        return held_positions(row_tokens, self.engine.scratch_slots, self.page_size)
 
     def _check_fits_alone(self, req: Request) -> None:
         budget = self.kv_cache_positions
         if budget is None or self.positions([self.most_tokens(req)]) <= budget:
             return
-        capacity = row_capacity(self.most_tokens(req), self.engine.scratch_slots, self.kv_chunk)
+        capacity = row_capacity(self.most_tokens(req), self.engine.scratch_slots, self.page_size)
         raise TooLarge(
             f"this request may need a KV cache of {capacity} positions ({len(req.prompt)} prompt tokens + "
-            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.scratch_slots}, in chunks of "
-            f"{self.kv_chunk}), more than the server's whole budget of {budget} positions (--kv-cache-memory); "
+            f"max_tokens {req.params.max_new_tokens} + a block of {self.engine.scratch_slots}, in pages of "
+            f"{self.page_size}), more than the server's whole budget of {budget} positions (--kv-cache-memory); "
             "lower max_tokens or shorten the prompt")
 
     @staticmethod
@@ -172,7 +174,7 @@ class Scheduler:
 
     def _fits(self, admit: list[Request], candidate: Request) -> bool:
         """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget with one
-        chunk of growth for every row (no more than it may ever hold), so that a join is not undone at once by a
+        page of growth for every row (no more than it may ever hold), so that a join is not undone at once by a
         preemption."""
         if self.kv_cache_positions is None:
             return True
@@ -180,7 +182,7 @@ class Scheduler:
         held = [row.n_cached for row in self._batch.rows] + [self._tokens_to_prefill(r) for r in joining]
         most = [self.most_tokens(self._running[row.index]) if row.index in self._running else row.n_cached
                 for row in self._batch.rows] + [self.most_tokens(r) for r in joining]
-        return self.positions([min(h + self.kv_chunk, m) for h, m in zip(held, most)]) <= self.kv_cache_positions
+        return self.positions([min(h + self.page_size, m) for h, m in zip(held, most)]) <= self.kv_cache_positions
 
     def _preempt_to_fit(self) -> None:
         """While the batch's next cycle would take more than the budget, the running request that arrived last

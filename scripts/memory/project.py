@@ -7,8 +7,9 @@ Targets are built from their config only (flashdraft.memory.REAL_SHAPES, no weig
 5-layer drafter of the same attention shape (`make_draft_config`), in bf16. A length is PROMPT:MAX_TOKENS;
 MAX_TOKENS `rest` is what a chat request without max_tokens may run to (the rest of the context, here --context).
 Rows are counted at their end (prompt + max_tokens held) with the engine's own rule (flashdraft.memory.rows_that_fit:
-caches grow in chunks of --kv-chunk positions), the figure `flashdraft serve` logs at start-up; in parentheses, the
-rows the engine fitted before caches grew (a power of two of at least 256 positions reserved per row up front).
+each row owns pages of --kv-page-size positions for what it holds), the figure `flashdraft serve` logs at start-up;
+in parentheses, the rows the engine fitted before caches grew (a power of two of at least 256 positions reserved
+per row up front).
 Rows that have not reached their end hold less, so the server runs more of them and preempts when they outgrow
 the budget. The weights are counted on the meta device, so budgets can be read against a GPU: KV budget = GPU
 memory - weights - activations.
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
                    help="PROMPT:MAX_TOKENS (default 512:512, 2048:1024, 512:rest, 4096:rest)")
     p.add_argument("--context", type=int, default=8192, help="context a chat request's max_tokens defaults to")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-chunk", type=int, default=256, help="positions the engine's caches grow by")
+    p.add_argument("--kv-page-size", type=int, default=64, help="positions per page of the engine's caches")
     p.add_argument("--draft-layers", type=int, default=5)
     args = p.parse_args(argv)
     budgets = args.budget_gib or [20.0, 60.0]
@@ -65,10 +66,10 @@ def main(argv=None) -> None:
         print("|---:|---:|---:|---:|" + "---:|" * len(budgets))
         for prompt, new in lengths:
             max_new = args.context - prompt if new == "rest" else int(new)
-            capacity = row_capacity(prompt + max_new, args.block_size, args.kv_chunk)
-            per_row = (capacity + 1) * (t_bytes + d_bytes) / GiB
+            capacity = row_capacity(prompt + max_new, args.block_size, args.kv_page_size)
+            per_row = capacity * (t_bytes + d_bytes) / GiB
             reserved_before = max(256, next_power_of_two(prompt + max_new + args.block_size)) + 1
-            fits = [f"{rows_that_fit(int(b * GiB), prompt + max_new, args.block_size, args.kv_chunk, t_bytes, d_bytes)}"
+            fits = [f"{rows_that_fit(int(b * GiB), prompt + max_new, args.block_size, args.kv_page_size, t_bytes, d_bytes)}"
                     f" ({int(b * GiB // (reserved_before * (t_bytes + d_bytes)))})" for b in budgets]
             shown = f"{max_new} (rest of {args.context})" if new == "rest" else str(max_new)
             print(f"| {prompt} | {shown} | {capacity} | {per_row:.2f} | " + " | ".join(map(str, fits)) + " |")

@@ -5,7 +5,7 @@ they imply: one AR step, one 16-token verify and one draft (context write + bloc
     python scripts/speed/gpu_shapes.py --json runs/gpu_shapes.json
     python scripts/speed/gpu_shapes.py --tiny --device cpu          # a scaled-down smoke run (what CI does)
 
-The steps are the engine's own (`StaticTargetKV.forward_block`, `DFlashProposer.propose`) on static caches holding
+The steps are the engine's own (`PagedTargetKV.forward_block`, `DFlashProposer.propose`) on static caches holding
 `--context` positions. Projected speedup at acceptance length tau (default: measured on the shipped pair by
 this script, greedy, held-out prompts) = tau * t_AR / (t_draft + t_verify): what the engine would gain if the
 rest of a cycle (acceptance, bookkeeping) were free; the CPU profile puts that rest at a few percent.
@@ -29,7 +29,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from flashdraft.engine.compiled import compile_step
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.proposers import DFlashProposer, ProposalInput
-from flashdraft.engine.target_kv import StaticTargetKV
+from flashdraft.engine.target_kv import PagedTargetKV
 from flashdraft.model import DFlashDraftModel, TargetModel, default_target_layer_ids, make_draft_config
 from flashdraft.model.fast_target import FastTarget
 
@@ -83,7 +83,7 @@ def measure(target: TargetModel, drafter: DFlashDraftModel, batch: int, context:
     capacity = context + 2 * block
     forward = compile_step(fast.forward, dev) if compiled else None
     vocab = target.vocab_size
-    kv = StaticTargetKV(fast, fast.new_cache(batch, capacity), batch, RowBuckets(), forward)
+    kv = PagedTargetKV(fast, fast.new_cache(batch, capacity), batch, RowBuckets(), forward)
     hidden = target.config.hidden_size * len(drafter.target_layer_ids)
     ids = torch.randint(0, vocab - 1, (batch, block), device=dev)
     positions = context + torch.arange(block, device=dev)[None].expand(batch, -1).contiguous()
@@ -96,7 +96,7 @@ def measure(target: TargetModel, drafter: DFlashDraftModel, batch: int, context:
     state = proposer.new_batch_state()
     state.kv = drafter.new_cache(batch, capacity)
     features = torch.randn(batch, block, hidden, device=dev, dtype=drafter.dtype)
-    inp = ProposalInput(ids[:, 0], positions, capacity, context, Features(
+    inp = ProposalInput(ids[:, 0], positions, context, Features(
         features, positions - block, torch.ones(batch, block, dtype=torch.bool, device=dev)))
     draft = timed_ms(lambda: proposer.propose(state, inp, block), iters, dev)
     return {"batch": batch, "compiled": compiled, "ar_ms": ar, "verify_ms": verify, "draft_ms": draft,

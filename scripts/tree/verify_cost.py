@@ -8,7 +8,7 @@ step, the draft that builds it, and the tokens/s the measured tau curve then buy
 
 Every step is the engine's own (a `SpecEngine`'s fast target and proposer, with its weight packing), on static
 caches holding `--context` positions per row (their values do not change the time): the one-token step and the
-16-token chain verify through `StaticTargetKV.forward_block` (the one-token step without features, as plain
+16-token chain verify through `PagedTargetKV.forward_block` (the one-token step without features, as plain
 decoding runs it), the chain's acceptance (`verify.verify`) apart; a tree of N nodes besides the root through
 `forward_ragged` with its ancestor mask (`tree.TokenTree.ancestors` + `tree_attention_mask`, built in the timed
 call as `SpecEngine._tree_step` builds them), the walk (`verify.verify_tree`, greedy) and the accepted path's K/V
@@ -124,7 +124,7 @@ def measure_rows(target, drafter, rows: int, context: int, budgets: list[int], i
     from flashdraft.engine import EngineConfig, SpecEngine
     from flashdraft.engine.batch import Features, RowBuckets
     from flashdraft.engine.proposers import ProposalInput
-    from flashdraft.engine.target_kv import StaticTargetKV
+    from flashdraft.engine.target_kv import PagedTargetKV
     from flashdraft.engine.tree import TREE_CANDIDATES, best_first, stack, tree_attention_mask
     from flashdraft.engine.verify import SamplingParams, verify, verify_tree
 
@@ -134,7 +134,7 @@ def measure_rows(target, drafter, rows: int, context: int, budgets: list[int], i
     engine = SpecEngine(target, drafter, None, EngineConfig(draft_policy="fixed", tree_budget=max(budgets)))
     fast, proposer = engine.fast, engine.proposer
     capacity = context + max(budgets + [CHAIN_WIDTH]) + 1
-    kv = StaticTargetKV(fast, fast.new_cache(rows, capacity), rows, RowBuckets())
+    kv = PagedTargetKV(fast, fast.new_cache(rows, capacity), rows, RowBuckets())
     idx = torch.arange(rows, device=dev)
     n_cached = torch.full((rows,), context, dtype=torch.long, device=dev)
     ids = torch.randint(2, target.vocab_size - 1, (rows, CHAIN_WIDTH), device=dev)
@@ -143,10 +143,11 @@ def measure_rows(target, drafter, rows: int, context: int, budgets: list[int], i
              "chain_verify": lambda: kv.forward_block(ids, positions, True, context + CHAIN_WIDTH)}
 
     state = proposer.new_batch_state()
+    state.grow([capacity] * rows)
     width = target.config.hidden_size * len(drafter.target_layer_ids)
     features = Features(torch.randn(rows, CHAIN_WIDTH, width, device=dev, dtype=drafter.dtype), positions - CHAIN_WIDTH,
                         torch.ones(rows, CHAIN_WIDTH, dtype=torch.bool, device=dev))
-    inp = ProposalInput(ids[:, 0], positions, capacity, context, features)
+    inp = ProposalInput(ids[:, 0], positions, context, features)
     calls["chain_draft"] = lambda: proposer.propose(state, inp, CHAIN_WIDTH)
     candidates, logp = geometric_candidates(CHAIN_WIDTH - 1, TREE_CANDIDATES)
     greedy = [SamplingParams(max_new_tokens=1)] * rows
