@@ -1,15 +1,16 @@
 """Compiled decode steps: `torch.compile` for the draft and verify steps, CUDA graphs on GPU.
 
 Only the per-cycle steps are compiled - the drafter's context write and block forward, and the target's block
-verify on the fast path - because their shapes are static per block size: the static caches are attended over
-their whole capacity (masks, not slices, say which slots are live) and the drafter's context arrives in chunks
-of one block. Prefill, acceptance and bookkeeping stay eager. Each batch bucket (the engine pads batches to a
-power of two rows) compiles one graph, once; the caches' capacity, which grows in chunks with the tokens held, is
-a dynamic dimension of it (`StaticKV` marks it), so growing caches compile nothing more. `SpecEngine.warmup`
-builds the buckets' graphs ahead of time.
+verify on the fast path - because their shapes are static per block size: the paged caches are attended over
+every position their page tables address (masks, not slices, say which are live) and the drafter's context
+arrives in chunks of one block. Prefill, acceptance and bookkeeping stay eager. Each batch bucket (the engine pads
+batches to a power of two rows) compiles one graph, once; the pools' page counts and the tables' widths, which
+grow with the tokens held, are dynamic dimensions of it (`PagedKV` marks them), so growing caches compile nothing
+more. `SpecEngine.warmup` builds the buckets' graphs ahead of time.
 
-On CUDA the steps use mode="reduce-overhead" (CUDA graphs). The caches they write in place are static addresses
-(`StaticKV` marks its CUDA tensors), and outputs are cloned because a graph replay overwrites its last outputs.
+On CUDA the steps use mode="reduce-overhead" (CUDA graphs). The pools and tables they read and write in place are
+static addresses (`PagedKV` marks its CUDA tensors), and outputs are cloned because a graph replay overwrites its
+last outputs.
 
 What this module does not know about: which function is a step; the engine decides (`SpecEngine(compile=True)`).
 """

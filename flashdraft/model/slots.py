@@ -149,7 +149,10 @@ class PagedKV:
             n = pages_for(length, self.page_size)
             return (keys[index:index + n].view(1, -1, *keys.shape[2:])[:, :length],
                     values[index:index + n].view(1, -1, *values.shape[2:])[:, :length])
-        return keys[index].flatten(1, 2)[:, :length], values[index].flatten(1, 2)[:, :length]
+        # index_select, not keys[index]: the same gather, several times faster on CPU
+        shape = (index.shape[0], -1, *keys.shape[2:])
+        return (keys.index_select(0, index.reshape(-1)).view(shape)[:, :length],
+                values.index_select(0, index.reshape(-1)).view(shape)[:, :length])
 
     def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy every layer's K/V at positions `source` [b, n] to positions `dest` [b, n] of rows `rows` [b] (a

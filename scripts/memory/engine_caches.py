@@ -104,7 +104,7 @@ def run_points(points: list[tuple[int, ...]]) -> list[dict]:
     return out
 
 
-def plot(path: str, runs: dict[str, list[dict]]) -> None:
+def plot(path: str, runs: dict[str, list[dict]], heading: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +135,9 @@ def plot(path: str, runs: dict[str, list[dict]]) -> None:
         ax.set_ylabel("MiB")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=6)
-    if mixed:
+    if heading:
+        fig.suptitle(heading, fontsize=8)
+    elif mixed:
         fig.suptitle("Engine K/V memory on the default pair (bf16, CPU), one long row among short ones\nbefore: every "
                      "row at the longest row's capacity (one rectangle, chunks of 256); after: paged caches",
                      fontsize=8)
@@ -162,6 +164,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the points here")
     p.add_argument("--plot", help="draw --before/--after JSON files (no measuring)")
     p.add_argument("--before")
+    p.add_argument("--title", help="--plot: what before and after are (default: the measurements in BENCHMARKS.md)")
     p.add_argument("--after")
     p.add_argument("--point", help=argparse.SUPPRESS)  # ROWS,LENGTH or ROWS,LONG,SHORT: one point, JSON on stdout
     args = p.parse_args(argv)
@@ -174,7 +177,7 @@ def main(argv=None) -> None:
                                                                          ("after", args.after)) if f}
         if not runs:
             p.error("--plot needs --before and/or --after JSON files")
-        plot(args.plot, runs)
+        plot(args.plot, runs, args.title)
         return
     if args.mixed:
         rows, lengths = args.rows or [4, 16], args.lengths or [64, 200, 450, 800, 1300]
