@@ -209,12 +209,11 @@ class PagedKV:
             for p in self.pages[r]:
                 heapq.heappush(self.free, p)
 
-    def _write_table(self, rows: int | None = None) -> None:
+    def _write_table(self) -> None:
         """The device table from the host's pages (in place when its shape stays: CUDA graphs keep its address)."""
-        rows = len(self.pages) if rows is None else rows
         most = max(map(len, self.pages), default=0)
         width = max(1, -(-most // self.table_pages)) * self.table_pages
-        table = torch.zeros((rows, width), dtype=torch.long)
+        table = torch.zeros((len(self.pages), width), dtype=torch.long)
         for r, pages in enumerate(self.pages):
             table[r, :len(pages)] = torch.tensor(pages, dtype=torch.long)
         table = table.to(self.table.device)
@@ -281,11 +280,6 @@ class PagedKV:
         renumber = dict(zip(theirs, mine))
         self.pages += [[renumber[p] for p in pages] for pages in other.pages] + [[] for _ in range(pad)]
         self._write_table()
-
-    def shrink(self) -> None:
-        """After rows left: the table as wide as the longest remaining row needs, the pool compacted."""
-        self._write_table()
-        self.compact()
 
 
 def compaction_order(valid: torch.Tensor) -> torch.Tensor | None:
