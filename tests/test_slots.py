@@ -129,3 +129,31 @@ def test_a_budget_stops_the_eighth_but_never_a_page_a_row_needs():
     assert kv.pool_pages == 18 and not kv.free
     kv.reserve([12] + [4] * 15)  # past the budget only by what a row needs (the scheduler keeps rows within it)
     assert kv.pool_pages == 19
+
+
+def test_prefill_runs_prompts_of_similar_length_together_and_matches_each_prompt_alone():
+    """One long prompt among short ones is prefilled in its own forward (the short ones are not padded to its
+    length), and every row's last logits, features and cache equal what the row computes alone."""
+    from tiny import cache_row, make_target
+
+    from flashdraft.model.fast_target import FastTarget, length_groups
+    from flashdraft.model.target import TargetModel
+
+    assert length_groups([1300, 64, 64, 64]) == [[0, 1], [2, 3]]
+    assert length_groups([10, 12, 9]) == [[1, 0, 2]]
+    fast = FastTarget(TargetModel(make_target("qwen3"), layer_ids=[0, 1]))
+    lengths = [5, 40, 6, 38]
+    ids = torch.zeros(4, 40, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.arange(n) * (r + 3) % 90 + 1
+    positions = torch.arange(40)[None].expand(4, -1)
+    kv = fast.new_cache(4, lengths, page_size=8)
+    logits, features = fast.prefill(ids, positions, kv, torch.tensor(lengths), capture=True)
+    for r, n in enumerate(lengths):
+        alone = fast.new_cache(1, n, page_size=8)
+        want_logits, want_features = fast.forward(ids[r:r + 1, :n], positions[r:r + 1, :n], alone,
+                                                  logit_index=torch.tensor([n - 1]), capture=True, key_len=n)
+        torch.testing.assert_close(logits[r], want_logits[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features[r, :n], want_features[0], atol=1e-4, rtol=1e-4)
+        for mine, theirs in zip(cache_row(kv, r, n), cache_row(alone, 0, n), strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)

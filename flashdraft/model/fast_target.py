@@ -241,15 +241,15 @@ class FastTarget:
         decoded, from `exact_from[r]` on: in exact mode those go through the exact forward, as they did first."""
         width = input_ids.shape[1]
         if not self.exact:
-            return self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture, key_len=width)
+            return self._prefill_by_length(input_ids, positions, kv, lengths, capture)
         logits, features = [], []
         for r, n in enumerate(lengths.tolist()):
             p = n if exact_from is None else min(n, exact_from[r])
-            row_logits, row_features = self.forward(input_ids[r:r + 1, :p], positions[r:r + 1, :p], kv.row(r),
+            row_logits, row_features = self.forward(input_ids[r:r + 1, :p], positions[r:r + 1, :p], kv.rows([r]),
                                                     logit_index=torch.tensor([p - 1], device=input_ids.device),
                                                     capture=capture, key_len=p, exact=False)
             if p < n:  # the decoded tokens, as verification computed them
-                row_logits, decoded = self.forward(input_ids[r:r + 1, p:n], positions[r:r + 1, p:n], kv.row(r),
+                row_logits, decoded = self.forward(input_ids[r:r + 1, p:n], positions[r:r + 1, p:n], kv.rows([r]),
                                                    logit_index=torch.tensor([n - p - 1], device=input_ids.device),
                                                    capture=capture, key_len=n, exact=True)
                 row_features = None if row_features is None else torch.cat([row_features, decoded], dim=1)
@@ -257,6 +257,29 @@ class FastTarget:
             if row_features is not None:
                 features.append(F.pad(row_features, (0, 0, 0, width - n)))
         return torch.cat(logits), (torch.cat(features) if features else None)
+
+    def _prefill_by_length(self, input_ids, positions, kv: PagedKV, lengths: torch.Tensor, capture: bool):
+        """Prompts of similar lengths in one forward each (`length_groups`): one long prompt does not make every
+        short one beside it compute, and hold the attention scores of, its length."""
+        groups = length_groups(lengths.tolist())
+        if len(groups) == 1:
+            return self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture,
+                                key_len=input_ids.shape[1])
+        logits = features = None
+        for idx in groups:
+            rows = torch.tensor(idx, device=input_ids.device)
+            width = int(lengths[rows].max())
+            group_logits, group_features = self.forward(input_ids[rows, :width], positions[rows, :width],
+                                                        kv.rows(idx), logit_index=lengths[rows] - 1,
+                                                        capture=capture, key_len=width)
+            if logits is None:
+                logits = group_logits.new_empty((input_ids.shape[0], *group_logits.shape[1:]))
+                if group_features is not None:
+                    features = group_features.new_zeros((*input_ids.shape, group_features.shape[-1]))
+            logits[rows] = group_logits
+            if features is not None:
+                features[rows, :width] = group_features
+        return logits, features
 
     def _qkv(self, i: int, h: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.layers[i].self_attn
@@ -275,6 +298,21 @@ class FastTarget:
         _, gate_up, down = self.packed_layers[i]
         gate, up = project(gate_up, h).chunk(2, dim=-1)
         return project(down, F.silu(gate) * up)
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Rows (indices into `lengths`) grouped for prefill, longest first: a row joins the group of the longer rows
+    before it while padding every row to the group's longest stays within twice the group's real tokens."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    groups: list[list[int]] = []
+    for r in order:
+        if groups:
+            group = groups[-1]
+            if (len(group) + 1) * lengths[group[0]] <= 2 * (sum(lengths[i] for i in group) + lengths[r]):
+                group.append(r)
+                continue
+        groups.append([r])
+    return groups
 
 
 def _call(linear, x: torch.Tensor) -> torch.Tensor:

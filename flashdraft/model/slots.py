@@ -163,11 +163,12 @@ class PagedKV:
             flat = t.view(-1, *t.shape[2:])
             flat[dst] = flat[src]
 
-    def row(self, r: int) -> "PagedKV":
-        """Row r alone, as a cache of one row sharing this one's pool and table (writes go through)."""
+    def rows(self, idx: list[int]) -> "PagedKV":
+        """Rows `idx` alone, as a cache sharing this one's pools (writes go through; for a forward over those rows,
+        not for allocating pages)."""
         other = PagedKV.__new__(PagedKV)
         other.__dict__.update(self.__dict__)
-        other.table, other.pages = self.table[r:r + 1], [self.pages[r]]
+        other.table, other.pages = self.table[idx], [self.pages[r] for r in idx]
         return other
 
     def gather_rows(self, rows: torch.Tensor, length: int) -> DenseKV:

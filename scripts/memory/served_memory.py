@@ -67,7 +67,9 @@ def server(extra: list[str]):
     port = free_port()
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), "--threads", "1",
            "--max-batch-size", "16", "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # run from this script's folder: `-m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).parent)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
@@ -99,8 +101,10 @@ def main(argv=None) -> None:
     long_prompt, short_prompts = source_prompts(args.long, 64, args.short)
     extra = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
     with server(extra) as (url, pid):
+        model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
         def complete(prompt: str) -> dict:
-            body = {"model": "default", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+            body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
             resp = httpx.post(url + "/v1/completions", json=body, timeout=600)
             resp.raise_for_status()
             return resp.json()["usage"]
