@@ -3,9 +3,9 @@
 - `Features`: target hidden states (the tapped layers, concatenated) of committed slots that the drafter has not
   read yet, with their positions and which of them are real. Each row keeps its own (`PendingContext`) until it
   drafts: a row that only takes one-token steps and finishes so never pays for the drafter's context at all.
-- `RowBuckets`: how many rows a static cache holds for n live rows. Compiled steps see a power-of-two row count
+- `RowBuckets`: how many rows a paged cache holds for n live rows. Compiled steps see a power-of-two row count
   (`batch_bucket`), so a server whose batch moves between 1 and N rows compiles about log2(N) graphs per step;
-  the rows past the live ones are padding whose contents are never read. Both static caches (the target's and
+  the rows past the live ones are padding whose contents are never read. Both paged caches (the target's and
   the drafter's) pad and unpad through it, so the cycle itself only ever sees live rows.
 - `Batch`: the rows, the target's cache, the drafter's per-row state, the draft-length policy. Before every cycle
   (`grow`) each row's caches take pages for its committed tokens plus one block (`row_lengths`); a row that leaves
@@ -58,7 +58,7 @@ class RowBuckets:
     bucketed: bool = False
 
     def rows(self, live: int) -> int:
-        """Rows a static cache holds for `live` live rows."""
+        """Rows a paged cache holds for `live` live rows."""
         return batch_bucket(live) if self.bucketed and live else live
 
     def padded_index(self, idx: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,14 @@ Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, 
 transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
-static caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a
+paged caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a
 handful of graphs, and all rows share one width (1 or the block). `exact=True` makes the target forward
 batch-invariant (`fast_target.py`).
 Limitation of the generic path: with batch > 1, targets whose attention uses a sliding window count cache slots
 (holes included) rather than tokens, so they are exact only while the context fits the window.
 
 What this module does not know about: how drafts are made (`proposers.py`), how they are judged (`verify.py`),
-how many tokens to verify (`policy.py`), row padding (`batch.py`, inside the static caches), HTTP, or continuous
+how many tokens to verify (`policy.py`), row padding (`batch.py`, inside the paged caches), HTTP, or continuous
 batching (the server drives `SpecEngine` one cycle at a time through `open_batch`, `add`, `step`, `cancel`, and
 `preempt` / `resume` to stay within a memory budget).
 """
