@@ -21,9 +21,13 @@ What this module does not know about: models (it only speaks HTTP).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import socket
 import statistics
+import subprocess
+import sys
 import time
 
 from flashdraft.bench.datasets import Prompt
@@ -33,6 +37,43 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
              "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(args: list[str], log, name: str = "flashdraft serve", cwd=None, timeout: float = 300):
+    """`python -m flashdraft.cli serve --port <a free port> *args` in a subprocess writing to `log`, waited for until
+    its /health answers; yields (base URL, process) and terminates it on exit. `cwd`: where it runs (`-m` puts the
+    working directory first on sys.path, ahead of PYTHONPATH: run outside a checkout to pick the engine by it)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}: see {getattr(log, 'name', 'its log')}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise RuntimeError(f"{name} not ready after {timeout:.0f} s: see {getattr(log, 'name', 'its log')}")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
 
 
 def parse_spec_metrics(text: str) -> dict | None:

@@ -18,22 +18,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from flashdraft.bench.server import local_server
+
 MiB = 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -64,31 +58,11 @@ def source_prompts(long: int, short: int, count: int) -> tuple[str, list[str]]:
 
 @contextlib.contextmanager
 def server(extra: list[str]):
-    port = free_port()
-    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), "--threads", "1",
-           "--max-batch-size", "16", "--log-level", "warning", *extra]
-    # run from this script's folder: `-m` puts the working directory first on sys.path, ahead of PYTHONPATH
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).parent)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError("the server was not ready after 300 s")
-            time.sleep(0.5)
+    """The server on the shipped pair, run from this script's folder (so PYTHONPATH picks the engine); yields (URL,
+    pid)."""
+    args = ["--threads", "1", "--max-batch-size", "16", "--log-level", "warning", *extra]
+    with tempfile.TemporaryFile("w+") as log, local_server(args, log, cwd=Path(__file__).parent) as (url, proc):
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
 
 
 def main(argv=None) -> None:

@@ -23,54 +23,23 @@ import json
 import multiprocessing
 import os
 import shlex
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from flashdraft.bench.datasets import load_prompts
-from flashdraft.bench.server import run_servers
+from flashdraft.bench.server import local_server, run_servers
 
 SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
 def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path):
     """A `flashdraft serve` process on a free port; yields its base URL."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), "--threads", str(threads),
-           "--max-batch-size", str(max_batch), "--max-queue", str(4 * max_batch), "--log-level", "warning", *extra]
-    log = open(log_dir / f"{name}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} server exited with {proc.returncode}: see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError(f"{name} server not ready after 300 s: see {log.name}")
-            time.sleep(0.5)
+    args = ["--threads", str(threads), "--max-batch-size", str(max_batch), "--max-queue", str(4 * max_batch),
+            "--log-level", "warning", *extra]
+    with open(log_dir / f"{name}.log", "w") as log, local_server(args, log, f"{name} server") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
 
 
 def _spin(stop) -> None:
