@@ -381,8 +381,8 @@ class SpecEngine:
     def warmup(self, max_batch_size: int = 1) -> list[int]:
         """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
         generation per bucket, so that the first requests do not wait for the compiler. The graphs take any cache
-        size (pool pages and page-table width are dynamic dimensions), so longer requests compile nothing more. Returns the buckets warmed
-        ([] for an engine that is not compiled)."""
+        size (pool pages and page-table width are dynamic dimensions), so longer requests compile nothing more.
+        Returns the buckets warmed ([] for an engine that is not compiled)."""
         self._check_open()
         if self.block_step is None:
             return []

@@ -2,10 +2,10 @@
 shared verifier (`verify.py`) decides what is kept.
 
 A method is stateless; what it remembers per row lives in a state object it creates for each live batch
-(`new_batch_state(buckets, page_size, max_pages)`), which follows the batch's live rows through `select_rows(idx)` (rows left),
-`merge(other, keep, add)` (rows [0, keep) stay, the `add` rows of `other`, a state of the same method, join below
-them) and `grow(lengths)` (live row r may reach positions < lengths[r]); a state with a paged cache pads it to
-`buckets.rows(live)` rows itself (padding rows own no pages).
+(`new_batch_state(buckets, page_size, max_pages)`), which follows the batch's live rows through
+`select_rows(idx)` (rows left), `merge(other, keep, add)` (rows [0, keep) stay, the `add` rows of `other`, a state
+of the same method, join below them) and `grow(lengths)` (live row r may reach positions < lengths[r]); a state
+with a paged cache pads it to `buckets.rows(live)` rows itself (padding rows own no pages).
 A method with `needs_features` receives the drafting rows' context pending since each last drafted, and also takes
 `reserve(state, live)` (a new batch) and `absorb(state, features, block_size, rows)`: context to remember without
 drafting (rows whose pending context grew long).

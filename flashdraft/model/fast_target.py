@@ -129,8 +129,8 @@ class FastTarget:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
 
         Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
-        steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact` overrides the instance's
-        mode for this call (`prefill` runs each row's prompt as an ordinary block).
+        steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact`
+        overrides the instance's mode for this call (`prefill` runs each row's prompt as an ordinary block).
         """
         exact = self.exact if exact is None else exact
         b, q = input_ids.shape

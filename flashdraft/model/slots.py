@@ -135,7 +135,7 @@ class PagedKV:
         n = pages_for(length, self.page_size)
         if rows is None and self.batch == 1 and not torch.compiler.is_compiling():
             pages = self.pages[0]
-            if len(pages) >= n and pages[n - 1] - pages[0] == n - 1 and pages[:n] == list(range(pages[0], pages[0] + n)):
+            if len(pages) >= n and pages[:n] == list(range(pages[0], pages[0] + n)):
                 return pages[0]
         return (self.table if rows is None else self.table[rows])[:, :n]
 
