@@ -61,8 +61,11 @@ def test_one_row_with_consecutive_pages_is_read_as_a_view():
     assert isinstance(index, int)
     keys, _ = kv.read(0, 10, index)
     assert keys.data_ptr() == kv.keys[0].data_ptr() + index * PAGE * 2 * 4
-    gathered, _ = kv.read(0, 10, kv.page_index(10, torch.tensor([0])))
+    gathered, _ = kv.read(0, 10, kv.table[:1, :3])  # the same pages gathered (a copy)
     assert torch.equal(keys, gathered)
+    wider = make_kv([10, 4])  # one row picked out of a batch is a view too
+    assert isinstance(wider.page_index(10, torch.tensor([0])), int)
+    assert not isinstance(wider.page_index(10, torch.tensor([0, 1])), int)
 
 
 def test_rows_leave_their_pages_and_a_repeated_row_is_an_empty_padding_row():

@@ -142,5 +142,5 @@ def cache_row(kv, row: int, n: int) -> list:
 
     if not n:
         return []
-    index = kv.page_index(n, torch.tensor([row]))
-    return [t[0] for layer in range(len(kv.keys)) for t in kv.read(layer, n, index)]
+    rows = kv.gather_rows(torch.tensor([row]), n)
+    return [t[0] for layer in zip(rows.keys, rows.values) for t in layer]

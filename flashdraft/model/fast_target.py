@@ -171,8 +171,7 @@ class FastTarget:
                 written = pos
                 mask = (torch.arange(int(pos.max()) + 1, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
             key_len = mask.shape[-1]
-            index = kv.page_index(key_len) if kv.batch == len(rows) == 1 else kv.page_index(key_len, rows)
-            spans.append((kv.slots(written, rows), index, key_len, mask))
+            spans.append((kv.slots(written, rows), kv.page_index(key_len, rows), key_len, mask))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
             out = []

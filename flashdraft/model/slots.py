@@ -128,13 +128,14 @@ class PagedKV:
         self.values[layer].view(-1, *self.values[layer].shape[2:])[slots] = values
 
     def page_index(self, length: int | None = None, rows=None):
-        """What `read` takes for positions [0, length) (default: the capacity) of rows `rows` (a tensor or a
-        slice; default: all): the first page (an int) for one row whose pages are consecutive, read as a view;
-        otherwise the page ids [b, n] to gather. Computed once, used by every layer."""
+        """What `read` takes for positions [0, length) (default: the capacity) of rows `rows` (a tensor; default:
+        all): the first page (an int) for one row whose pages are consecutive, read as a view; otherwise the page
+        ids [b, n] to gather. Computed once, used by every layer."""
         length = length or self.capacity
         n = pages_for(length, self.page_size)
-        if rows is None and self.batch == 1 and not torch.compiler.is_compiling():
-            pages = self.pages[0]
+        one = 0 if rows is None and self.batch == 1 else (int(rows) if rows is not None and rows.numel() == 1 else None)
+        if one is not None and not torch.compiler.is_compiling():
+            pages = self.pages[one]
             if len(pages) >= n and pages[:n] == list(range(pages[0], pages[0] + n)):
                 return pages[0]
         return (self.table if rows is None else self.table[rows])[:, :n]
