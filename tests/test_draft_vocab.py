@@ -75,7 +75,7 @@ def test_reduced_vocabulary_drafts_inside_it_and_stays_lossless(pair, temperatur
     greedy_ids = {t for p in PROMPTS for t in greedy_reference(target, p, 24)}
     kept = _kept(target, size=len(greedy_ids) // 2)  # half of what greedy decoding emits
     small = restrict_drafter(drafter, target.get_output_embeddings().weight, kept)
-    engine = SpecEngine(target, small)
+    engine = SpecEngine(target, small, draft_policy="fixed")  # every cycle drafts, whatever the timing
     drafts = _recording(engine)
     params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5 if temperature else None)
     outs = engine.generate(PROMPTS, params)
