@@ -59,7 +59,8 @@ def test_warmup_compiles_every_batch_bucket_so_requests_never_recompile(qwen3):
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
         assert [r.token_ids for r in engine.generate(PROMPTS + PROMPTS[:1], params)] == expected + expected[:1]
         assert engine.generate(PROMPTS[1:2], params)[0].token_ids == expected[1]
-    assert SpecEngine(target, make_drafter(target, block_size=4)).warmup(4) == []  # not compiled: nothing to do
+    assert SpecEngine(target, make_drafter(target, block_size=4)).warmup(4) == [1, 2, 4]  # eager: timed only
+    assert SpecEngine(target).warmup(4) == []  # eager plain decoding: nothing to compile or plan
 
 
 def test_growing_caches_keep_one_graph_per_bucket(qwen3, monkeypatch):

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from flashdraft.engine.batch import Batch, Features, PendingContext, RowBuckets, take_pending, width_groups
+from flashdraft.engine.batch import (Batch, Features, PendingContext, RowBuckets, next_power_of_two, take_pending,
+                                     width_groups)
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
@@ -64,6 +65,7 @@ from flashdraft.model.target import TargetModel, validate_pair
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
+PROFILE_CYCLES = 3  # timed cycles of each verify width per row bucket in `warmup`
 
 
 @dataclass
@@ -379,23 +381,32 @@ class SpecEngine:
 
     @torch.inference_mode()
     def warmup(self, max_batch_size: int = 1) -> list[int]:
-        """Build the compiled graphs of every batch bucket up to `max_batch_size` now, with one throwaway
-        generation per bucket, so that the first requests do not wait for the compiler. The graphs take any cache
-        size (pool pages and page-table width are dynamic dimensions), so longer requests compile nothing more.
-        Returns the buckets warmed ([] for an engine that is not compiled)."""
+        """Get ready for batches of up to `max_batch_size` rows before the first request. At each row bucket (the
+        compiled buckets; eager: powers of two and `max_batch_size`) throwaway rows run one cycle of every verify
+        width a cycle may use, which builds the compiled graphs, then `PROFILE_CYCLES` more of each, timed into the
+        draft policy's cost model. The first requests are then planned from measured costs: without this the
+        policy drafts blind to measure them (at 16 rows on CPU two full-block cycles, each ~8 one-token steps'
+        time). The graphs take any cache size (pool pages and page-table width are dynamic dimensions), so longer
+        requests compile nothing more. Returns the buckets warmed ([] for eager plain decoding: nothing to plan or
+        compile)."""
         self._check_open()
-        if self.block_step is None:
+        if self.block_step is None and self.block_size <= 1:
             return []
-        buckets = sorted({self.buckets.rows(n) for n in range(1, max_batch_size + 1)})
-        params = SamplingParams(max_new_tokens=self.block_size + 2)  # at least one full cycle after a plain step
+        sizes = range(1, max_batch_size + 1)
+        buckets = sorted({self.buckets.rows(n) if self.block_step is not None else min(next_power_of_two(n),
+                                                                                       max_batch_size)
+                          for n in sizes})
+        # enough tokens for every warm-up cycle of every width, should every draft be accepted
+        params = SamplingParams(max_new_tokens=(PROFILE_CYCLES + 1) * sum(self.width_choices) + 2)
         prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
         for rows in buckets:
             batch = self.open_batch()
             self.add(batch, [prompt] * rows, params)
-            for width in self.width_choices:  # every graph a cycle may use; the costs are not recorded
-                if batch.rows:
-                    self._cycle(batch, forced_width=width)
-            while batch.rows:
+            for width in self.width_choices:
+                for i in range(PROFILE_CYCLES + 1):  # the first builds the graphs and is not timed
+                    if batch.rows:
+                        self._cycle(batch, forced_width=width, profile=i > 0)
+            while batch.rows and self.block_step is not None:  # compiled: the rows' last steps too
                 self.step(batch)
         return buckets
 
@@ -566,8 +577,9 @@ class SpecEngine:
 
     # ---- one cycle ------------------------------------------------------------------------------------------
 
-    def _cycle(self, batch: Batch, forced_width: int | None = None) -> None:
-        """plan -> propose -> target forward -> verify -> commit, for every live row at once."""
+    def _cycle(self, batch: Batch, forced_width: int | None = None, profile: bool = False) -> None:
+        """plan -> propose -> target forward -> verify -> commit, for every live row at once. `forced_width`: every
+        row verifies that width and nothing is learnt from the cycle but, with `profile`, its costs."""
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
         batch.grow()  # every row's caches take pages for the positions its block (or tree) may reach
@@ -592,9 +604,9 @@ class SpecEngine:
             verified = widths
         self._commit_block(batch, block, features, verified, accepted, next_tokens)
         prof.mark("commit")
+        timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
+                             drafted_at - started, time.perf_counter() - started)
         if forced_width is None:
-            timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
-                                 drafted_at - started, time.perf_counter() - started)
             auto_shape = self.tree_budget == "auto" and bool(drafting)
             if auto_shape:
                 self.tree_shape.observe(len(rows), trees, len(rows) + sum(accepted), timing.total_s)
@@ -602,6 +614,8 @@ class SpecEngine:
                     self.tree_costs.record(timing)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted,
                                  None if auto_shape and trees else timing)
+        elif profile and not trees:
+            self.costs.record(timing)
         self._drop_finished(batch)
 
     def _clock(self) -> float:

@@ -7,13 +7,14 @@ created by `new_row()` and travels with the row.
 
 - `FixedWidth`: every row verifies the full block every cycle (`draft_policy="fixed"`).
 - `AdaptiveWidth` (the default): every cycle chooses the widths that maximise the batch's expected committed tokens
-  per second, from two models kept current while running:
+  per second, from two models kept current while running, and checks the plans against what they gave:
   - acceptance, per row: `RowAcceptance.survival[i]` estimates P(draft position i+1 survives), an exponential
     moving average of what the row's drafts showed, censored at the width it verified (positions it did not
     verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
     drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
-    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing):
-    judged by the optimistic starting prior once, so it drafts again where drafting could pay; what its drafts
+    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
+    new row starts from the wait the last row of its kind reached, so at temperature 1 with a weak drafter a new
+    request does not lose its first probes again): judged by the optimistic starting prior once, so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
     (a probe the plan declines counts as lost), so good drafts at a load where drafting does not pay neither
     probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
@@ -25,6 +26,13 @@ created by `new_row()` and travels with the row.
     timed slow once and avoided since is capped by the larger sizes timed after it). A bucket not measured for a
     while is forgotten (the plan then tries it again). Nothing is hard-coded: a busy machine or a GPU gets its own
     curves within a few cycles.
+  - goodput (`Goodput`), from two rows up: what drafting cycles and one-token steps actually committed per second
+    at the batch's load; where drafting gave less, the plan is not asked and every row steps, for a hold that
+    doubles while drafting keeps losing. It catches what the two models get wrong together (chosen rows accept
+    less than the estimates that chose them; costs the curves do not see), which left the plan drafting at loads
+    where drafting lost.
+  `SpecEngine.warmup` (run by `flashdraft serve`) times one-token steps and block cycles at every row bucket, so
+  a server plans its first requests from measured costs.
   With ragged verification (the fast target path, eager) each row gets its own width: the plan starts from the
   best batch-wide width and then lets every row take the width that pays at the batch's throughput (one
   Dinkelbach step on the linearised cost). Where one forward pads every row to the widest one (compiled steps,
@@ -56,6 +64,15 @@ OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's:
 # throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
 REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row changes (costs drift slowly)
+# the goodput check (`Goodput`), for batches of GOODPUT_ROWS rows or more: every JUDGE_EVERY drafting cycles of a
+# row bucket, its last DRAFTING_WINDOW drafting cycles against its last PLAIN_WINDOW cycles of one-token steps; a
+# bucket where drafting gave fewer tokens per second (HOLD_BELOW x theirs) takes only one-token steps for MIN_HOLD
+# cycles, doubling up to MAX_HOLD while drafting keeps losing (a lost check costs ~8 drafting cycles, at 16 rows
+# ~2 % of 1024 one-token steps). The windows are long because acceptance per cycle is geometric: windows of 8 held
+# winning buckets by chance (policy_sim.py); a margin of 5 % left drafting that lost 3-6 % under load
+GOODPUT_ROWS, JUDGE_EVERY, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 4, 32, 32, 1.0
+FIRST_JUDGEMENT = 8  # drafting cycles measured before a bucket is first judged, and again after each hold
+MIN_HOLD, MAX_HOLD = 32, 1024
 
 
 def width_choices(block_size: int) -> tuple[int, ...]:
@@ -146,12 +163,66 @@ class Curve:
         return float(b - a)
 
 
+class Goodput:
+    """Committed tokens per second that drafting cycles and cycles of one-token steps actually gave, per
+    power-of-two bucket of batch rows; a bucket where drafting gave less is held at one-token steps.
+
+    Why: the plan maximises predicted throughput, and its predictions err towards drafting under load: rows
+    draft when their estimates are high, so they accept less than the estimates that chose them (28 % less at 16
+    served rows), probes are judged on an optimistic prior, one-token steps are priced from cost buckets keyed
+    by tokens verified, which also hold one row's block verify, and a row's draft also writes the context it has
+    not drafted on (its prompt, its one-token steps), which the draft curve by rows does not price. Each error
+    alone is small; together they kept a CPU server drafting at loads where every drafting cycle lost. Measured goodput has none of these errors: it
+    is what the plans did (probes included) against what one-token steps did, at the same load. Drafting is
+    judged again after each hold, so a bucket where it pays again (a faster drafter, a quieter machine, better
+    prompts) drafts again within one hold."""
+
+    def __init__(self):
+        self.drafting: dict[int, deque] = {}  # bucket -> (committed tokens, seconds) of its last drafting cycles
+        self.plain: dict[int, deque] = {}  # bucket -> the same of its last cycles of one-token steps
+        self.fresh: dict[int, int] = {}  # drafting cycles since the bucket was last judged
+        self.hold: dict[int, int] = {}  # one-token-step cycles the bucket has left to hold
+        self.next_hold: dict[int, int] = {}
+
+    def allows(self, rows: int) -> bool:
+        return rows < GOODPUT_ROWS or self.hold.get(bucket(rows), 0) == 0
+
+    def record(self, rows: int, committed: int, seconds: float, drafting: bool, plain_s: float | None) -> None:
+        """One cycle of `rows` rows that committed `committed` tokens in `seconds`; `plain_s`: what the cost model
+        says a one-token step of these rows takes (the reference while too few were measured: a bucket where every
+        cycle drafts has none)."""
+        key = bucket(rows)
+        if not drafting:
+            self.plain.setdefault(key, deque(maxlen=PLAIN_WINDOW)).append((committed, seconds))
+            self.hold[key] = max(0, self.hold.get(key, 0) - 1)
+            return
+        self.drafting.setdefault(key, deque(maxlen=DRAFTING_WINDOW)).append((committed, seconds))
+        self.fresh[key] = self.fresh.get(key, 0) + 1
+        plain = self.plain.get(key, ())
+        plain_rate = rate(plain) if len(plain) >= JUDGE_EVERY else rows / plain_s if plain_s else None
+        if self.fresh[key] < JUDGE_EVERY or len(self.drafting[key]) < FIRST_JUDGEMENT or plain_rate is None:
+            return
+        self.fresh[key] = 0
+        if rate(self.drafting[key]) < HOLD_BELOW * plain_rate:
+            self.hold[key] = self.next_hold.get(key, MIN_HOLD)
+            self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
+            self.drafting[key].clear()  # after the hold, drafting is judged on what it does then
+        else:
+            self.next_hold[key] = MIN_HOLD
+
+
+def rate(window) -> float:
+    """Tokens per second over a window of (tokens, seconds)."""
+    return sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
+
+
 class CostModel:
     """An engine's measured cycle costs: the cycle without its draft (target forward, verify, commit) by tokens
-    verified, the draft by drafting rows."""
+    verified, the draft by drafting rows; and the goodput the plans gave (`Goodput`)."""
 
     def __init__(self):
         self.body, self.draft = Curve(), Curve()
+        self.goodput = Goodput()
 
     def record(self, t: CycleTiming) -> None:
         self.body.record(t.verified_tokens, max(0.0, t.total_s - t.draft_s))
@@ -176,11 +247,14 @@ def smooth_survival(survival: np.ndarray, width: int, accepted: int, rate: float
 
 
 class AcceptancePriors:
-    """The engine-wide survival per draft position that new rows start from, one for greedy and one for sampled
-    rows, each a slow moving average over every row's drafts."""
+    """What new rows start from, one for greedy and one for sampled rows: the engine-wide survival per draft
+    position, a slow moving average over every row's drafts; and the wait before a row's first probe, the wait
+    the last row of that kind set itself (so where probes keep losing, at temperature 1 with a weak drafter, a new
+    request does not lose its first few probes again: each costs ~2 one-token steps at batch 1 on CPU)."""
 
     def __init__(self, block_size: int):
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
+        self.wait = {False: MIN_PLAIN_RUN, True: MIN_PLAIN_RUN}
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
@@ -243,7 +317,10 @@ class AdaptiveWidth:
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         self._plain_cycles_left = 0  # a row joins: plan afresh
-        return RowAcceptance(self.priors[sampled].copy(), sampled)
+        return RowAcceptance(self.priors[sampled].copy(), sampled, plain_run=self.priors.wait[sampled])
+
+    def _wait(self, r: RowAcceptance, plain_run: int) -> None:
+        r.plain_run = self.priors.wait[r.sampled] = plain_run
 
     # ---- the plan -------------------------------------------------------------------------------------------
 
@@ -260,11 +337,14 @@ class AdaptiveWidth:
         if self._plain_cycles_left > 0 and self._plain_rows == n and not probes:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
             return [1] * n
-        plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
+        if self.costs.goodput.allows(n):
+            plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
+        else:  # drafting gave less than one-token steps at this load, lately
+            plan = np.ones(n, dtype=np.int64)
         for r, w in zip(rows, plan):
             if r.probing and w == 1:  # declined even judged optimistically: a lost probe, no draft needed to know
                 r.survival, r.probing, r.plain_steps = r.judged, False, 0
-                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
+                self._wait(r, min(2 * r.plain_run, MAX_PLAIN_RUN))
         drafting = bool((plan > 1).any())
         self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
         return plan.tolist()
@@ -320,6 +400,9 @@ class AdaptiveWidth:
                 timing: CycleTiming | None) -> None:
         if timing is not None:  # None: a cycle priced apart (`FixedWidth.observe`)
             self.costs.record(timing)
+            plain_s = self.costs.cycle(len(rows), 0)
+            self.costs.goodput.record(len(rows), len(rows) + sum(accepted), timing.total_s, any(w > 1 for w in widths),
+                                      None if plain_s is None else float(plain_s))
         for r, w, a in zip(rows, widths, accepted):
             if w == 1:
                 r.plain_steps += 1
@@ -330,9 +413,9 @@ class AdaptiveWidth:
                 r.survival = r.judged
                 # the wait doubles until the row drafts again on its own estimates: good drafts at a load where
                 # drafting does not pay must not bring a probe every few steps
-                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
+                self._wait(r, min(2 * r.plain_run, MAX_PLAIN_RUN))
             else:
-                r.plain_run = MIN_PLAIN_RUN
+                self._wait(r, MIN_PLAIN_RUN)
             r.plain_steps = 0
             r.update(w, a)
 

@@ -186,11 +186,12 @@ def run_serve(args) -> int:
     if api_key is None and not _is_loopback(args.host):
         log.warning("no API key: anyone who can reach %s:%d can use this server (pass --api-key or set $%s)",
                     args.host, args.port, API_KEY_ENV)
-    if args.compile:
-        log.info("compiling the draft and verify steps for batches of up to %d rows ...", args.max_batch_size)
+    if engine.block_size > 1 or args.compile:
+        log.info("%s the draft and verify steps for batches of up to %d rows ...",
+                 "compiling and timing" if args.compile else "timing", args.max_batch_size)
         start = time.perf_counter()
         buckets = engine.warmup(args.max_batch_size)
-        log.info("compiled for batch buckets %s in %.0f s", buckets, time.perf_counter() - start)
+        log.info("warmed up for batch buckets %s in %.0f s", buckets, time.perf_counter() - start)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
     log.info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
     uvicorn_server(app, args.drain_timeout, host=args.host, port=args.port, log_level=args.log_level).run()

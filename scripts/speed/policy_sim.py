@@ -5,19 +5,23 @@
 Served comparisons (`serve_sweep.py`) are the truth but take half an hour and move 5-10 % between runs on a shared
 CPU, which hides most policy changes. This drives `AdaptiveWidth` (the engine's default policy, unchanged) through a
 continuous batch on a machine model instead:
-- the machine: a cycle costs (step + per_token x (tokens verified - 1)) x noise + draft_per_row x drafting rows x
-  noise, where noise is log-normal (sigma 0.25) and 5 % of cycles take 3x (the OS preempted the process): the
-  timings a busy 2-core machine gives. The defaults are roughly the shipped pair's cycles at 16 rows on this CPU
-  (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~1 ms per row); at batch 1 the real verify
-  costs more than this models;
-- the requests: `concurrency` rows of 64 tokens, each replaced by a new one when it finishes; each request accepts
+- the machine: a cycle costs (step + per_token x (tokens verified - 1)) x noise + (draft_per_row x drafting rows
+  + context_token x the positions the drafting rows had not drafted on yet) x noise, where noise is log-normal
+  (sigma 0.25) and 5 % of cycles take 3x (the OS preempted the process): the timings a busy 2-core machine gives.
+  The drafter writes a row's pending context (its prompt, then its one-token steps) when the row drafts, a cost
+  the policy's curves by drafting rows do not see. The defaults are roughly the shipped pair's cycles at 16 rows
+  on this CPU (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~1 ms per row, ~0.01 ms per
+  pending position: 16 rows drafting on ~100-token prompts took 40 ms against 25 ms); at batch 1 the real
+  verify costs more than this models;
+- the requests: `concurrency` rows of 64 tokens after a prompt of 30-300, each replaced by a new one when it finishes; each request accepts
   every draft position with its own probability p, drawn uniformly from the set's range (in-domain 0.75-0.95,
-  mixed 0.2-0.9, failing 0.0-0.5);
+  mixed 0.2-0.9, failing 0.0-0.5), or, in the bursty set, stretches of p 0.9 and of p 0.05 (a 10 % chance of
+  switching every cycle: acceptance that changes along a request, so rows chosen for their estimates accept less
+  than the estimates said);
 - plain decoding: the same machine and requests with every width 1.
 It prints tokens/s of the policy / tokens/s of plain decoding, the mean over seeds, per concurrency and set.
 
-What this script does not know about: models, the engine's real overheads (the drafter's context upkeep, Python),
-and acceptance that changes along a request. It ranks policy changes; it does not replace the served sweep.
+What this script does not know about: models, the engine's real overheads (Python, caches). It ranks policy changes; it does not replace the served sweep.
 """
 
 from __future__ import annotations
@@ -33,19 +37,22 @@ sys.path.insert(0, str(ROOT))
 
 from flashdraft.engine.policy import AcceptancePriors, AdaptiveWidth, CostModel, CycleTiming  # noqa: E402
 
-SETS = {"in-domain": (0.75, 0.95), "mixed": (0.2, 0.9), "failing": (0.0, 0.5)}
+SETS = {"in-domain": (0.75, 0.95), "mixed": (0.2, 0.9), "failing": (0.0, 0.5), "bursty": (0.05, 0.9)}
+BURSTY = {"bursty": 0.1}  # sets whose requests switch between the two ends of their range, with this chance a cycle
 
 
 def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: int = 3000, plain: bool = False,
              step_s: float = 2.5e-3, per_token_s: float = 0.08e-3, draft_row_s: float = 1.0e-3,
-             request_tokens: int = 64, block_size: int = 16) -> float:
+             request_tokens: int = 64, block_size: int = 16, switch: float = 0.0,
+             context_token_s: float = 0.01e-3) -> float:
     """Committed tokens per simulated second of `concurrency` rows under the policy (or plain decoding)."""
     rng = np.random.default_rng(seed)
     policy = AdaptiveWidth(block_size, CostModel(), ragged=True, priors=AcceptancePriors(block_size),
                            choices=(1, block_size))
 
     def new_request() -> dict:
-        return {"state": policy.new_row(), "p": rng.uniform(*p_range), "left": request_tokens}
+        p = rng.choice(p_range) if switch else rng.uniform(*p_range)
+        return {"state": policy.new_row(), "p": p, "left": request_tokens, "pending": int(rng.integers(30, 300))}
 
     rows = [new_request() for _ in range(concurrency)]
     seconds = tokens = 0.0
@@ -53,19 +60,23 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
         widths = [1] * len(rows) if plain else policy.widths([r["state"] for r in rows])
         accepted = []
         for r, w in zip(rows, widths):
+            if switch and rng.random() < switch:
+                r["p"] = p_range[1] if r["p"] == p_range[0] else p_range[0]
             a = 0
             while a < w - 1 and rng.random() < r["p"]:
                 a += 1
             accepted.append(a)
         verified, drafting = sum(widths), sum(w > 1 for w in widths)
         noise = rng.lognormal(0.0, 0.25) * (3.0 if rng.random() < 0.05 else 1.0)
-        draft_s = draft_row_s * drafting * noise
+        pending = sum(r["pending"] for r, w in zip(rows, widths) if w > 1)
+        draft_s = (draft_row_s * drafting + context_token_s * pending) * noise
         total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s
         if not plain:
             policy.observe([r["state"] for r in rows], widths, accepted, CycleTiming(verified, drafting, draft_s, total_s))
         seconds += total_s
         for i, (r, a) in enumerate(zip(rows, accepted)):
             committed = min(a + 1, r["left"])
+            r["pending"] = a + 1 if widths[i] > 1 else r["pending"] + 1
             tokens += committed
             r["left"] -= committed
             if r["left"] <= 0:
@@ -73,10 +84,11 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
     return tokens / seconds
 
 
-def ratio(concurrency: int, p_range: tuple[float, float], seeds: int = 3, cycles: int = 3000) -> float:
-    """Mean over seeds of the policy's throughput / plain decoding's."""
-    return float(np.mean([simulate(concurrency, p_range, s, cycles) / simulate(concurrency, p_range, s, cycles, True)
-                          for s in range(seeds)]))
+def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000) -> float:
+    """Mean over seeds of the policy's throughput / plain decoding's, on the set `name`."""
+    p, switch = SETS[name], BURSTY.get(name, 0.0)
+    return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch)
+                          / simulate(concurrency, p, s, cycles, True, switch=switch) for s in range(seeds)]))
 
 
 def main(argv=None) -> int:
@@ -92,7 +104,7 @@ def main(argv=None) -> int:
     print("| concurrency | " + " | ".join(SETS) + " |")
     print("|---|" + "---|" * len(SETS))
     for c in levels:
-        print(f"| {c} | " + " | ".join(f"{ratio(c, p, args.seeds, args.cycles):.3f}" for p in SETS.values()) + " |")
+        print(f"| {c} | " + " | ".join(f"{ratio(c, name, args.seeds, args.cycles):.3f}" for name in SETS) + " |")
     return 0
 
 
