@@ -184,22 +184,15 @@ class _Row:
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
     pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
 
-    def noise_window(self, width: int, vocab: int, device) -> torch.Tensor:
-        """Noise [width, V] of output positions len(output) .. +width. The noise of a position never changes, so
-        the positions the last window already covered (those past its accepted drafts) are reused, not hashed
-        again: at low acceptance nearly all of them."""
+    def cached_noise(self, width: int) -> torch.Tensor | None:
+        """The noise of output positions len(output) .. +width that the last window already covered (those past
+        its accepted drafts), or None. The noise of a position never changes, so it is reused, not hashed again:
+        at low acceptance nearly all of a drafting row's window."""
+        if self.noise_cache is None:
+            return None
+        start, cached = self.noise_cache
         first = len(self.output)
-        reused = None
-        if self.noise_cache is not None:
-            start, cached = self.noise_cache
-            if start <= first < start + cached.shape[0]:
-                reused = cached[first - start: first - start + width]
-        done = 0 if reused is None else reused.shape[0]
-        fresh = exponential_noise(torch.tensor([self.noise_seed], device=device),
-                                  torch.tensor([first + done], device=device), width - done, vocab)[0]
-        window = fresh if reused is None else torch.cat([reused, fresh])
-        self.noise_cache = (first, window)
-        return window
+        return cached[first - start: first - start + width] if start <= first < start + cached.shape[0] else None
 
     @property
     def history(self) -> list[int]:
@@ -632,7 +625,21 @@ class SpecEngine:
             return None
         dev, vocab = self.target.device, self.target.vocab_size
         ones = {w: torch.ones(w, vocab, device=dev) for w, s in zip(widths, sampled) if not s}  # one per width
-        return [r.noise_window(w, vocab, dev) if s else ones[w] for r, s, w in zip(rows, sampled, widths)]
+        windows = [None if s else ones[w] for s, w in zip(sampled, widths)]
+        reused = {i: rows[i].cached_noise(w) for i, (s, w) in enumerate(zip(sampled, widths)) if s}
+        by_count: dict[int, list[int]] = {}  # fresh positions -> rows: one hash call for all rows of a count
+        for i, cached in reused.items():
+            fresh = widths[i] - (0 if cached is None else cached.shape[0])
+            by_count.setdefault(fresh, []).append(i)
+        for fresh, idx in by_count.items():
+            seeds = torch.tensor([rows[i].noise_seed for i in idx], device=dev)
+            starts = torch.tensor([len(rows[i].output) + widths[i] - fresh for i in idx], device=dev)
+            noise = exponential_noise(seeds, starts, fresh, vocab) if fresh else None
+            for j, i in enumerate(idx):
+                cached = reused[i]
+                windows[i] = cached if noise is None else noise[j] if cached is None else torch.cat([cached, noise[j]])
+                rows[i].noise_cache = (len(rows[i].output), windows[i])
+        return windows
 
     def _propose(self, batch: Batch, drafting: list[int], width: int, noise: list[torch.Tensor] | None):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,
