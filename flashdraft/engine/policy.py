@@ -48,6 +48,7 @@ What this module does not know about: drafters, caches, tokens; time only as the
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
@@ -73,6 +74,8 @@ REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row
 GOODPUT_ROWS, JUDGE_EVERY, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 4, 32, 32, 1.0
 FIRST_JUDGEMENT = 8  # drafting cycles measured before a bucket is first judged, and again after each hold
 MIN_HOLD, MAX_HOLD = 32, 1024
+
+NUMBER = (int, float, np.integer, np.floating)
 
 
 def width_choices(block_size: int) -> tuple[int, ...]:
@@ -146,6 +149,9 @@ class Curve:
             # more work never takes less time: a size measured in a bad moment and not since (the plan avoids it
             # because it looked slow) is capped by the larger sizes measured after it
             self._xy = np.array([x for x, _ in pts]), np.minimum.accumulate(ys[::-1])[::-1]
+            self._lists = self._xy[0].tolist(), self._xy[1].tolist()
+        if isinstance(sizes, NUMBER):  # the same line in plain Python: numpy costs ~30 us per call
+            return self._at(float(sizes))
         xs, ys = self._xy
         sizes = np.asarray(sizes, dtype=np.float64)
         if len(xs) == 1:
@@ -154,6 +160,18 @@ class Curve:
         high = ys[-1] + max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9)) * (sizes - xs[-1])
         inside = np.interp(sizes, xs, ys)
         return np.maximum(0.0, np.where(sizes < xs[0], low, np.where(sizes > xs[-1], high, inside)))
+
+    def _at(self, size: float) -> float:
+        xs, ys = self._lists
+        if len(xs) == 1:
+            return ys[0] * min(1.0, size / xs[0])
+        if size < xs[0]:
+            return max(0.0, ys[0] + max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9)) * (size - xs[0]))
+        if size > xs[-1]:
+            return max(0.0, ys[-1] + max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9)) * (size - xs[-1]))
+        i = max(1, bisect_left(xs, size))
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(0.0, y0 if x1 == x0 else y0 + (y1 - y0) * (size - x0) / (x1 - x0))
 
     def slope(self, size: float) -> float:
         """d seconds / d size near `size` (0 when unknown)."""
@@ -233,6 +251,10 @@ class CostModel:
         """Predicted seconds of cycles (numbers or arrays of verified tokens and drafting rows); None while a part
         they need was never measured."""
         body = self.body(verified_tokens)
+        if isinstance(drafting_rows, NUMBER) and isinstance(verified_tokens, NUMBER):
+            if body is None or not drafting_rows:
+                return body
+            return None if not self.draft.points else body + self.draft(drafting_rows)
         drafting_rows = np.asarray(drafting_rows)
         draft = self.draft(np.maximum(drafting_rows, 1)) if self.draft.points else None
         if body is None or (draft is None and drafting_rows.any()):
