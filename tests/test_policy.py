@@ -134,25 +134,33 @@ def test_where_drafting_cycles_lose_the_goodput_check_holds_one_token_steps(monk
 
 def test_goodput_holds_a_losing_load_longer_each_time_and_judges_drafting_afresh():
     goodput = Goodput()
-    plain_s = 4e-3  # 16 rows' one-token step: 4 tokens per ms
+    plain_s = 1e-3  # 4 rows' one-token step: 4 tokens per ms
 
-    def cycles(n, committed, seconds, drafting, rows=16):
+    def cycles(n, committed, seconds, drafting, rows=4):
         for _ in range(n):
             goodput.record(rows, committed, seconds, drafting, plain_s)
 
-    cycles(7, 60, 30e-3, True)  # 2 tokens per ms: losing, but not judged before 8 drafting cycles
-    assert goodput.allows(16)
-    cycles(1, 60, 30e-3, True)  # judged against the cost model's one-token step (none measured yet)
-    assert not goodput.allows(16) and goodput.allows(8) and goodput.allows(1)
-    cycles(MIN_HOLD - 1, 16, 4e-3, False)
-    assert not goodput.allows(16)
-    cycles(1, 16, 4e-3, False)
-    assert goodput.allows(16)
-    cycles(8, 60, 30e-3, True)  # losing again: the next hold is twice as long
-    assert goodput.hold[16] == 2 * MIN_HOLD
-    cycles(2 * MIN_HOLD, 16, 4e-3, False)
-    cycles(8, 100, 20e-3, True)  # 5 tokens per ms after the hold (only cycles since the hold are judged)
-    assert goodput.allows(16) and goodput.next_hold[16] == MIN_HOLD
+    cycles(7, 16, 8e-3, True)  # 2 tokens per ms: losing, but 4 rows are judged on 8 drafting cycles
+    assert goodput.allows(4)
+    cycles(1, 16, 8e-3, True)  # judged against the cost model's one-token step (none measured yet)
+    assert not goodput.allows(4) and goodput.allows(2) and goodput.allows(1)
+    cycles(MIN_HOLD - 1, 4, 1e-3, False)
+    assert not goodput.allows(4)
+    cycles(1, 4, 1e-3, False)
+    assert goodput.allows(4)
+    cycles(8, 16, 8e-3, True)  # losing again: the next hold is twice as long
+    assert goodput.hold[4] == 2 * MIN_HOLD
+    cycles(2 * MIN_HOLD, 4, 1e-3, False)
+    cycles(8, 40, 8e-3, True)  # 5 tokens per ms after the hold (only cycles since the hold are judged)
+    assert goodput.allows(4) and goodput.next_hold[4] == MIN_HOLD
+    cycles(8, 16, 8e-3, True)  # losing again (judged beside the winning cycles still in its window): held
+    assert not goodput.allows(4)
+    assert not goodput.allows(32) and goodput.hold[32] == MIN_HOLD  # more rows than a losing load start held
+    cycles(MIN_HOLD, 32, 4e-3, False, rows=32)
+    cycles(1, 400, 40e-3, True, rows=32)  # 16 rows or more are judged every 2 drafting cycles
+    assert goodput.allows(32)
+    cycles(1, 400, 40e-3, True, rows=32)  # 10 tokens per ms against 8: drafting pays at 32 rows
+    assert goodput.allows(32) and not goodput.lost[32]
     cycles(1000, 1, 10e-3, True, rows=1)  # a row alone is never held: its own probes judge it
     assert goodput.allows(1) and max(goodput.next_hold.values()) <= MAX_HOLD
 

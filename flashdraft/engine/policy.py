@@ -65,14 +65,14 @@ OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's:
 # throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
 REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row changes (costs drift slowly)
-# the goodput check (`Goodput`), for batches of GOODPUT_ROWS rows or more: every JUDGE_EVERY drafting cycles of a
-# row bucket, its last DRAFTING_WINDOW drafting cycles against its last PLAIN_WINDOW cycles of one-token steps; a
-# bucket where drafting gave fewer tokens per second (HOLD_BELOW x theirs) takes only one-token steps for MIN_HOLD
-# cycles, doubling up to MAX_HOLD while drafting keeps losing (a lost check costs ~8 drafting cycles, at 16 rows
-# ~2 % of 1024 one-token steps). The windows are long because acceptance per cycle is geometric: windows of 8 held
-# winning buckets by chance (policy_sim.py); a margin of 5 % left drafting that lost 3-6 % under load
-GOODPUT_ROWS, JUDGE_EVERY, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 4, 32, 32, 1.0
-FIRST_JUDGEMENT = 8  # drafting cycles measured before a bucket is first judged, and again after each hold
+# the goodput check (`Goodput`), for batches of GOODPUT_ROWS rows or more: a row bucket's last DRAFTING_WINDOW
+# drafting cycles against its last PLAIN_WINDOW cycles of one-token steps, judged every max(2, JUDGED_ROWS / rows)
+# drafting cycles: 8 at 4 rows, 2 from 16 rows, where one cycle sums many rows' acceptance and lasts ~10 one-token
+# steps. A bucket where drafting gave fewer tokens per second (HOLD_BELOW x theirs) takes only one-token steps for
+# MIN_HOLD cycles, doubling up to MAX_HOLD while drafting keeps losing; a bucket never judged starts held when the
+# nearest smaller one's last judgement was a loss. The windows are long because acceptance per row is geometric:
+# windows of 8 cycles held winning buckets by chance (policy_sim.py); a 5 % margin left drafting that lost 3-6 %
+GOODPUT_ROWS, JUDGED_ROWS, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 32, 32, 32, 1.0
 MIN_HOLD, MAX_HOLD = 32, 1024
 
 NUMBER = (int, float, np.integer, np.floating)
@@ -201,9 +201,17 @@ class Goodput:
         self.fresh: dict[int, int] = {}  # drafting cycles since the bucket was last judged
         self.hold: dict[int, int] = {}  # one-token-step cycles the bucket has left to hold
         self.next_hold: dict[int, int] = {}
+        self.lost: dict[int, bool] = {}  # the bucket's last judgement: drafting gave less
 
     def allows(self, rows: int) -> bool:
-        return rows < GOODPUT_ROWS or self.hold.get(bucket(rows), 0) == 0
+        key = bucket(rows)
+        if rows < GOODPUT_ROWS:
+            return True
+        if key not in self.lost:  # never judged: start from the nearest smaller load's verdict (on CPU drafting
+            smaller = [k for k in self.lost if k < key]  # only loses more with load), held first if drafting lost
+            if smaller and self.lost[max(smaller)]:
+                self.lost[key], self.hold[key] = True, MIN_HOLD
+        return self.hold.get(key, 0) == 0
 
     def record(self, rows: int, committed: int, seconds: float, drafting: bool, plain_s: float | None) -> None:
         """One cycle of `rows` rows that committed `committed` tokens in `seconds`; `plain_s`: what the cost model
@@ -217,11 +225,12 @@ class Goodput:
         self.drafting.setdefault(key, deque(maxlen=DRAFTING_WINDOW)).append((committed, seconds))
         self.fresh[key] = self.fresh.get(key, 0) + 1
         plain = self.plain.get(key, ())
-        plain_rate = rate(plain) if len(plain) >= JUDGE_EVERY else rows / plain_s if plain_s else None
-        if self.fresh[key] < JUDGE_EVERY or len(self.drafting[key]) < FIRST_JUDGEMENT or plain_rate is None:
+        plain_rate = rate(plain) if len(plain) >= 4 else rows / plain_s if plain_s else None
+        if self.fresh[key] < max(2, JUDGED_ROWS // key) or plain_rate is None:
             return
         self.fresh[key] = 0
-        if rate(self.drafting[key]) < HOLD_BELOW * plain_rate:
+        self.lost[key] = rate(self.drafting[key]) < HOLD_BELOW * plain_rate
+        if self.lost[key]:
             self.hold[key] = self.next_hold.get(key, MIN_HOLD)
             self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
             self.drafting[key].clear()  # after the hold, drafting is judged on what it does then
