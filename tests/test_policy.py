@@ -7,7 +7,7 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (MAX_HOLD, MIN_HOLD, STALE_AFTER, AdaptiveWidth, CostModel, Curve, CycleTiming,
+from flashdraft.engine.policy import (MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, STALE_AFTER, AdaptiveWidth, CostModel, Curve, CycleTiming,
                                       Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
@@ -174,6 +174,12 @@ def test_new_rows_wait_as_long_as_the_last_row_before_their_first_probe():
     assert rows[0].plain_run >= 32
     assert policy.new_row(sampled=True).plain_run == rows[0].plain_run
     assert policy.new_row(sampled=False).plain_run == 4  # greedy rows keep their own
+    # probes declined under load (here a goodput hold) say nothing about the drafts: a request alone later
+    # probes as soon as before (it inherited those waits once and never drafted on the shipped pair at batch 1)
+    policy.costs.goodput.hold[16] = 10_000
+    crowd = [policy.new_row() for _ in range(16)]
+    run(policy, crowd, lambda i, c, w: 14, CPU, 300)
+    assert all(r.plain_run == MAX_PLAIN_RUN for r in crowd) and policy.new_row().plain_run == 4
 
 
 def test_warmup_times_one_token_steps_and_drafting_cycles_at_every_bucket():

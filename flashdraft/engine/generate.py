@@ -386,9 +386,10 @@ class SpecEngine:
         if self.block_step is None and self.block_size <= 1:
             return []
         sizes = range(1, max_batch_size + 1)
-        buckets = sorted({self.buckets.rows(n) if self.block_step is not None else min(next_power_of_two(n),
-                                                                                       max_batch_size)
-                          for n in sizes})
+        if self.block_step is not None:
+            buckets = sorted({self.buckets.rows(n) for n in sizes})
+        else:  # eager steps take any row count; the cost curves interpolate between powers of two
+            buckets = sorted({min(next_power_of_two(n), max_batch_size) for n in sizes})
         # enough tokens for every warm-up cycle of every width, should every draft be accepted
         params = SamplingParams(max_new_tokens=(PROFILE_CYCLES + 1) * sum(self.width_choices) + 2)
         prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too

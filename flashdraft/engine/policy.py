@@ -280,8 +280,9 @@ def smooth_survival(survival: np.ndarray, width: int, accepted: int, rate: float
 class AcceptancePriors:
     """What new rows start from, one for greedy and one for sampled rows: the engine-wide survival per draft
     position, a slow moving average over every row's drafts; and the wait before a row's first probe, the wait
-    the last row of that kind set itself (so where probes keep losing, at temperature 1 with a weak drafter, a new
-    request does not lose its first few probes again: each costs ~2 one-token steps at batch 1 on CPU)."""
+    the last row of that kind set itself by drafting (so where probes keep losing, at temperature 1 with a weak
+    drafter, a new request does not lose its first few probes again: each costs ~2 one-token steps at batch 1 on
+    CPU)."""
 
     def __init__(self, block_size: int):
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
@@ -375,7 +376,9 @@ class AdaptiveWidth:
         for r, w in zip(rows, plan):
             if r.probing and w == 1:  # declined even judged optimistically: a lost probe, no draft needed to know
                 r.survival, r.probing, r.plain_steps = r.judged, False, 0
-                self._wait(r, min(2 * r.plain_run, MAX_PLAIN_RUN))
+                # the row's own wait only: a decline says the load does not pay (a hold, many rows), not that
+                # drafts fail, so new rows (maybe alone later) do not inherit it
+                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
         drafting = bool((plan > 1).any())
         self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
         return plan.tolist()
