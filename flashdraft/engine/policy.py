@@ -13,8 +13,9 @@ created by `new_row()` and travels with the row.
     verify keep their estimate). A new row starts from the engine's prior: the same averages over every row's
     drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows). A
     row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
-    new row starts from the wait the last row of its kind reached, so at temperature 1 with a weak drafter a new
-    request does not lose its first probes again): judged by the optimistic starting prior once, so it drafts again where drafting could pay; what its drafts
+    new row starts from the wait the last row of its kind reached by drafting, so at temperature 1 with a weak
+    drafter a new request does not lose its first probes again): judged by the optimistic starting prior once,
+    so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
     (a probe the plan declines counts as lost), so good drafts at a load where drafting does not pay neither
     probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
@@ -74,6 +75,7 @@ REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row
 # windows of 8 cycles held winning buckets by chance (policy_sim.py); a 5 % margin left drafting that lost 3-6 %
 GOODPUT_ROWS, JUDGED_ROWS, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 32, 32, 32, 1.0
 MIN_HOLD, MAX_HOLD = 32, 1024
+PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
 
 NUMBER = (int, float, np.integer, np.floating)
 
@@ -190,8 +192,9 @@ class Goodput:
     served rows), probes are judged on an optimistic prior, one-token steps are priced from cost buckets keyed
     by tokens verified, which also hold one row's block verify, and a row's draft also writes the context it has
     not drafted on (its prompt, its one-token steps), which the draft curve by rows does not price. Each error
-    alone is small; together they kept a CPU server drafting at loads where every drafting cycle lost. Measured goodput has none of these errors: it
-    is what the plans did (probes included) against what one-token steps did, at the same load. Drafting is
+    alone is small; together they kept a CPU server drafting at loads where every drafting cycle lost. Measured
+    goodput has none of these errors: it is what the plans did (probes included) against what one-token steps
+    did, at the same load. Drafting is
     judged again after each hold, so a bucket where it pays again (a faster drafter, a quieter machine, better
     prompts) drafts again within one hold."""
 
@@ -225,7 +228,7 @@ class Goodput:
         self.drafting.setdefault(key, deque(maxlen=DRAFTING_WINDOW)).append((committed, seconds))
         self.fresh[key] = self.fresh.get(key, 0) + 1
         plain = self.plain.get(key, ())
-        plain_rate = rate(plain) if len(plain) >= 4 else rows / plain_s if plain_s else None
+        plain_rate = rate(plain) if len(plain) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
         if self.fresh[key] < max(2, JUDGED_ROWS // key) or plain_rate is None:
             return
         self.fresh[key] = 0

@@ -7,7 +7,8 @@
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
 scheduler does (a request joins with `SpecEngine.add` as soon as one leaves, every live request advances with
 `SpecEngine.step`), on the shipped pair, one torch thread, wall time from the first `add` to the last request's
-end. Every engine is warmed up for the cell's concurrency first (`SpecEngine.warmup`), as the server does. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
+end. Every engine is warmed up for the cell's concurrency first (`SpecEngine.warmup`), as the server
+does. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
 - `adaptive`: the engine's default policy;
 - `fixed`: every row verifies the full block every cycle;
 - `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing

@@ -13,15 +13,16 @@ continuous batch on a machine model instead:
   on this CPU (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~1 ms per row, ~0.01 ms per
   pending position: 16 rows drafting on ~100-token prompts took 40 ms against 25 ms); at batch 1 the real
   verify costs more than this models;
-- the requests: `concurrency` rows of 64 tokens after a prompt of 30-300, each replaced by a new one when it finishes; each request accepts
-  every draft position with its own probability p, drawn uniformly from the set's range (in-domain 0.75-0.95,
-  mixed 0.2-0.9, failing 0.0-0.5), or, in the bursty set, stretches of p 0.9 and of p 0.05 (a 10 % chance of
-  switching every cycle: acceptance that changes along a request, so rows chosen for their estimates accept less
-  than the estimates said);
+- the requests: `concurrency` rows of 64 tokens after a prompt of 30-300, each replaced by a new one when it
+  finishes; each request accepts every draft position with its own probability p, drawn uniformly from the set's
+  range (in-domain 0.75-0.95, mixed 0.2-0.9, failing 0.0-0.5), or, in the bursty set, stretches of p 0.9 and of
+  p 0.05 (a 10 % chance of switching every cycle: acceptance that changes along a request, so rows chosen for
+  their estimates accept less than the estimates said);
 - plain decoding: the same machine and requests with every width 1.
 It prints tokens/s of the policy / tokens/s of plain decoding, the mean over seeds, per concurrency and set.
 
-What this script does not know about: models, the engine's real overheads (Python, caches). It ranks policy changes; it does not replace the served sweep.
+What this script does not know about: models, the engine's real overheads (Python, caches). It ranks policy
+changes; it does not replace the served sweep.
 """
 
 from __future__ import annotations
