@@ -437,8 +437,9 @@ class AdaptiveWidth:
                 timing: CycleTiming | None) -> None:
         if timing is not None:  # None: a cycle priced apart (`FixedWidth.observe`)
             self.costs.record(timing)
-            plain_s = self.costs.cycle(len(rows), 0)
-            self.costs.goodput.record(len(rows), len(rows) + sum(accepted), timing.total_s, any(w > 1 for w in widths),
+            drafted = any(w > 1 for w in widths)
+            plain_s = self.costs.cycle(len(rows), 0) if drafted else None  # the check prices drafting cycles only
+            self.costs.goodput.record(len(rows), len(rows) + sum(accepted), timing.total_s, drafted,
                                       None if plain_s is None else float(plain_s))
         for r, w, a in zip(rows, widths, accepted):
             if w == 1:

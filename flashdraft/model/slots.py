@@ -133,7 +133,10 @@ class PagedKV:
         ids [b, n] to gather. Computed once, used by every layer."""
         length = length or self.capacity
         n = pages_for(length, self.page_size)
-        one = 0 if rows is None and self.batch == 1 else (int(rows) if rows is not None and rows.numel() == 1 else None)
+        if rows is None:
+            one = 0 if self.batch == 1 else None
+        else:
+            one = int(rows) if rows.numel() == 1 else None
         if one is not None and not torch.compiler.is_compiling():
             pages = self.pages[one]
             if len(pages) >= n and pages[:n] == list(range(pages[0], pages[0] + n)):
