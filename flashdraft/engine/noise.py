@@ -27,11 +27,17 @@ _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 on int32 tensors (multiplies wrap modulo 2^32; shifts are made logical by masking)."""
-    x = x ^ ((x >> 16) & _MASK16)
-    x = x * 0x7FEB352D
-    x = x ^ ((x >> 15) & _MASK17)
-    x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit number
-    return x ^ ((x >> 16) & _MASK16)
+    return mix32_(x.clone())
+
+
+def mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` in place: the noise of a batch is [rows, width, vocab] integers, and a new tensor per step of the
+    mixer cost 1.5x the time at 64 rows of vocab 8192 (measured, one CPU thread)."""
+    x.bitwise_xor_((x >> 16).bitwise_and_(_MASK16))
+    x.mul_(0x7FEB352D)
+    x.bitwise_xor_((x >> 15).bitwise_and_(_MASK17))
+    x.mul_(-0x7B935975)  # 0x846CA68B as a signed 32-bit number
+    return x.bitwise_xor_((x >> 16).bitwise_and_(_MASK16))
 
 
 def random_seed() -> int:
@@ -54,8 +60,8 @@ def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int
     positions = _int32(first_index[:, None] + torch.arange(width, device=device)[None])  # [b, w]
     slot_key = mix32(row_key[:, None] ^ mix32(positions))  # [b, w]
     tokens = torch.arange(vocab, dtype=torch.int32, device=device)
-    bits = mix32(slot_key[:, :, None] ^ tokens)  # [b, w, V]
-    uniform = ((bits >> 8) & _MASK24).float().add_(0.5).mul_(1.0 / (1 << 24))
+    bits = mix32_(slot_key[:, :, None] ^ tokens)  # [b, w, V]
+    uniform = bits.bitwise_right_shift_(8).bitwise_and_(_MASK24).float().add_(0.5).mul_(1.0 / (1 << 24))
     return uniform.log_().neg_()
 
 
