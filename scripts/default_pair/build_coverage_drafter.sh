@@ -7,25 +7,28 @@
 #                  prompts), coverage -> regen_cov (shards of 250, so a partial run is usable); with SAMPLED=N
 #                  also the target's responses SAMPLED at temperature 1 to the first N function starts -> regen_t1
 #                  (what a drafter must predict at temperature > 0: the marginal over sampled continuations)
-#   3. train       from the shipped drafter's weights (--init-from), max length 2048 (the target's window),
+#   3. train       from a drafter's weights (--init-from INIT: by default the shipped one; build_drafter.sh passes
+#                  the base drafter it trained), max length 2048 (the target's window),
 #                  optionally with a reduced draft vocabulary (DRAFT_VOCAB=N -> --draft-vocab-size N)
 #   4. evaluate    scripts/drafter/eval_tau.py on the result (in-domain / out-of-domain, endings, lengths)
-# Each step is skipped when its outputs exist. Env: PY, STEPS (default 600), DRAFT_VOCAB (default: none),
-# COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 750), REPLAY (default 1000),
-# SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
+# Each step is skipped when its outputs exist. Env: PY, STEPS (default 3000), LR (default 1.5e-4), DRAFT_VOCAB
+# (default: none), COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 4000), REPLAY
+# (default 4000), SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
 # runs/coverage_drafter), NICE (default 15).
-# The candidate of issue 17 was this script's defaults, stopped at the step-400 checkpoint for time (the
-# regeneration of 750 coverage prompts took ~25 min and 400 steps ~30 min on the shared 2-core CPU).
+# The shipped drafter is this script's defaults (BENCHMARKS.md, issue 17): on the 2-core CPU the function-start
+# answers regenerate in ~3 min, the coverage answers in ~11 min, and training runs ~0.9 s/step (~45 min).
 # Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${PY:-python}"
-STEPS="${STEPS:-600}"
+STEPS="${STEPS:-3000}"
+LR="${LR:-1.5e-4}"
 COVERAGE="${COVERAGE:-4000}"
-REPLAY="${REPLAY:-1000}"
-COVERAGE_USED="${COVERAGE_USED:-750}"
+REPLAY="${REPLAY:-4000}"
+COVERAGE_USED="${COVERAGE_USED:-4000}"
 RUN="${RUN:-runs/coverage_drafter}"
+INIT="${INIT:-flashdraft/assets/default_pair/drafter}"
 RUNNER=(nice -n "${NICE:-15}")
 TARGET=flashdraft/assets/default_pair/target
 DATA=data/default_pair
@@ -55,13 +58,13 @@ if [ "$SAMPLED" -gt 0 ]; then
     for f in "$DATA"/regen_t1/shard-*.jsonl; do ln -sf "../regen_t1/$(basename "$f")" "$DATA/regen_train/sampled-$(basename "$f")"; done
 fi
 
-echo "== [3/4] train from the shipped drafter"
+echo "== [3/4] train from $INIT"
 RESUME=()
 [ -d "$RUN/checkpoints" ] && RESUME=(--resume)
 "${RUNNER[@]}" "$PY" -m flashdraft.cli train --target "$TARGET" --data "$DATA/regen_train" --output-dir "$RUN" \
-    --init-from flashdraft/assets/default_pair/drafter --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
-    --max-steps "$STEPS" --batch-size 4 --max-length 2048 --num-anchors 32 --lr 3e-4 --seed 0 \
-    --save-every 50 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${DISTILL[@]}" "${RESUME[@]}" "$@"
+    --init-from "$INIT" --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
+    --max-steps "$STEPS" --batch-size 4 --max-length 2048 --num-anchors 32 --lr "$LR" --seed 0 \
+    --save-every 500 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${DISTILL[@]}" "${RESUME[@]}" "$@"
 
 echo "== [4/4] evaluate"
 "${RUNNER[@]}" "$PY" scripts/drafter/eval_tau.py --draft "$RUN/final" --threads 1 --label "$RUN" --out "$RUN/eval_tau"

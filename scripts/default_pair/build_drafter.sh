@@ -5,7 +5,10 @@
 #   3. train       the DFlash drafter on them (random anchors, decayed loss), evaluating tau with the engine
 #                  (32 anchors per sequence instead of the paper's 512: on a CPU the loss over 8192 logits per
 #                  block position dominates the step; 4000 steps x 8 sequences take ~80 min on 2 cores)
-#   4. export      the final checkpoint (reference format, bf16) into the package assets
+#   4. coverage    fine-tuned from that base on contexts of every length and ending, next to a replay of the same
+#                  function starts (build_coverage_drafter.sh; ~60 min): the base drafter collapsed on long
+#                  contexts and on prompts ending in a newline (BENCHMARKS.md, issue 17)
+#   5. export      the fine-tuned drafter (reference format, bf16) into the package assets, model card kept
 # Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
 # Usage: scripts/default_pair/build_drafter.sh [--force] [extra `flashdraft train` flags...]   (PY=python to choose)
 set -euo pipefail
@@ -22,15 +25,15 @@ REGEN=data/default_pair/regen
 RUN=runs/default_drafter
 OUT=flashdraft/assets/default_pair/drafter
 
-echo "== [1/4] prompts"
+echo "== [1/5] prompts"
 "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64
 
-echo "== [2/4] regenerate responses with the target (greedy, 128 new tokens)"
+echo "== [2/5] regenerate responses with the target (greedy, 128 new tokens)"
 [ "$FORCE" = 1 ] && rm -rf "$REGEN"
 "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
     --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
 
-echo "== [3/4] train the drafter"
+echo "== [3/5] train the base drafter"
 [ "$FORCE" = 1 ] && rm -rf "$RUN"
 # two stages, as the shipped drafter was trained: 1500 steps (cosine to zero), then resumed to 4000 steps (the
 # scheduler's cosine is stretched to 4000 at the resume, so the learning rate restarts at ~70 % of its peak)
@@ -44,9 +47,11 @@ for STEPS in 1500 4000; do
         --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
 done
 
-echo "== [4/4] export"
-rm -rf "$OUT"
-"$PY" - "$RUN/final" "$OUT" <<'PY'
+echo "== [4/5] fine-tune on coverage data"
+INIT="$RUN/final" RUN=runs/coverage_drafter PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh
+
+echo "== [5/5] export"
+"$PY" - runs/coverage_drafter/final "$OUT" <<'PY'
 import sys, torch
 from flashdraft import DFlashDraftModel
 DFlashDraftModel.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], dtype=torch.bfloat16)
