@@ -1,13 +1,14 @@
 """The draft policy (`flashdraft/engine/policy.py`): its choices under injected acceptance and timings, and the
 engine staying lossless whatever widths it picks (ragged rows in one forward, one-token steps, probes)."""
 
+import math
 import numpy as np
 import pytest
 import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, STALE_AFTER, AdaptiveWidth, CostModel,
+from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, STALE_AFTER, AdaptiveWidth, CostModel,
                                       Curve, CycleTiming, Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
@@ -140,15 +141,15 @@ def test_goodput_holds_a_losing_load_longer_each_time_and_judges_drafting_afresh
         for _ in range(n):
             goodput.record(rows, committed, seconds, drafting, plain_s)
 
-    cycles(7, 16, 8e-3, True)  # 2 tokens per ms: losing, but 4 rows are judged on 8 drafting cycles
+    cycles(7, 16, 4.1e-3, True)  # 3.9 tokens per ms: losing, but 4 rows are judged on 8 drafting cycles
     assert goodput.allows(4)
-    cycles(1, 16, 8e-3, True)  # judged against the cost model's one-token step (none measured yet)
+    cycles(1, 16, 4.1e-3, True)  # judged against the cost model's one-token step (none measured yet)
     assert not goodput.allows(4) and goodput.allows(2) and goodput.allows(1)
     cycles(MIN_HOLD - 1, 4, 1e-3, False)
     assert not goodput.allows(4)
     cycles(1, 4, 1e-3, False)
     assert goodput.allows(4)
-    cycles(8, 16, 8e-3, True)  # losing again: the next hold is twice as long
+    cycles(8, 16, 4.1e-3, True)  # losing again: the next hold is twice as long
     assert goodput.hold[4] == 2 * MIN_HOLD
     cycles(2 * MIN_HOLD, 4, 1e-3, False)
     cycles(8, 40, 8e-3, True)  # 5 tokens per ms after the hold (only cycles since the hold are judged)
@@ -163,6 +164,21 @@ def test_goodput_holds_a_losing_load_longer_each_time_and_judges_drafting_afresh
     assert goodput.allows(32) and not goodput.lost[32]
     cycles(1000, 1, 10e-3, True, rows=1)  # a row alone is never held: its own probes judge it
     assert goodput.allows(1) and max(goodput.next_hold.values()) <= MAX_HOLD
+
+
+def test_goodput_hold_outlasts_what_judging_lost():
+    """A load that keeps losing is held long enough that judging it costs at most JUDGEMENT_SHARE of the time."""
+    goodput = Goodput()
+    for _ in range(2):  # 16 rows: two drafting cycles of 90 ms for 100 tokens; one-token steps give 1900 tokens/s
+        goodput.record(16, 100, 0.09, True, 16 / 1900)
+    assert goodput.hold[16] == MIN_HOLD  # a first loss holds briefly (it may be an early plan's)
+    for _ in range(MIN_HOLD):
+        goodput.record(16, 16, 16 / 1900, False, 16 / 1900)
+    for _ in range(2):  # lost again: now the hold outlasts what judging cost
+        goodput.record(16, 100, 0.09, True, 16 / 1900)
+    shortfall_s = 0.18 - 200 / 1900  # what one-token steps needed for those 200 tokens: 0.105 s
+    cover = math.ceil(shortfall_s / (JUDGEMENT_SHARE * 16 / 1900))
+    assert cover > MIN_HOLD and goodput.hold[16] == cover and goodput.next_hold[16] == min(2 * cover, MAX_HOLD)
 
 
 def test_new_rows_wait_as_long_as_the_last_row_before_their_first_probe():

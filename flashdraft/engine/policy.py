@@ -49,6 +49,7 @@ What this module does not know about: drafters, caches, tokens; time only as the
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
@@ -75,6 +76,11 @@ REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row
 # windows of 8 cycles held winning buckets by chance (policy_sim.py); a 5 % margin left drafting that lost 3-6 %
 GOODPUT_ROWS, JUDGED_ROWS, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 32, 32, 32, 1.0
 MIN_HOLD, MAX_HOLD = 32, 1024
+# from a load's second lost judgement in a row, a hold also lasts long enough that the judgement which started it
+# (the time its drafting cycles took beyond what one-token steps needed for the same tokens) is at most this share
+# of the hold: at 16 rows on CPU two judged cycles lost ~75 ms, and 32- and 64-cycle holds then gave a third of a
+# short burst's time back to judging
+JUDGEMENT_SHARE = 0.05
 PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
 
 NUMBER = (int, float, np.integer, np.floating)
@@ -231,10 +237,15 @@ class Goodput:
         plain_rate = rate(plain) if len(plain) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
         if self.fresh[key] < max(2, JUDGED_ROWS // key) or plain_rate is None:
             return
+        judged = list(self.drafting[key])[-self.fresh[key]:]  # this judgement's own drafting cycles
         self.fresh[key] = 0
         self.lost[key] = rate(self.drafting[key]) < HOLD_BELOW * plain_rate
         if self.lost[key]:
-            self.hold[key] = self.next_hold.get(key, MIN_HOLD)
+            hold = self.next_hold.get(key, MIN_HOLD)
+            if hold > MIN_HOLD:  # lost its last judgement too (a first loss may be an early plan's: hold briefly)
+                shortfall_s = sum(s for _, s in judged) - sum(t for t, _ in judged) / plain_rate
+                hold = max(hold, math.ceil(shortfall_s * plain_rate / (JUDGEMENT_SHARE * rows)))  # in cycles
+            self.hold[key] = min(hold, MAX_HOLD)
             self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
             self.drafting[key].clear()  # after the hold, drafting is judged on what it does then
         else:
