@@ -32,7 +32,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
     """`mix32` in place: the noise of a batch is [rows, width, vocab] integers, and a new tensor per step of the
-    mixer cost 1.5x the time at 64 rows of vocab 8192 (measured, one CPU thread)."""
+    mixer took twice the time at 64 rows of vocab 8192 (measured, one CPU thread)."""
     x.bitwise_xor_((x >> 16).bitwise_and_(_MASK16))
     x.mul_(0x7FEB352D)
     x.bitwise_xor_((x >> 15).bitwise_and_(_MASK17))

@@ -29,7 +29,8 @@ created by `new_row()` and travels with the row.
     curves within a few cycles.
   - goodput (`Goodput`), from two rows up: what drafting cycles and one-token steps actually committed per second
     at the batch's load; where drafting gave less, the plan is not asked and every row steps, for a hold that
-    doubles while drafting keeps losing. It catches what the two models get wrong together (chosen rows accept
+    doubles while drafting keeps losing (and from the second loss in a row lasts long enough that judging costs
+    at most 5 % of the time). It catches what the two models get wrong together (chosen rows accept
     less than the estimates that chose them; costs the curves do not see), which left the plan drafting at loads
     where drafting lost.
   `SpecEngine.warmup` (run by `flashdraft serve`) times one-token steps and block cycles at every row bucket, so
