@@ -238,17 +238,19 @@ class Goodput:
         plain_rate = rate(plain) if len(plain) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
         if self.fresh[key] < max(2, JUDGED_ROWS // key) or plain_rate is None:
             return
-        judged = list(self.drafting[key])[-self.fresh[key]:]  # this judgement's own drafting cycles
         self.fresh[key] = 0
-        self.lost[key] = rate(self.drafting[key]) < HOLD_BELOW * plain_rate
+        window = self.drafting[key]
+        self.lost[key] = rate(window) < HOLD_BELOW * plain_rate
         if self.lost[key]:
             hold = self.next_hold.get(key, MIN_HOLD)
-            if hold > MIN_HOLD:  # lost its last judgement too (a first loss may be an early plan's: hold briefly)
-                shortfall_s = sum(s for _, s in judged) - sum(t for t, _ in judged) / plain_rate
+            # lost its last judgement too (a first loss may be an early plan's: hold briefly); that loss cleared the
+            # window, so it holds this judgement's drafting cycles only
+            if hold > MIN_HOLD:
+                shortfall_s = sum(s for _, s in window) - sum(t for t, _ in window) / plain_rate
                 hold = max(hold, math.ceil(shortfall_s * plain_rate / (JUDGEMENT_SHARE * rows)))  # in cycles
             self.hold[key] = min(hold, MAX_HOLD)
             self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
-            self.drafting[key].clear()  # after the hold, drafting is judged on what it does then
+            window.clear()  # after the hold, drafting is judged on what it does then
         else:
             self.next_hold[key] = MIN_HOLD
 
