@@ -117,3 +117,35 @@ def test_dflash2_options_need_the_arch():
         check_config(TrainConfig(arch="dflash3"))
     with pytest.raises(ValueError, match="draft_vocab_size"):
         check_config(TrainConfig(arch="dflash2", draft_vocab_size=100))
+
+
+def test_dflash2_training_starts_from_a_dflash1_drafter(tmp_path):
+    """--arch dflash2 --init-from a DFlash-1 drafter: its weights copied, the convolutions the identity, so the new
+    drafter's hidden states are the DFlash-1 drafter's; the other way round is refused."""
+    from flashdraft.model import DFlashDraftModel
+    from flashdraft.model.drafter import make_draft_config
+
+    target = tiny_target()
+    torch.manual_seed(3)
+    dflash1 = DFlashDraftModel(make_draft_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK))
+    dflash1.save_pretrained(tmp_path / "dflash1")
+    common = dict(block_size=4, num_draft_layers=2, mask_token_id=MASK, num_anchors=4, max_length=64, batch_size=4,
+                  max_steps=1, progress=False, eval_at_start=False)
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), arch="dflash2", selector_rank=4, selector_top_k=4,
+                      conv_kernel_size=3, conv_group_size=8, init_from=str(tmp_path / "dflash1"), **common)
+    upgraded = Trainer(cfg, target_model=target, examples=_examples()).drafter
+    assert type(upgraded) is DFlash2DraftModel
+    source = DFlashDraftModel.from_pretrained(tmp_path / "dflash1", dtype=torch.float32).state_dict()
+    for name, tensor in upgraded.state_dict().items():
+        if name in source and not name.startswith("rotary_emb."):
+            assert torch.equal(tensor, source[name]), name
+    seq = one_sequence(dflash1.double(), target.double(), 40, [3, 11, 20], 4)
+    mask = training_mask("sdpa", seq.anchors, seq.valid, 4, False)
+    with torch.no_grad():
+        torch.testing.assert_close(upgraded.double().eval()(seq.noise, seq.position_ids, seq.feats, seq.ctx_pos,
+                                                            seq.valid, mask),
+                                   dflash1.eval()(seq.noise, seq.position_ids, seq.feats, seq.ctx_pos, seq.valid, mask))
+    upgraded.save_pretrained(tmp_path / "dflash2")
+    back = TrainConfig(output_dir=str(tmp_path / "run1"), init_from=str(tmp_path / "dflash2"), **common)
+    with pytest.raises(ValueError, match="DFlash2 drafter"):
+        Trainer(back, target_model=tiny_target(), examples=_examples())

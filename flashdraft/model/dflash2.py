@@ -44,6 +44,8 @@ SELECTOR_FIELDS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_
 # ours, for drafters trained here (z-lab publishes checkpoints, not the values they trained with)
 DEFAULT_DFLASH2 = {"selector_rank": 32, "selector_top_k": 8, "conv_kernel_size": 4, "conv_group_size": 64}
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+# parts of weight names only DFlash2 has (a DFlash-1 drafter can start a DFlash2 training without them)
+DFLASH2_ONLY = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
 
 
 def tap_by_tap_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:

@@ -59,13 +59,17 @@ def draft_targets(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), dtype=torch.long, device=d2t.device) + d2t.long()
 
 
-def copy_weights(source: torch.nn.Module, dest: torch.nn.Module, skip: tuple[str, ...] = ("lm_head.", "d2t")) -> None:
+def copy_weights(source: torch.nn.Module, dest: torch.nn.Module, skip: tuple[str, ...] = ("lm_head.", "d2t"),
+                 may_lack: tuple[str, ...] = ()) -> None:
     """Copy every weight of `source` into `dest` except those whose names start with `skip`; a weight missing in
-    `source` or of another shape raises ValueError naming it."""
+    `source` or of another shape raises ValueError naming it, unless its name contains one of `may_lack` and
+    `source` has no such weight at all (then `dest` keeps its own: a DFlash2 drafter started from a DFlash-1 one)."""
     src = source.state_dict()
     with torch.no_grad():
         for name, tensor in dest.state_dict().items():
             if name.startswith(skip) or name.startswith("rotary_emb."):
+                continue
+            if name not in src and any(part in name for part in may_lack):
                 continue
             if name not in src or tuple(src[name].shape) != tuple(tensor.shape):
                 got = "missing" if name not in src else f"shape {tuple(src[name].shape)}"

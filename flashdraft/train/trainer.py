@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from flashdraft.model.draft_vocab import (copy_weights, draft_targets, reduced_config, response_token_counts,
                                           select_draft_vocab, set_draft_vocab)
-from flashdraft.model.dflash2 import SELECTOR_FIELDS, DFlash2DraftModel, make_dflash2_config
+from flashdraft.model.dflash2 import DFLASH2_ONLY, SELECTOR_FIELDS, DFlash2DraftModel, make_dflash2_config
 from flashdraft.model.drafter import DFlashDraftModel, make_draft_config
 from flashdraft.model.target import TargetModel
 from flashdraft.train import checkpoint
@@ -413,7 +413,16 @@ class Trainer:
             set_draft_vocab(small, head, ids)
             self.drafter = small.train()
         if cfg.init_from:
-            copy_weights(DFlashDraftModel.from_pretrained(cfg.init_from, dtype=torch.float32), self.drafter)
+            from flashdraft.loading import load_drafter
+
+            source = load_drafter(cfg.init_from, dtype=torch.float32)
+            upgrade = isinstance(self.drafter, DFlash2DraftModel) and not isinstance(source, DFlash2DraftModel)
+            if isinstance(source, DFlash2DraftModel) and not isinstance(self.drafter, DFlash2DraftModel):
+                raise ValueError(f"init_from {cfg.init_from} is a DFlash2 drafter: train it with arch dflash2 (a "
+                                 "DFlash-1 drafter would drop its convolutions and selector)")
+            # DFlash-1 -> DFlash2: the convolutions start as the identity, so the drafter starts computing what the
+            # DFlash-1 one computes; the selector starts fresh
+            copy_weights(source, self.drafter, may_lack=DFLASH2_ONLY if upgrade else ())
 
     # ---- distributed ----------------------------------------------------------------------------------------
 
