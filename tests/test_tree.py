@@ -810,7 +810,7 @@ def test_tree_sampling_checks_detect_a_walk_off_by_one_node(small_target, small_
 # ---- configuration ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [-1, 513, "wide", 2.5, None, "16"])
+@pytest.mark.parametrize("bad", [-1, 513, "wide", 2.5, None, "16", True])
 def test_bad_tree_budgets_raise_with_the_options_name(bad):
     with pytest.raises(ValueError, match="tree_budget"):
         EngineConfig(tree_budget=bad)
@@ -912,3 +912,9 @@ def test_auto_prices_tree_cycles_apart_from_the_policy():
     assert True in kinds and False in kinds  # both tried
     assert engine.tree_costs.body.timings == kinds.count(True)
     assert engine.costs.body.timings == kinds.count(False)  # the fixed policy: every cycle drafts
+
+
+@pytest.mark.parametrize("field", ["block_size", "kv_page_size", "lookup_ngram"])
+def test_a_bool_is_not_a_size(field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: True})

@@ -53,13 +53,16 @@ class EngineConfig:
     lookup_ngram: int = 0
 
     def __post_init__(self):
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+        def integer(value) -> bool:  # a bool is an int to Python, not a size to us
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if self.block_size is not None and (not integer(self.block_size) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 (or None for the drafter's), got {self.block_size!r}")
-        if not isinstance(self.kv_page_size, int) or self.kv_page_size < 1:
+        if not integer(self.kv_page_size) or self.kv_page_size < 1:
             raise ValueError(f"kv_page_size must be an integer >= 1, got {self.kv_page_size!r}")
-        if not (self.tree_budget == "auto" or (isinstance(self.tree_budget, int) and 0 <= self.tree_budget <= 512)):
+        if not (self.tree_budget == "auto" or (integer(self.tree_budget) and 0 <= self.tree_budget <= 512)):
             raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
-        if not isinstance(self.lookup_ngram, int) or not 0 <= self.lookup_ngram <= 16:
+        if not integer(self.lookup_ngram) or not 0 <= self.lookup_ngram <= 16:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
