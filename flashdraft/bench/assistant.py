@@ -5,7 +5,7 @@ DFlash it is trained on the same regenerated data (`flashdraft regenerate` shard
 and `response_ids`, the target's own outputs) with the plain next-token loss: a Qwen3 decoder with tied
 embeddings, sized to ~1-2M parameters for the default pair (vocab 8192, hidden 128, 2 layers), saved in bf16.
 
-    python -m flashdraft.bench.assistant --data data/default_pair/regen --target flashdraft/assets/default_pair/target \
+    python -m flashdraft.bench.assistant --data data/default_pair/regen_mix --target flashdraft/assets/default_pair/target \
         --output-dir flashdraft/assets/default_pair/assistant --minutes 10
 
 `train_assistant(...)` is the same from Python. The loss covers every token after the first (`--loss-on

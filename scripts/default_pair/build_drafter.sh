@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the shipped default drafter into flashdraft/assets/default_pair/drafter/ with flashdraft's own pipeline:
 #   1. prompts     held-out prompts (shipped) and train prompts (starts of stdlib functions/classes)
-#   2. regenerate  the target's OWN greedy responses to the train prompts -> data/default_pair/regen/
+#   2. regenerate  the target's OWN greedy responses to the train prompts -> data/default_pair/regen_mix/ (the
+#                  coverage step replays the same shards, so they are generated once)
 #   3. train       the DFlash drafter on them (random anchors, decayed loss), evaluating tau with the engine
 #                  (32 anchors per sequence instead of the paper's 512: on a CPU the loss over 8192 logits per
 #                  block position dominates the step; 4000 steps x 8 sequences take ~80 min on 2 cores)
@@ -21,7 +22,7 @@ for a in "$@"; do
     if [ "$a" = "--force" ]; then FORCE=1; else EXTRA+=("$a"); fi
 done
 TARGET=flashdraft/assets/default_pair/target
-REGEN=data/default_pair/regen
+REGEN=data/default_pair/regen_mix
 RUN=runs/default_drafter
 OUT=flashdraft/assets/default_pair/drafter
 
@@ -31,7 +32,7 @@ echo "== [1/5] prompts"
 echo "== [2/5] regenerate responses with the target (greedy, 128 new tokens)"
 [ "$FORCE" = 1 ] && rm -rf "$REGEN"
 "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
-    --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 250 --device cpu
+    --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 500 --device cpu
 
 echo "== [3/5] train the base drafter"
 [ "$FORCE" = 1 ] && rm -rf "$RUN"
