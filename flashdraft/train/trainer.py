@@ -416,13 +416,13 @@ class Trainer:
             from flashdraft.loading import load_drafter
 
             source = load_drafter(cfg.init_from, dtype=torch.float32)
-            upgrade = isinstance(self.drafter, DFlash2DraftModel) and not isinstance(source, DFlash2DraftModel)
-            if isinstance(source, DFlash2DraftModel) and not isinstance(self.drafter, DFlash2DraftModel):
+            training_dflash2 = isinstance(self.drafter, DFlash2DraftModel)
+            if isinstance(source, DFlash2DraftModel) and not training_dflash2:
                 raise ValueError(f"init_from {cfg.init_from} is a DFlash2 drafter: train it with arch dflash2 (a "
                                  "DFlash-1 drafter would drop its convolutions and selector)")
-            # DFlash-1 -> DFlash2: the convolutions start as the identity, so the drafter starts computing what the
-            # DFlash-1 one computes; the selector starts fresh
-            copy_weights(source, self.drafter, may_lack=DFLASH2_ONLY if upgrade else ())
+            # from a DFlash-1 drafter the convolutions stay the identity, so the drafter starts computing what the
+            # DFlash-1 one computes, and the selector starts fresh (a DFlash2 source has all of them)
+            copy_weights(source, self.drafter, may_lack=DFLASH2_ONLY if training_dflash2 else ())
 
     # ---- distributed ----------------------------------------------------------------------------------------
 
