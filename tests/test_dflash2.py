@@ -1,8 +1,8 @@
 """DFlash2 drafters (`flashdraft/model/dflash2.py`, `flashdraft/engine/dflash2_proposer.py`): z-lab's checkpoint
 layout, the convolution's block-causality, greedy output equal to the target's own `generate` (fast and generic
 target paths, eager and compiled, batch > 1), and sampled output distributed as the target's with DFlash2 drafts:
-under the default sampler (the selector runs the race with the position's noise) and under rejection sampling with
-the selector's own q given to the verifier. Exactness against z-lab's package: tests/test_zlab_roundtrip.py.
+under the default sampler (sampled rows race with the position's noise: on the marginal by default, or through the
+selector) and under rejection sampling with the selector's own q given to the verifier. Exactness against z-lab's package: tests/test_zlab_roundtrip.py.
 """
 
 from __future__ import annotations
@@ -194,6 +194,57 @@ def test_selector_walk_is_the_sequential_one(qwen3, chooser):
     assert (tokens != logits.argmax(-1)).any()  # the pair term decides some positions
     assert torch.equal(walk["tokens"], tokens)
     assert torch.allclose(walk["scores"], rows, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sampled_race", ["marginal", "selector"])
+def test_sampled_rows_race_as_configured_and_greedy_rows_walk(qwen3, sampled_race):
+    """Under counter-based noise, in a batch of sampled and greedy rows: greedy rows draft the selector's greedy walk
+    whatever `sampled_race` is; sampled rows draft the marginal's race over the whole vocabulary ("marginal", which
+    drafts tokens outside the top-k) or the race walk over the top-k ("selector")."""
+    drafter = make_dflash2(qwen3, block_size=16, top_k=4)
+    proposer = DFlash2Proposer(drafter, TargetModel(qwen3), sampled_race=sampled_race)
+    torch.manual_seed(7)
+    b, k, vocab = 48, 15, qwen3.config.vocab_size
+    hidden = 0.3 * torch.randn(b, k, qwen3.config.hidden_size, dtype=torch.float64)  # flat marginals
+    proposer._draft_hidden = lambda *args: hidden
+    block = torch.full((b, 16), MASK_ID)
+    block[:, 0] = torch.randint(0, vocab, (b,))
+    greedy = torch.arange(b) % 3 == 0
+    noise = torch.empty(b, k, vocab).exponential_().masked_fill(greedy[:, None, None], 1.0)
+    inverse_temperature = torch.where(greedy, 1.0, 1.0 / (torch.rand(b) + 0.5))
+    tokens = proposer._draft_tokens(None, None, None, None, block, None, None, noise, inverse_temperature, greedy)[0]
+
+    logits = drafter.compute_logits(hidden, proposer.lm_head)
+    walk = lambda choose: drafter.select(hidden, proposer.lm_head, block[:, 0], choose)["tokens"]  # noqa: E731
+    assert torch.equal(tokens[greedy], walk(greedy_choice)[greedy])
+    in_top = (tokens[..., None] == torch.topk(logits, 4, dim=-1).indices).any(-1)
+    sampled = ~greedy
+    if sampled_race == "marginal":
+        race = torch.softmax(logits.float() * inverse_temperature[:, None, None], -1) / noise
+        assert torch.equal(tokens[sampled], race.argmax(-1)[sampled])
+        assert not in_top[sampled].all()
+        proposer._draft_hidden = lambda *args: hidden[sampled]
+        every_row_sampled = proposer._draft_tokens(None, None, None, None, block[sampled], None, None,
+                                                   noise[sampled], inverse_temperature[sampled])[0]
+        assert torch.equal(every_row_sampled, tokens[sampled])  # no greedy row: the walk is skipped
+    else:
+        assert torch.equal(tokens[sampled], walk(race_choice(noise, inverse_temperature))[sampled])
+        assert in_top[sampled].all()
+
+
+def test_the_selector_race_keeps_plain_decodings_seeded_text():
+    """The race that is not the default: seeded requests beside a greedy row still get plain decoding's text."""
+    target = make_target("qwen3")
+    drafter = make_dflash2(target)
+    view = TargetModel(target)
+    view.set_layer_ids(drafter.target_layer_ids)
+    params = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
+    plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    proposer = DFlash2Proposer(drafter, view, sampled_race="selector")
+    with SpecEngine(view, proposer=proposer, block_size=drafter.block_size, draft_policy="fixed") as engine:
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
+    with pytest.raises(ValueError, match="sampled_race"):
+        DFlash2Proposer(drafter, view, sampled_race="argmax")
 
 
 def test_follow_composes_the_maps():

@@ -1,12 +1,18 @@
 """Drafting with a DFlash2 drafter (`model/dflash2.py`): the DFlash forward of `DFlashProposer`, then the candidate
 selector's walk along the block instead of a per-position argmax.
 
-How the walk picks each position's token among its candidates (scores s over the marginal's top-k), per row:
-- greedy rows: argmax s (z-lab's `dflash_generate` at temperature 0);
-- sampled rows with counter-based noise (the default "gumbel" sampler, `noise.py`): the exponential race on the
-  selector's own q = softmax(s / T) with the position's noise at the candidates' token ids, argmax q(c) / E(c). The
-  target commits the race winner of its p under the same noise, so a draft is accepted exactly when both races
-  pick the same token; committed text is plain decoding's whatever the drafts are.
+How each position's token is picked, per row:
+- greedy rows: the walk with argmax s over the candidates (scores s over the marginal's top-k; z-lab's
+  `dflash_generate` at temperature 0);
+- sampled rows with counter-based noise (the default "gumbel" sampler, `noise.py`): an exponential race with the
+  position's noise, the one the target runs on its p; a draft is accepted exactly when both races pick the same
+  token, and the committed text is plain decoding's whatever the drafts are. Which distribution races is
+  `sampled_race`:
+  - "marginal" (the default): softmax(logits / T) over the whole vocabulary, DFlash-1's draft (the selector is not
+    used). It measured best (BENCHMARKS.md, 'Sampling at temperature 1'): a flat target often samples a token
+    outside the drafter's top-k, which only a race over the whole vocabulary can draft, and adding the marginal's
+    winner outside the top-k to the selector's candidates measured no better (within 1 %);
+  - "selector": the walk, racing among the top-k on the selector's q = softmax(s / T).
 - sampled rows without noise (the "rejection" sampler): a sample of q, and q itself (zero outside the candidates)
   goes to the verifier as the draft distribution, so speculative rejection sampling stays exact (z-lab's sampling;
   drawing each position from its marginal independently instead ignores the chosen prefix, z-lab #169). These rows
@@ -15,8 +21,8 @@ How the walk picks each position's token among its candidates (scores s over the
 
 Per-position confidence for a draft policy: with `confidence=True`, after each `propose` the field
 `last_confidence` (`DraftConfidence`) holds, per live row and draft position, the selector's probability of the
-token it chose (q at the row's temperature, T = 1 for greedy rows) and the marginal's probability of the same token
-(softmax of the drafter's logits at that temperature). Nothing reads them yet (`scripts/dflash2/calibration.py`
+token it chose (q at the row's temperature, T = 1 for greedy rows; 0 for a token outside the candidates) and the
+marginal's probability of the same token (softmax of the drafter's logits at that temperature). Nothing reads them yet (`scripts/dflash2/calibration.py`
 measures how well they predict acceptance).
 
 What this module does not know about: the target's KV cache, verification and how many tokens to draft.
@@ -75,41 +81,57 @@ def sample_choice(inverse_temperature: torch.Tensor):
     return choose
 
 
+SAMPLED_RACES = ("marginal", "selector")
+
+
 class DFlash2Proposer(DFlashProposer):
     """`DFlashProposer` for a DFlash2 drafter (what `DFlashProposer(drafter, ...)` builds for one)."""
 
-    def __init__(self, drafter, target, compile: bool = False, pack_weights: bool = False, confidence: bool = False):
+    def __init__(self, drafter, target, compile: bool = False, pack_weights: bool = False, confidence: bool = False,
+                 sampled_race: str = "marginal"):
+        if sampled_race not in SAMPLED_RACES:
+            raise ValueError(f"sampled_race must be one of {', '.join(SAMPLED_RACES)}, not {sampled_race!r}")
         super().__init__(drafter, target, compile=compile, pack_weights=pack_weights)
         self.confidence = confidence
+        self.sampled_race = sampled_race
         self.last_confidence: DraftConfidence | None = None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block, positions, context_len,
-                      noise=None, inverse_temperature=None):
+                      noise=None, inverse_temperature=None, greedy_rows=None):
         """(drafts [b, k], q over the vocabulary [b, k, V] for rejection-sampled rows or None, then the selector's
         and the marginal's probability of each draft [b, k], or None without `confidence`)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
+        logits = self.drafter.compute_logits(hidden, self.lm_head)
         sampling = noise is None and inverse_temperature is not None
-        if noise is not None:
+        # the marginal's race over the whole vocabulary (greedy rows: noise 1 and 1/T 1, their argmax)
+        raced = (torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1) / noise).argmax(-1) \
+            if noise is not None and self.sampled_race == "marginal" else None
+        if raced is not None and greedy_rows is None and not self.confidence:
+            return raced, None, None, None  # every row sampled: the walk is not needed
+        if noise is not None and raced is None:
             choose = race_choice(noise, inverse_temperature)
         elif sampling:
             choose = sample_choice(inverse_temperature)
         else:
             choose = greedy_choice
-        walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose, with_scores=sampling or self.confidence)
+        walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose, with_scores=sampling or self.confidence,
+                                   logits=logits)
         tokens, candidates = walk["tokens"], walk["candidates"]
+        if raced is not None:
+            tokens = raced if greedy_rows is None else torch.where(greedy_rows[:, None], tokens, raced)
         if not (sampling or self.confidence):
             return tokens, None, None, None
         # the row's temperature for sampled rows, 1 for greedy ones
         scale = torch.ones(tokens.shape[0], device=tokens.device) if inverse_temperature is None else \
             torch.where(inverse_temperature > 0, inverse_temperature, 1.0)
-        q = torch.softmax(walk["scores"].float() * scale[:, None, None], dim=-1)  # [b, k, top_k]
-        draft_probs = torch.zeros(*tokens.shape, walk["logits"].shape[-1], device=q.device).scatter_(
+        q = torch.softmax(walk["scores"].float() * scale[:, None, None], dim=-1)  # [b, k, candidates]
+        draft_probs = torch.zeros(*tokens.shape, logits.shape[-1], device=q.device).scatter_(
             -1, candidates, q) if sampling else None
         if not self.confidence:
             return tokens, draft_probs, None, None
-        chosen = (candidates == tokens[..., None]).float().argmax(-1, keepdim=True)
-        marginal = torch.softmax(walk["logits"].float() * scale[:, None, None], dim=-1)
-        return tokens, draft_probs, q.gather(-1, chosen)[..., 0], marginal.gather(-1, tokens[..., None])[..., 0]
+        selector = (q * (candidates == tokens[..., None])).sum(-1)
+        marginal = torch.softmax(logits.float() * scale[:, None, None], dim=-1)
+        return tokens, draft_probs, selector, marginal.gather(-1, tokens[..., None])[..., 0]
 
     def _proposal(self, drafts, live: int, device):
         tokens, draft_probs, selector, marginal = drafts

@@ -205,26 +205,26 @@ class DFlashProposer:
             drafting = len(rows)
             block = torch.full((drafting, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
             block[:, 0] = inp.bonus.to(dev)
-            noise, scale = _race_inputs(inp, 0, dev)
+            noise, scale, greedy = _race_inputs(inp, 0, dev)
             written = (t[:, :0].to(dev) for t in inp.new_features.astuple())  # nothing more to write
             drafts = self._draft_tokens(state.kv.gather_rows(rows, inp.context_len), *written, block,
-                                        inp.positions.to(dev), inp.context_len, noise, scale)
+                                        inp.positions.to(dev), inp.context_len, noise, scale, greedy)
             return self._proposal(drafts, drafting, inp.bonus.device)
         live = inp.new_features.values.shape[0]
         b, features, positions, valid = self._context(state, inp.new_features)
         block = torch.full((b, block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
         block[:live, 0] = inp.bonus.to(dev)
         block_positions = state.buckets.pad(inp.positions, b).to(dev)
-        noise, scale = _race_inputs(inp, b - live, dev)
+        noise, scale, greedy = _race_inputs(inp, b - live, dev)
         if not self.compiled:
             return self._proposal(self._draft_tokens(state.kv, features, positions, valid, block, block_positions,
-                                                     inp.context_len, noise, scale), live, inp.bonus.device)
+                                                     inp.context_len, noise, scale, greedy), live, inp.bonus.device)
         # compiled: context arrives in chunks of one block (one static shape, whatever arrived); all but the last
         # chunk (only after a prefill) are written on their own, the last one in the same graph as the draft
         chunks = _chunks(features, positions, valid, block_size)
         for chunk in chunks[:-1]:
             self._write_step(state.kv, *chunk)
-        drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale)
+        drafts = self._draft_step(state.kv, *chunks[-1], block, block_positions, None, noise, scale, greedy)
         return self._proposal(drafts, live, inp.bonus.device)
 
     def propose_candidates(self, state: DraftRows, inp: ProposalInput, block_size: int,
@@ -266,9 +266,11 @@ class DFlashProposer:
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
                       positions: torch.Tensor, context_len: int | None, noise: torch.Tensor | None = None,
-                      inverse_temperature: torch.Tensor | None = None) -> torch.Tensor:
+                      inverse_temperature: torch.Tensor | None = None,
+                      greedy_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Write the newly committed context into the drafter's cache, then draft one block per row: the argmax,
-        or with `noise` the winner of the exponential race on softmax(logits / T) (greedy rows: noise 1, 1/T 1)."""
+        or with `noise` the winner of the exponential race on softmax(logits / T) (greedy rows: noise 1, 1/T 1, so
+        `greedy_rows` is not needed here)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
         if noise is None:
@@ -291,18 +293,20 @@ class DFlashProposer:
         return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]
 
 
-def _race_inputs(inp: ProposalInput, padding_rows: int, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The drafting rows' noise [b, k, V] (padding rows: 1; None without noise) and 1 / T per row [b] (1 for greedy
+def _race_inputs(inp: ProposalInput, padding_rows: int, dev):
+    """The drafting rows' noise [b, k, V] (padding rows: 1; None without noise), 1 / T per row [b] (1 for greedy
     and padding rows; with temperatures but no noise, rejection sampling, 0 marks the greedy rows; None when every
-    row is greedy)."""
-    noise = scale = None
+    row is greedy) and, with noise, the greedy rows [b] (bool; None when no row is greedy)."""
+    noise = scale = greedy = None
     if inp.noise is not None:
         noise = torch.cat([inp.noise, inp.noise.new_ones((padding_rows, *inp.noise.shape[1:]))]).to(dev)
     if inp.temperatures is not None:
         temps = inp.temperatures.to(dev, torch.float32)
         scale = torch.where(temps > 0, 1.0 / temps.clamp_min(1e-6), 1.0 if noise is not None else 0.0)
         scale = torch.cat([scale, temps.new_ones(padding_rows)])
-    return noise, scale
+        if noise is not None and bool((inp.temperatures <= 0).any()):
+            greedy = torch.cat([temps <= 0, temps.new_zeros(padding_rows, dtype=torch.bool)])
+    return noise, scale, greedy
 
 
 def _chunks(features, positions, valid, size: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

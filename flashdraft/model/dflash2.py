@@ -280,10 +280,11 @@ class DFlash2DraftModel(DFlashDraftModel):
                                attention_mask)
 
     def select(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, choose,
-               with_scores: bool = True) -> dict:
+               with_scores: bool = True, logits: torch.Tensor | None = None) -> dict:
         """The selector's walk over draft hidden states [b, k, H] (`CandidateSelector.select`), with the marginal
-        logits [b, k, V] it started from under "logits"."""
-        logits = self.compute_logits(hidden, lm_head)
+        logits [b, k, V] it started from (`logits`, when the caller has them already) under "logits"."""
+        if logits is None:
+            logits = self.compute_logits(hidden, lm_head)
         out = self.candidate_selector.select(hidden.to(self.dtype), logits, anchor, choose, with_scores)
         out["logits"] = logits
         return out

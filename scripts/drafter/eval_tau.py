@@ -240,6 +240,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--sampler", choices=("gumbel", "rejection"), default="gumbel",
                     help="how sampled drafts are verified (the engine's --sampler)")
+    ap.add_argument("--dflash2-race", choices=("marginal", "selector"), default=None,
+                    help="what a DFlash2 drafter's sampled rows race on under the gumbel sampler (default: the "
+                         "proposer's, marginal; dflash2_proposer.py)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
@@ -276,6 +279,11 @@ def main(argv=None) -> int:
     cells = build_cells(tokenizer, args.num, lengths)
     engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size, draft_policy="fixed",
                                                                          sampler=args.sampler))
+    if args.dflash2_race:
+        if not hasattr(engine.proposer, "sampled_race"):
+            ap.error("--dflash2-race needs a DFlash2 drafter")
+        engine.proposer.sampled_race = args.dflash2_race
+        label += f", {args.dflash2_race} race"
     t0 = time.perf_counter()
     results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id, temperature=args.temperature)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -283,7 +291,7 @@ def main(argv=None) -> int:
     (args.out / "results.json").write_text(json.dumps(
         {"label": label, "draft": args.draft, "target": args.target, "num": args.num, "lengths": lengths,
          "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
-         "temperature": args.temperature, "sampler": args.sampler,
+         "temperature": args.temperature, "sampler": args.sampler, "dflash2_race": args.dflash2_race,
          "draft_vocab_size": args.draft_vocab_size, "wall_s": round(time.perf_counter() - t0, 1),
          "cells": results}, indent=1))
     (args.out / "results.md").write_text(table)
