@@ -2,7 +2,8 @@
 layout, the convolution's block-causality, greedy output equal to the target's own `generate` (fast and generic
 target paths, eager and compiled, batch > 1), and sampled output distributed as the target's with DFlash2 drafts:
 under the default sampler (sampled rows race with the position's noise: on the marginal by default, or through the
-selector) and under rejection sampling with the selector's own q given to the verifier. Exactness against z-lab's package: tests/test_zlab_roundtrip.py.
+selector) and under rejection sampling with the selector's own q given to the verifier. Exactness against z-lab's
+package: tests/test_zlab_roundtrip.py.
 """
 
 from __future__ import annotations

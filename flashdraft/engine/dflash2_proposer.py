@@ -22,8 +22,8 @@ How each position's token is picked, per row:
 Per-position confidence for a draft policy: with `confidence=True`, after each `propose` the field
 `last_confidence` (`DraftConfidence`) holds, per live row and draft position, the selector's probability of the
 token it chose (q at the row's temperature, T = 1 for greedy rows; 0 for a token outside the candidates) and the
-marginal's probability of the same token (softmax of the drafter's logits at that temperature). Nothing reads them yet (`scripts/dflash2/calibration.py`
-measures how well they predict acceptance).
+marginal's probability of the same token (softmax of the drafter's logits at that temperature). Nothing reads them
+yet (`scripts/dflash2/calibration.py` measures how well they predict acceptance).
 
 What this module does not know about: the target's KV cache, verification and how many tokens to draft.
 """

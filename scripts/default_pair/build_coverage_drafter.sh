@@ -15,8 +15,10 @@
 # (default: none), COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 4000), REPLAY
 # (default 4000), SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
 # runs/coverage_drafter), NICE (default 15).
-# The shipped drafter is this script's defaults (BENCHMARKS.md, issue 17): on the 2-core CPU the function-start
-# answers regenerate in ~3 min, the coverage answers in ~11 min, and training runs ~0.9 s/step (~45 min).
+# The shipped drafter is this script run twice (build_drafter.sh stages 4 and 5): its defaults from the base drafter,
+# then SAMPLED=2000 DISTILL=0.5 STEPS=1500 from that (BENCHMARKS.md, issues 17 and 18). On the 2-core CPU the
+# function-start answers regenerate in ~3 min, the coverage answers in ~11 min, the sampled ones in ~3 min, and
+# training runs ~0.9 s/step (~45 min for 3,000 steps).
 # Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
