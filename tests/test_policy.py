@@ -8,8 +8,9 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, STALE_AFTER, AdaptiveWidth,
-                                      CostModel, Curve, CycleTiming, Goodput, initial_prior, width_choices)
+from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, PRIOR_SMOOTHING, STALE_AFTER,
+                                      AcceptancePriors, AdaptiveWidth, CostModel, Curve, CycleTiming, Goodput,
+                                      initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -99,9 +100,31 @@ def test_greedy_rows_are_not_judged_by_sampled_rows_drafts():
     assert policy.priors[True][0] < 0.7 and policy.priors[False][0] == pytest.approx(0.9)
     greedy = [policy.new_row(sampled=False)]
     assert run(policy, greedy, lambda i, c, w: 14, CPU, 5)[0] == [16]
-    late = [policy.new_row(sampled=True)]  # a new sampled row starts lower; its own drafts decide
-    history = run(policy, late, lambda i, c, w: 14, CPU, 40)
-    assert all(h == [16] for h in history[-10:])
+    # a new sampled row starts from that low prior and the wait the failing row reached; from its first probe on,
+    # its own drafts decide
+    late = [policy.new_row(sampled=True)]
+    assert late[0].plain_run == MAX_PLAIN_RUN
+    history = run(policy, late, lambda i, c, w: 14, CPU, MAX_PLAIN_RUN + 40)
+    assert history[:MAX_PLAIN_RUN] == [[1]] * MAX_PLAIN_RUN and all(h == [16] for h in history[-10:])
+
+
+def test_the_sampled_prior_is_a_mean_of_its_first_drafts_and_the_greedy_prior_moves_slowly():
+    """At temperature 1 a weak drafter's first few drafts bring the sampled rows' prior down at once (the optimistic
+    start counts as one draft), so new sampled rows stop drafting on a prior near 0.9; past 1 / PRIOR_SMOOTHING
+    drafts it is the usual slow average. The greedy prior moves slowly from the start."""
+    priors, start = AcceptancePriors(16), initial_prior(16)
+    for _ in range(3):
+        priors.update(True, 16, 0)
+        priors.update(False, 16, 0)
+    assert priors[True][0] == pytest.approx(start[0] / 4)  # (start + 0 + 0 + 0) / 4
+    assert priors[False][0] == pytest.approx(start[0] * (1 - PRIOR_SMOOTHING) ** 3)
+    priors.update(True, 4, 3)  # positions past the width were not verified: their mean keeps its count
+    assert priors[True][0] == pytest.approx((start[0] + 1) / 5) and priors[True][3] == pytest.approx(start[3] / 4)
+    for _ in range(100):
+        priors.update(True, 16, 15)
+    before = priors[True][5]
+    priors.update(True, 16, 0)
+    assert priors[True][5] == pytest.approx(before * (1 - PRIOR_SMOOTHING))
 
 
 @pytest.mark.parametrize("concurrency,p_range", [(16, (0.2, 0.9)), (16, (0.75, 0.95)), (32, (0.2, 0.9))])
