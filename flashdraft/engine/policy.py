@@ -74,7 +74,10 @@ OPTIMISTIC_SURVIVAL = 0.9  # the prior before any draft was seen, and a probe's:
 # (an unmeasured size is priced optimistically), which at 256 cost a 16-row batch of plain steps ~7 % of its
 # throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
-REPLAN_PLAIN_EVERY = 4  # cycles an all-one-token-step plan is kept while no row changes (costs drift slowly)
+# cycles an all-one-token-step plan is kept while no row changes (costs drift slowly; a probe or a new row replans at
+# once). 16 rather than 4: at batch 1 a plan costs ~5 % of a one-token step on CPU, and fewer replans on noisy
+# timings drafted less where it lost (policy_sim.py at 1 row: mixed 1.09x -> 1.18x, bursty 1.73x -> 1.78x)
+REPLAN_PLAIN_EVERY = 16
 # the goodput check (`Goodput`), for batches of GOODPUT_ROWS rows or more: a row bucket's last DRAFTING_WINDOW
 # drafting cycles against its last PLAIN_WINDOW cycles of one-token steps, judged every max(2, JUDGED_ROWS / rows)
 # drafting cycles: 8 at 4 rows, 2 from 16 rows, where one cycle sums many rows' acceptance and lasts ~10 one-token
