@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.engine.proposers import DFlashProposer
+from flashdraft.engine.proposers import DFlashProposer, marginal_race
 
 
 @dataclass
@@ -103,8 +103,8 @@ class DFlash2Proposer(DFlashProposer):
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.compute_logits(hidden, self.lm_head)
         sampling = noise is None and inverse_temperature is not None
-        # the marginal's race over the whole vocabulary (greedy rows: noise 1 and 1/T 1, their argmax)
-        raced = (torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1) / noise).argmax(-1) \
+        # the marginal's race over the whole vocabulary (greedy rows: their argmax, replaced by the walk's below)
+        raced = marginal_race(logits, noise, inverse_temperature) \
             if noise is not None and self.sampled_race == "marginal" else None
         if raced is not None and greedy_rows is None and not self.confidence:
             return raced, None, None, None  # every row sampled: the walk is not needed

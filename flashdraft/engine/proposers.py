@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
+from flashdraft.engine.noise import race
 from flashdraft.engine.tree import candidate_lists
 from flashdraft.model.cpu_linear import packed_linear
 from flashdraft.model.draft_vocab import draft_targets
@@ -277,8 +278,7 @@ class DFlashProposer:
             return self._target_ids(logits.argmax(dim=-1))
         if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
             noise = noise.index_select(-1, self.draft_targets)
-        probs = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
-        return self._target_ids((probs / noise).argmax(dim=-1))
+        return self._target_ids(marginal_race(logits, noise, inverse_temperature))
 
     def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids as target ids (identity unless the drafter has a reduced vocabulary)."""
@@ -291,6 +291,12 @@ class DFlashProposer:
             self.drafter.write_context(kv, features, feature_positions, feature_valid)
         embeds = self.drafter.embed(block, self.embedding_weight)
         return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]
+
+
+def marginal_race(logits: torch.Tensor, noise: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    """Each draft position's winner of the exponential race on softmax(logits / T) under its noise [b, k, V]
+    (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
+    return race(torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1), noise)
 
 
 def _race_inputs(inp: ProposalInput, padding_rows: int, dev):
