@@ -13,7 +13,9 @@ import torch
 from scipy.stats import kstest
 
 from flashdraft import SamplingParams, SpecEngine
-from flashdraft.engine.noise import exponential_noise, mix32, race
+from flashdraft.engine import noise as noise_module
+from flashdraft.engine.noise import exponential_noise, mix32, race, slot_keys
+from flashdraft.engine.verify import target_probs, verify
 from tiny import OracleProposer, make_drafter, make_target
 
 
@@ -55,6 +57,41 @@ def test_race_samples_the_distribution():
     winners = race(probs, exponential_noise(seeds, torch.zeros_like(seeds), 1, 4)[:, 0])
     freq = torch.bincount(winners, minlength=4).double() / len(seeds)
     assert torch.allclose(freq, probs.double(), atol=0.012)
+
+
+def test_cpu_noise_keys_are_the_torch_hashes():
+    """On CPU the per-position keys are hashed through numpy (fewer tiny torch calls): the same integers as the
+    torch hash every other device runs, for extreme seeds and positions too."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        rows, width = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 17, (1,), generator=g))
+        seeds = torch.randint(0, 2**62, (rows,), generator=g) * (1 + trial % 2)
+        seeds[0] = (2**63 - 1, 0, 2**32 - 1, 2**32)[trial % 4]
+        first = torch.randint(0, 3000, (rows,), generator=g)
+        first[-1] = (0, 2**31 - 1, 2**31, 2**33 + 5)[trial % 4]
+        assert torch.equal(noise_module._slot_keys_numpy(seeds, first, width), slot_keys(seeds, first, width))
+
+
+def test_a_batch_verifies_every_row_as_it_would_alone():
+    """Greedy rows and rows racing on softmax(logits / T) are verified together: each row's verdict is the one it
+    gets alone, token for token, beside rows with top-k / top-p and without noise (rejection sampling)."""
+    g = torch.Generator().manual_seed(0)
+    params = [SamplingParams(), _sampled(1), _sampled(2, temperature=0.6), _sampled(3, top_k=5),
+              SamplingParams(), _sampled(4, top_p=0.8), _sampled(5, temperature=1.7)]
+    b, k, vocab = len(params), 6, 300
+    for trial in range(20):
+        logits = torch.randn(b, k + 1, vocab, generator=g) * 3
+        noise = exponential_noise(torch.arange(b) + 100 * trial, torch.zeros(b, dtype=torch.long), k + 1, vocab)
+        chosen = [logits[r].argmax(-1) if p.greedy else race(target_probs(logits[r], p.temperature, p.top_p, p.top_k),
+                                                              noise[r]) for r, p in enumerate(params)]
+        drafts = torch.stack([c[:k] for c in chosen])  # drafts that match up to a row-dependent point
+        for r in range(b):
+            drafts[r, (r + trial) % (k + 1):] = (drafts[r, (r + trial) % (k + 1):] + 1) % vocab
+        whole = verify(logits, drafts, params, noise=noise)
+        for r in range(b):
+            alone = verify(logits[r:r + 1], drafts[r:r + 1], params[r:r + 1], noise=noise[r:r + 1])
+            assert int(whole.num_accepted[r]) == int(alone.num_accepted[0]) == min((r + trial) % (k + 1), k)
+            assert int(whole.next_tokens[r]) == int(alone.next_tokens[0])
 
 
 PROMPTS = [[3, 4, 5, 6], [10, 11], [20, 21, 22, 23, 24, 25, 26], [40]]

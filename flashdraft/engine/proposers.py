@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashdraft.engine.argmax import argmax
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.engine.noise import race
@@ -275,7 +276,7 @@ class DFlashProposer:
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
         if noise is None:
-            return self._target_ids(logits.argmax(dim=-1))
+            return self._target_ids(argmax(logits))
         if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
             noise = noise.index_select(-1, self.draft_targets)
         return self._target_ids(marginal_race(logits, noise, inverse_temperature))

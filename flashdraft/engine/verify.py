@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.engine.argmax import argmax
 from flashdraft.engine.noise import race
 
 
@@ -111,22 +112,38 @@ def verify(
     """
     b, k = draft_tokens.shape
     device = target_logits.device
-    if all(p.greedy for p in params):
-        greedy_next = target_logits.argmax(dim=-1)  # [b, k+1]
-        matches = (draft_tokens == greedy_next[:, :k]).long()
-        num_accepted = matches.cumprod(dim=1).sum(dim=1)
-        next_tokens = greedy_next.gather(1, num_accepted[:, None])[:, 0]
-        return Verdict(num_accepted, next_tokens)
-
     num_accepted = torch.zeros(b, dtype=torch.long, device=device)
     next_tokens = torch.zeros(b, dtype=torch.long, device=device)
+    # greedy rows, and sampled rows racing on softmax(logits / T) alone, all at once (their own token at every
+    # block position; a row's result does not depend on the others'): a loop over rows cost ~45 us per row on CPU
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    raced = [r for r, p in enumerate(params) if noise is not None and not p.greedy and p.top_k == 0 and p.top_p == 1.0]
+    for rows, racing in ((greedy, False), (raced, True)):
+        if not rows:
+            continue
+        idx = None if len(rows) == b else torch.tensor(rows, device=device)
+        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))  # noqa: E731
+        logits = pick(target_logits)
+        if racing:
+            temperatures = torch.tensor([max(params[r].temperature, 1e-6) for r in rows], device=device)
+            probs = torch.softmax(logits.float() / temperatures[:, None, None], dim=-1)  # = target_probs, per row
+            chosen = race(probs, pick(noise))
+        else:
+            chosen = argmax(logits)
+        acc = (pick(draft_tokens) == chosen[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        chosen_next = chosen.gather(1, acc[:, None])[:, 0]
+        if idx is None:
+            return Verdict(acc, chosen_next)
+        num_accepted[idx], next_tokens[idx] = acc, chosen_next
+    done = set(greedy) | set(raced)
     for row, p in enumerate(params):
+        if row in done:
+            continue
         logits = target_logits[row]
-        if p.greedy or noise is not None:
-            # the target's own token at every block position (its argmax, or the winner of its race under the
-            # row's noise): accept drafts while they equal it, then commit it
-            chosen = logits.argmax(dim=-1) if p.greedy else race(
-                target_probs(logits, p.temperature, p.top_p, p.top_k), noise[row])
+        if noise is not None:
+            # the target's own token at every block position (the winner of its race under the row's noise, on p
+            # restricted by top-k / top-p): accept drafts while they equal it, then commit it
+            chosen = race(target_probs(logits, p.temperature, p.top_p, p.top_k), noise[row])
             acc = int((draft_tokens[row] == chosen[:k]).long().cumprod(0).sum())
             num_accepted[row], next_tokens[row] = acc, chosen[acc]
             continue
@@ -173,7 +190,7 @@ def verify_tree(
 
     noise [g, depth + 1, V] or None: each sampled row's exponential noise by output position (the root's first);
     without it, sampled rows draw the target's token at each node they reach from p with their generator."""
-    greedy_choice = target_logits.argmax(dim=-1).tolist()  # [g][n]
+    greedy_choice = argmax(target_logits).tolist()  # [g][n]
     children = tree.children()
     depths = tree.depths
     num_accepted, next_tokens, paths = [], [], []

@@ -1,0 +1,51 @@
+"""`flashdraft.engine.argmax.argmax` picks exactly what torch's argmax picks: ties, NaNs, -inf rows, every float
+dtype, non-contiguous views, small and large tensors, and inside a compiled graph."""
+
+import pytest
+import torch
+
+from flashdraft.engine import argmax as argmax_module
+from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 15, 8192), (4, 16, 8192), (3, 8192), (2, 5, 4099), (8192,), (2, 7)]:
+        x = torch.randn(*shape, generator=g)
+        yield x
+        ties = (x * 2).round() / 2  # many equal values
+        ties[..., 5] = ties.max()
+        ties[..., 3] = ties.max()  # the first of two maxima wins
+        yield ties
+        nans = x.clone()
+        nans.view(-1)[torch.randint(0, x.numel(), (3,), generator=g)] = float("nan")
+        yield nans
+        yield torch.full(shape, float("-inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_argmax_picks_what_torch_picks(dtype):
+    for x in _cases():
+        x = x.to(dtype)
+        with torch.inference_mode():
+            got, want = argmax(x), x.argmax(dim=-1)
+        assert got.dtype == torch.long and got.shape == want.shape
+        assert torch.equal(got, want)
+        if x.dim() == 3:  # a non-contiguous view
+            assert torch.equal(argmax(x.transpose(0, 1)), x.transpose(0, 1).argmax(dim=-1))
+
+
+def test_large_cpu_tensors_go_through_numpy_and_small_ones_do_not(monkeypatch):
+    calls = []
+    real = argmax_module.np.asarray
+    monkeypatch.setattr(argmax_module.np, "asarray", lambda *a, **k: calls.append(1) or real(*a, **k))
+    argmax(torch.randn(2, NUMPY_FROM_ELEMENTS))
+    assert calls == [1]
+    argmax(torch.randn(2, 8))
+    assert calls == [1]
+
+
+def test_argmax_compiles_without_a_graph_break():
+    compiled = torch.compile(lambda x: argmax(x * 2), fullgraph=True, backend="eager")
+    x = torch.randn(3, 8192)
+    assert torch.equal(compiled(x), (x * 2).argmax(dim=-1))
