@@ -19,8 +19,8 @@ def sweep():
 
 def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_path):
     rounds = iter([  # (tokens, seconds, tau) per server, round by round
-        {"dflash": (100, 1.0, 4.0), "ar": (100, 2.0, None), "compare": (100, 4.0, 2.0)},
-        {"dflash": (100, 2.0, 6.0), "ar": (100, 1.0, None), "compare": (100, 1.0, 3.0)},
+        {"dflash": (100, 1.0, 4.0), "ar": (100, 2.0, None), "compare": (100, 4.0, 2.0), "control": (100, 2.5, None)},
+        {"dflash": (100, 2.0, 6.0), "ar": (100, 1.0, None), "compare": (100, 1.0, 3.0), "control": (100, 0.5, None)},
     ])
 
     def fake_run_servers(specs, prompts, levels, **kwargs):
@@ -31,14 +31,16 @@ def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_p
                             for n in names}}
 
     monkeypatch.setattr(sweep, "run_servers", fake_run_servers)
-    urls = {"dflash": "d", "ar": "a", "compare": "c"}
+    urls = {"dflash": "d", "ar": "a", "compare": "c", "control": "p"}
     out = sweep.cell(urls, ["p"], 4, 0.0, 8, 2)
     assert out["ratio"] == 1.0 and out["round_ratios"] == [2.0, 0.5]  # 200 / 3 s against 200 / 3 s
     assert out["tau"] == 5.0 and out["mismatches"] == 0
     assert out["compare_ratio"] == pytest.approx(0.6) and out["compare_round_ratios"] == [0.5, 1.0]
     assert out["compare_tau"] == 2.5 and out["ar_tok_s"] == pytest.approx(66.7)
+    assert out["control_ratio"] == 1.0 and out["control_round_ratios"] == [0.8, 2.0] and out["control_tau"] is None
     cells = [{"set": "held-out", "temperature": 0.0, "concurrency": 4, "busy_core": False, **out}]
     sweep.write_table(cells, [4], [0.0], ["held-out"], tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert "| held-out | 0 | 1.00x (0.50-2.00) |" in table and "0.60x (0.50-1.00)" in table
+    assert "noise floor" in table and "1.00x (0.80-2.00)" in table
     assert (tmp_path / "ratio.png").stat().st_size > 1000

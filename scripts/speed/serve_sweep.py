@@ -10,7 +10,9 @@ level by level; the ratio is DFlash's output tokens per second over plain decodi
 Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-args` go to the drafting server
 only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
 with its own flags, run in the same interleaved rounds (e.g. `--serve-args="--tree-budget auto" --compare-args=""`:
-trees and the chain side by side against the same plain decoding).
+trees and the chain side by side against the same plain decoding). `--control` adds a second `--no-draft` server
+to the rounds: plain decoding against itself shows how far a ratio moves on this machine with nothing changed
+(on the 2-core benchmark machine single rounds of plain against plain ranged 0.82-1.25x at 4-32 requests).
 
 What this script does not know about: how the servers decode (it only starts them and speaks HTTP).
 """
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-args", default="", help="extra flags for the drafting server")
     p.add_argument("--compare-args", default=None,
                    help="a second drafting server with these flags (e.g. the default, \"\"), in the same rounds")
+    p.add_argument("--control", action="store_true",
+                   help="a second plain-decoding server in the same rounds: its ratio to the first is this "
+                        "machine's noise at each cell, the band a DFlash ratio must be read against")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -131,6 +136,8 @@ def main(argv=None) -> int:
         if args.compare_args is not None:
             urls["compare"] = servers.enter_context(server("compare", shlex.split(args.compare_args), args.threads,
                                                            max_batch, out))
+        if args.control:
+            urls["control"] = servers.enter_context(server("control", ["--no-draft"], args.threads, max_batch, out))
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
         if not args.no_busy:
             plan += [(s, t, 1, True) for t in temperatures for s in sets]
@@ -142,6 +149,7 @@ def main(argv=None) -> int:
             cells.append(row)
             compared = (f"; compare {row['compare_ratio']:.2f}x (tau {row.get('compare_tau')})"
                         if "compare_ratio" in row else "")
+            compared += f"; control {row['control_ratio']:.2f}x" if "control_ratio" in row else ""
             print(f"[{i}/{len(plan)}] {s:13s} T={t:g} conc={c:3d}{' busy' if busy else '     '} "
                   f"ratio {row['ratio']:.2f}x (dflash {row['dflash_tok_s']:.0f} / plain {row['ar_tok_s']:.0f} tok/s, "
                   f"tau {row.get('tau')}){compared} [{time.time() - started:.0f} s]", flush=True)
@@ -159,7 +167,8 @@ def ratio_text(cell: dict, key: str) -> str:
 
 def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
     lines = []
-    for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)")):
+    for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)"),
+                       ("control_ratio", "control: a second plain-decoding server (--control), the noise floor,")):
         if not any(key in c for c in cells):
             continue
         lines += [f"{title} / plain decoding", "",
@@ -185,12 +194,17 @@ def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
         for t in temperatures:
             pts = sorted((c["concurrency"], c["ratio"]) for c in cells
                          if c["set"] == s and c["temperature"] == t and not c["busy_core"])
-            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{s}, T={t:g}")
+            line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{s}, T={t:g}")
+            control = sorted((c["concurrency"], c["control_ratio"]) for c in cells if "control_ratio" in c
+                             and c["set"] == s and c["temperature"] == t and not c["busy_core"])
+            if control:  # plain against plain: the noise a DFlash ratio moves by with nothing changed
+                ax.plot([x for x, _ in control], [y for _, y in control], ls=":", color=line.get_color(), lw=1)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(0.95, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("DFlash / plain decoding throughput")
+    ax.set_ylabel("DFlash / plain decoding throughput" + (" (dotted: plain / plain)" if any(
+        "control_ratio" in c for c in cells) else ""))
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "ratio.png", dpi=120)
