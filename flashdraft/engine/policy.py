@@ -16,7 +16,8 @@ created by `new_row()` and travels with the row.
     row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
     new row starts from the wait the last row of its kind reached by drafting, so at temperature 1 with a weak
     drafter a new request does not lose its first probes again): judged by the optimistic starting prior once,
-    so it drafts again where drafting could pay; what its drafts
+    one row per cycle (rows that joined together come due together; a probe of all of them at once drafted the
+    whole batch on optimistic estimates), so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
     (a probe the plan declines counts as lost), so good drafts at a load where drafting does not pay neither
     probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
@@ -391,30 +392,60 @@ class AdaptiveWidth:
 
     def widths(self, rows: list[RowAcceptance]) -> list[int]:
         n = len(rows)
-        probes = False
-        for r in rows:  # rows left at one-token steps long enough are probed: judged optimistically once
-            if r.plain_steps >= r.plain_run and not r.probing:
-                r.judged, r.survival, r.probing, probes = r.survival, initial_prior(self.block_size), True, True
+        # a row left at one-token steps long enough is probed: judged optimistically once. One probe per cycle:
+        # rows that join together come due together, and probed all at once the optimistic prior priced drafting
+        # for the whole batch (16 rows on CPU: 16 drafting rows in a 63 ms cycle that gave a third less than
+        # one-token steps); one at a time, each is judged on what drafting that one row costs
+        due = [i for i, r in enumerate(rows) if r.plain_steps >= r.plain_run and not r.probing]
+        probe = None
+        if due and not any(r.probing for r in rows):
+            probe = max(due, key=lambda i: rows[i].plain_steps - rows[i].plain_run)  # the longest overdue first
+            r = rows[probe]
+            r.judged, r.survival, r.probing = r.survival, initial_prior(self.block_size), True
         if not self.costs.body.points:  # nothing measured yet: draft, then judge
             return [self.block_size] * n
         if not self.costs.body.known(n):  # a one-token step of this many rows was never measured
             return [1] * n
-        if self._plain_cycles_left > 0 and self._plain_rows == n and not probes:
+        kept = self._plain_cycles_left > 0 and self._plain_rows == n
+        if kept:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
-            return [1] * n
-        if self.costs.goodput.allows(n):
+            if probe is None:
+                return [1] * n
+        plan = np.ones(n, dtype=np.int64)
+        if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
+            pass  # every row steps (a probe among them is declined)
+        elif kept and self.ragged:  # but one row, now probed: it drafts if drafting it alone pays
+            plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n)
+            if plan[probe] == 1:  # declined: the plan kept stands (a full plan costs ~5 % of a 16-row step)
+                self._declined(rows[probe])
+                return plan.tolist()
+        else:
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
-        else:  # drafting gave less than one-token steps at this load, lately
-            plan = np.ones(n, dtype=np.int64)
         for r, w in zip(rows, plan):
-            if r.probing and w == 1:  # declined even judged optimistically: a lost probe, no draft needed to know
-                r.survival, r.probing, r.plain_steps = r.judged, False, 0
-                # the row's own wait only: a decline says the load does not pay (a hold, many rows), not that
-                # drafts fail, so new rows (maybe alone later) do not inherit it
-                r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
+            if r.probing and w == 1:
+                self._declined(r)
         drafting = bool((plan > 1).any())
         self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
         return plan.tolist()
+
+    @staticmethod
+    def _declined(r: RowAcceptance) -> None:
+        """A probe the plan declined even judged optimistically: lost, no draft needed to know. The row's own
+        wait doubles, not the one new rows inherit: a decline says the load does not pay (a hold, many rows),
+        not that drafts fail, so new rows (maybe alone later) do not inherit it."""
+        r.survival, r.probing, r.plain_steps = r.judged, False, 0
+        r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
+
+    def _alone(self, gains: np.ndarray, n: int) -> int:
+        """The width at which one row drafting beside n - 1 one-token steps gives the most expected tokens per
+        second, 1 when none beats one-token steps for all."""
+        plain_s = self.costs.cycle(n, 0)
+        best, best_rate = 1, n / plain_s if plain_s else 0.0
+        for w, gain in zip(self.drafting_widths.tolist(), gains.tolist()):
+            seconds = self.costs.cycle(n + w - 1, 1)
+            if seconds and (n + gain) / seconds > best_rate:
+                best, best_rate = w, (n + gain) / seconds
+        return best
 
     def _plan(self, gains: np.ndarray) -> np.ndarray:
         """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
