@@ -133,13 +133,15 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
             live = max(r.n_cached for r in batch.rows)
             if engine.fast is None:
                 assert batch.kv.slot_mask.shape[1] <= 2 * live + 2 * engine.block_size
-            caches = [batch.kv.kv] if engine.fast is not None else []
+            caches = [(batch.kv.kv, False)] if engine.fast is not None else []
             if use_drafter:
-                caches.append(batch.proposer_state.kv)
-            for kv in caches:  # paged: one row per request, each owning pages for its own tokens and next block
+                caches.append((batch.proposer_state.kv, True))
+            # paged: one row per request, each owning pages for its own tokens and next block (the drafter's: for
+            # the context written to it, its pending context takes pages when it is written)
+            for kv, drafter in caches:
                 assert kv.batch == len(batch.rows)
                 for r, pages in zip(batch.rows, kv.pages):
-                    assert pages_for(r.n_cached, kv.page_size) <= len(pages)
+                    assert pages_for(r.n_cached - (r.pending.length if drafter else 0), kv.page_size) <= len(pages)
                     assert len(pages) <= pages_for(r.n_cached + engine.block_size, kv.page_size)
     assert "r1" not in results
     for rid in prompts:

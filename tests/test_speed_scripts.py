@@ -104,3 +104,14 @@ def test_engine_concurrency_smoke(tmp_path, capsys):
     assert "| held-out | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         engine_concurrency.main(["--policies", "sometimes"])
+
+
+def test_sampling_cost_smoke(capsys):
+    import sampling_cost
+
+    assert sampling_cost.main(["--vocab", "64", "--shapes", "2x1,3x4", "--iters", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2x1 |" in out and "| 3x4 |" in out
+    for bad in (["--shapes", "2by1"], ["--shapes", "0x1"], ["--vocab", "1"]):
+        with pytest.raises(SystemExit):
+            sampling_cost.main(bad)

@@ -218,10 +218,9 @@ class PagedKV:
         """The device table from the host's pages (in place when its shape stays: CUDA graphs keep its address)."""
         most = max(map(len, self.pages), default=0)
         width = max(1, -(-most // self.table_pages)) * self.table_pages
-        table = torch.zeros((len(self.pages), width), dtype=torch.long)
-        for r, pages in enumerate(self.pages):
-            table[r, :len(pages)] = torch.tensor(pages, dtype=torch.long)
-        table = table.to(self.table.device)
+        # one tensor from padded lists: a tensor per row cost ~5 us each, ~0.3 ms a cycle at 64 rows
+        table = torch.tensor([pages + [0] * (width - len(pages)) for pages in self.pages], dtype=torch.long)
+        table = table.reshape(len(self.pages), width).to(self.table.device)
         if table.shape == self.table.shape:
             self.table.copy_(table)
         else:
