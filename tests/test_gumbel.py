@@ -130,6 +130,25 @@ def test_seeded_output_is_plain_decodings_whatever_the_drafter_block_or_batch(ar
     assert sum(r.stats.num_accepted_tokens for r in oracle) > 30  # the oracle's drafts really were accepted
 
 
+def test_greedy_rows_draft_while_sampled_rows_step():
+    """Drafting rows all greedy, a sampled row of the same batch at one-token steps (the policy's choice under load
+    or after failed drafts): the greedy rows draft their argmax and every row's text is plain decoding's."""
+    target = make_target("qwen3")
+    params = [SamplingParams(max_new_tokens=20), _sampled(5, max_new=20), SamplingParams(max_new_tokens=20)]
+    prompts = PROMPTS[:3]
+    plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(prompts, params)]
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    batch = engine.open_batch()
+    batch.policy.widths = lambda rows: [1 if r.sampled else 4 for r in rows]
+    events = list(engine.add(batch, prompts, params))
+    while batch.rows:
+        events += engine.step(batch)
+    results = {e.index: e.result for e in events if e.finished}
+    assert [results[i].token_ids for i in range(3)] == plain
+    assert results[0].stats.acceptance_lengths and results[2].stats.acceptance_lengths  # the greedy rows drafted
+    assert not results[1].stats.acceptance_lengths and results[1].stats.plain_steps  # the sampled row stepped
+
+
 def test_sampled_text_depends_on_the_seed_and_unseeded_requests_differ():
     target = make_target("qwen3")
     engine = SpecEngine(target, make_drafter(target, block_size=4))

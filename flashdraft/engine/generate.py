@@ -672,10 +672,10 @@ class SpecEngine:
         histories = self.proposer.needs_histories
         k = self.block_size - 1
         draft_noise = temperatures = None
-        if noise is not None:
-            draft_noise = torch.stack([noise[i][:k] for i in drafting])
-        if any(not r.params.greedy for r in drafters):
+        if any(not r.params.greedy for r in drafters):  # else every drafting row drafts its argmax, noise or not
             temperatures = torch.tensor([r.params.temperature for r in drafters], dtype=torch.float32, device=dev)
+            if noise is not None:
+                draft_noise = torch.stack([noise[i][:k] for i in drafting])
         bonus = torch.tensor([r.bonus for r in drafters], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in drafters], dtype=torch.long, device=dev)
         block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]

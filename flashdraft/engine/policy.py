@@ -413,7 +413,7 @@ class AdaptiveWidth:
                 return [1] * n
         plan = np.ones(n, dtype=np.int64)
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
-            pass  # every row steps (a probe among them is declined)
+            pass  # every row steps (a probe among them is declined below)
         elif kept and self.ragged:  # but one row, now probed: it drafts if drafting it alone pays
             plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n)
             if plan[probe] == 1:  # declined: the plan kept stands (a full plan costs ~5 % of a 16-row step)
