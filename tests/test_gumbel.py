@@ -13,8 +13,7 @@ import torch
 from scipy.stats import kstest
 
 from flashdraft import SamplingParams, SpecEngine
-from flashdraft.engine import noise as noise_module
-from flashdraft.engine.noise import exponential_noise, mix32, race, slot_keys
+from flashdraft.engine.noise import exponential_noise, mix32_, race, slot_keys
 from flashdraft.engine.verify import target_probs, verify
 from tiny import OracleProposer, make_drafter, make_target
 
@@ -31,7 +30,7 @@ def lowbias32(v: int) -> int:
 def test_mix32_is_lowbias32():
     rng = random.Random(0)
     xs = [rng.randrange(-2**31, 2**31) for _ in range(5000)] + [0, -1, 2**31 - 1, -2**31]
-    got = mix32(torch.tensor(xs, dtype=torch.int32)).tolist()
+    got = mix32_(torch.tensor(xs, dtype=torch.int32)).tolist()
     assert [g & 0xFFFFFFFF for g in got] == [lowbias32(x) for x in xs]
 
 
@@ -59,9 +58,9 @@ def test_race_samples_the_distribution():
     assert torch.allclose(freq, probs.double(), atol=0.012)
 
 
-def test_cpu_noise_keys_are_the_torch_hashes():
-    """On CPU the per-position keys are hashed through numpy (fewer tiny torch calls): the same integers as the
-    torch hash every other device runs, for extreme seeds and positions too."""
+def test_noise_keys_are_lowbias32_of_seed_and_position():
+    """The per-position keys (hashed in numpy) are lowbias32 of the seed's two halves and the position, as written
+    out in plain Python here, for extreme seeds and positions too."""
     g = torch.Generator().manual_seed(1)
     for trial in range(100):
         rows, width = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 17, (1,), generator=g))
@@ -69,7 +68,12 @@ def test_cpu_noise_keys_are_the_torch_hashes():
         seeds[0] = (2**63 - 1, 0, 2**32 - 1, 2**32)[trial % 4]
         first = torch.randint(0, 3000, (rows,), generator=g)
         first[-1] = (0, 2**31 - 1, 2**31, 2**33 + 5)[trial % 4]
-        assert torch.equal(noise_module._slot_keys_numpy(seeds, first, width), slot_keys(seeds, first, width))
+        want = []
+        for seed, start in zip(seeds.tolist(), first.tolist()):
+            row_key = lowbias32(lowbias32(seed & 0xFFFFFFFF) ^ lowbias32((seed >> 32) ^ 0x5BD1E995))
+            want.append([lowbias32(row_key ^ lowbias32(start + i)) for i in range(width)])
+        got = slot_keys(seeds, first, width)
+        assert got.dtype == torch.int32 and [[k & 0xFFFFFFFF for k in row] for row in got.tolist()] == want
 
 
 def test_a_batch_verifies_every_row_as_it_would_alone():

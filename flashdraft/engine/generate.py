@@ -633,9 +633,9 @@ class SpecEngine:
             fresh = widths[i] - (0 if cached is None else cached.shape[0])
             by_count.setdefault(fresh, []).append(i)
         for fresh, idx in by_count.items():
-            seeds = torch.tensor([rows[i].noise_seed for i in idx], device=dev)
-            starts = torch.tensor([len(rows[i].output) + widths[i] - fresh for i in idx], device=dev)
-            noise = exponential_noise(seeds, starts, fresh, vocab) if fresh else None
+            seeds = torch.tensor([rows[i].noise_seed for i in idx])  # host integers: the keys are hashed there
+            starts = torch.tensor([len(rows[i].output) + widths[i] - fresh for i in idx])
+            noise = exponential_noise(seeds, starts, fresh, vocab, device=dev) if fresh else None
             for j, i in enumerate(idx):
                 cached = reused[i]
                 windows[i] = cached if noise is None else noise[j] if cached is None else torch.cat([cached, noise[j]])

@@ -28,14 +28,10 @@ from flashdraft.engine.argmax import argmax
 _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int32 tensors (multiplies wrap modulo 2^32; shifts are made logical by masking)."""
-    return mix32_(x.clone())
-
-
 def mix32_(x: torch.Tensor) -> torch.Tensor:
-    """`mix32` in place: the noise of a batch is [rows, width, vocab] integers, and a new tensor per step of the
-    mixer took twice the time at 64 rows of vocab 8192 (measured, one CPU thread)."""
+    """lowbias32 on int32 tensors, in place (multiplies wrap modulo 2^32; shifts are made logical by masking): the
+    noise of a batch is [rows, width, vocab] integers, and a new tensor per step of the mixer took twice the time
+    at 64 rows of vocab 8192 (measured, one CPU thread)."""
     x.bitwise_xor_((x >> 16).bitwise_and_(_MASK16))
     x.mul_(0x7FEB352D)
     x.bitwise_xor_((x >> 15).bitwise_and_(_MASK17))
@@ -48,24 +44,8 @@ def random_seed() -> int:
     return secrets.randbits(62)
 
 
-def _int32(values: torch.Tensor) -> torch.Tensor:
-    """int64 values reduced to their low 32 bits, as int32 (two's complement)."""
-    low = values & 0xFFFFFFFF
-    return torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
-
-
-def slot_keys(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> torch.Tensor:
-    """The hash key [b, width] (int32) of row r's output position first_index[r] + i: a mix of its seed and
-    position that each token id is then mixed into."""
-    device = seeds.device
-    seed_lo, seed_hi = _int32(seeds), _int32(seeds >> 32)
-    row_key = mix32(mix32(seed_lo) ^ mix32(seed_hi ^ 0x5BD1E995))  # [b]
-    positions = _int32(first_index[:, None] + torch.arange(width, device=device)[None])  # [b, w]
-    return mix32(row_key[:, None] ^ mix32(positions))
-
-
 def _mix32_numpy(x: np.ndarray) -> np.ndarray:
-    """`mix32` on uint32 arrays (shifts are logical, products wrap)."""
+    """`mix32_` on uint32 arrays (shifts are logical, products wrap)."""
     x = x ^ (x >> np.uint32(16))
     x = x * np.uint32(0x7FEB352D)
     x = x ^ (x >> np.uint32(15))
@@ -73,25 +53,28 @@ def _mix32_numpy(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
-def _slot_keys_numpy(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> torch.Tensor:
-    """`slot_keys` on CPU through numpy: the same integers, without the ~40 torch calls on tensors of a few
-    elements that took ~0.2 ms, 70 % of a one-row, one-position noise call."""
+def slot_keys(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> torch.Tensor:
+    """The hash key [b, width] (int32, on the CPU) of row r's output position first_index[r] + i: a mix of its seed
+    and position that each token id is then mixed into. A few integers per row, so hashed in numpy on the host
+    whatever the device: as torch operations they were ~40 calls on tensors of a few elements (~0.2 ms on CPU,
+    70 % of a one-row, one-position noise call)."""
     low32 = np.uint64(0xFFFFFFFF)
-    seeds64 = seeds.numpy().astype(np.uint64)
+    seeds64 = seeds.cpu().numpy().astype(np.uint64)
     seed_lo, seed_hi = (seeds64 & low32).astype(np.uint32), ((seeds64 >> np.uint64(32)) & low32).astype(np.uint32)
     row_key = _mix32_numpy(_mix32_numpy(seed_lo) ^ _mix32_numpy(seed_hi ^ np.uint32(0x5BD1E995)))
-    positions = ((first_index.numpy().astype(np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None])
+    positions = ((first_index.cpu().numpy().astype(np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None])
                  & low32).astype(np.uint32)
     keys = _mix32_numpy(row_key[:, None] ^ _mix32_numpy(positions))
     return torch.from_numpy(np.ascontiguousarray(keys).view(np.int32))
 
 
-def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
+def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int, vocab: int,
+                      device: torch.device | str | None = None) -> torch.Tensor:
     """E [b, width, vocab] float32, i.i.d. Exp(1): row r, slot i, token y gets the noise of (seeds[r], output
-    position first_index[r] + i, y). seeds and first_index are int64 [b] on the device the noise is wanted on."""
-    device = seeds.device
-    keys = _slot_keys_numpy if device.type == "cpu" else slot_keys
-    slot_key = keys(seeds, first_index, width)  # [b, w]
+    position first_index[r] + i, y). seeds and first_index are int64 [b]; the noise is made on `device` (None:
+    theirs)."""
+    device = seeds.device if device is None else torch.device(device)
+    slot_key = slot_keys(seeds, first_index, width).to(device)  # [b, w]
     tokens = torch.arange(vocab, dtype=torch.int32, device=device)
     bits = mix32_(slot_key[:, :, None] ^ tokens)  # [b, w, V]
     uniform = bits.bitwise_right_shift_(8).bitwise_and_(_MASK24).float().add_(0.5).mul_(1.0 / (1 << 24))
