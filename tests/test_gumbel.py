@@ -143,7 +143,7 @@ def test_greedy_rows_draft_while_sampled_rows_step():
     plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(prompts, params)]
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     batch = engine.open_batch()
-    batch.policy.widths = lambda rows: [1 if r.sampled else 4 for r in rows]
+    batch.policy.widths = lambda rows, pending=None: [1 if r.sampled else 4 for r in rows]
     events = list(engine.add(batch, prompts, params))
     while batch.rows:
         events += engine.step(batch)

@@ -22,7 +22,7 @@ def machine(step_s: float, per_token_s: float, draft_s: float, rest_s: float = 1
         tokens, drafting = sum(widths), sum(w > 1 for w in widths)
         target = step_s + per_token_s * (tokens - 1)
         draft = draft_s * drafting ** 0.5 if drafting else 0.0
-        return CycleTiming(tokens, drafting, draft, target + draft + rest_s)
+        return CycleTiming(tokens, 16 * drafting, draft, target + draft + rest_s)  # whole blocks of 16
     return timing
 
 
@@ -105,6 +105,60 @@ def test_padded_rows_share_one_width():
     rows = [policy.new_row() for _ in range(4)]
     history = run(policy, rows, lambda i, c, w: 14 if i == 0 else 0, CPU, 60)
     assert all(len(set(h)) == 1 and h[0] in (1, 16) for h in history)
+
+
+def by_positions(step_s: float, per_token_s: float, per_drafted_s: float, drafts_to_width: bool):
+    """Cycle timings of a machine whose draft costs by the positions drafted: the widest drafting row's width per
+    drafting row where drafts stop there, else the whole block of 16."""
+    def timing(widths: list[int]) -> CycleTiming:
+        tokens, drafting = sum(widths), sum(w > 1 for w in widths)
+        drafted = drafting * (max(widths) if drafts_to_width else 16) if drafting else 0
+        target, draft = step_s + per_token_s * (tokens - 1), per_drafted_s * drafted
+        return CycleTiming(tokens, drafted, draft, target + draft)
+    return timing
+
+
+@pytest.mark.parametrize("drafts_to_width", [True, False])
+def test_under_load_narrow_blocks_pay_where_the_draft_stops_at_the_verified_width(drafts_to_width):
+    """16 rows whose first three drafts are always accepted and the fourth never. Drafting 16 x 4 positions
+    pays against one-token steps (~18 against ~12 tokens per ms on this machine); drafting 16 whole blocks to verify
+    4 of each does not (~9): the plan verifies 4 per row where the drafter stops there, and steps where it drafts
+    whole blocks."""
+    timing = by_positions(step_s=1e-3, per_token_s=0.02e-3, per_drafted_s=0.02e-3, drafts_to_width=drafts_to_width)
+    costs = CostModel()
+    for w in width_choices(16):  # measured first, as `SpecEngine.warmup` does
+        for _ in range(3):
+            costs.record(timing([w] * 16))
+    policy = AdaptiveWidth(16, costs, ragged=True, drafts_to_width=drafts_to_width)
+    rows = [policy.new_row() for _ in range(16)]
+    history = run(policy, rows, lambda i, c, w: 3, timing, 80)
+    if drafts_to_width:
+        assert all(h == [4] * 16 for h in history[-20:])
+    else:
+        assert sum(w > 1 for h in history[-40:] for w in h) <= 2  # probes only
+
+
+def test_a_draft_is_priced_with_the_pending_context_it_writes_first():
+    """One row whose drafts are mostly accepted: with nothing pending it drafts; when its draft must first write
+    200 positions of context (after a long run of one-token steps), which costs more than the draft gains, it
+    steps. Positions are priced by the write curve the cycles measured, padded to the longest pending row."""
+    costs = CostModel()
+    for _ in range(3):
+        for tokens, drafted in ((1, 0), (2, 0), (16, 16), (32, 32)):
+            costs.record(CycleTiming(tokens, drafted, 0.5e-3 * drafted / 16,
+                                     1e-3 + 0.1e-3 * (tokens - 1) + 0.5e-3 * drafted / 16))
+        for positions in (16, 64, 256):
+            costs.record(CycleTiming(1, 0, 0.0, 1e-3 + 0.05e-3 * positions, positions, 0.05e-3 * positions))
+    policy = AdaptiveWidth(16, costs, ragged=True, choices=(1, 16))
+    row = policy.new_row()
+    assert policy.widths([row], [0]) == [16]
+    policy._plain_cycles_left = 0
+    assert policy.widths([row], [200]) == [1]
+    assert costs.context_write(200) == pytest.approx(10e-3, rel=0.05) and costs.context_write(0) == 0.0
+    # in a batch the write is padded to the longest pending row that drafts: a short one drafts alone
+    rows = [policy.new_row(), policy.new_row()]
+    policy._plain_cycles_left = 0
+    assert policy.widths(rows, [0, 200]) == [16, 1]
 
 
 def test_greedy_rows_are_not_judged_by_sampled_rows_drafts():
@@ -248,7 +302,7 @@ def test_warmup_times_one_token_steps_and_drafting_cycles_at_every_bucket():
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     assert engine.warmup(6) == [1, 2, 4, 6]
     for rows in (1, 2, 4, 6):
-        assert engine.costs.body.known(rows) and engine.costs.body.known(4 * rows) and engine.costs.draft.known(rows)
+        assert engine.costs.body.known(rows) and engine.costs.body.known(4 * rows) and engine.costs.draft.known(4 * rows)
     for sampled in (False, True):
         np.testing.assert_array_equal(engine.acceptance_priors[sampled], initial_prior(4))
     params = SamplingParams(max_new_tokens=20)
@@ -308,7 +362,7 @@ class ScriptedWidths:
     def new_row(self, sampled=False):
         return None
 
-    def widths(self, rows):
+    def widths(self, rows, pending=None):
         self.cycle += 1
         return [self.script[(self.cycle + i) % len(self.script)] for i in range(len(rows))]
 
@@ -319,7 +373,7 @@ class ScriptedWidths:
 class UniformWidths(ScriptedWidths):
     """Every row of cycle c gets widths[c % len(widths)] (compiled steps give all rows one width)."""
 
-    def widths(self, rows):
+    def widths(self, rows, pending=None):
         self.cycle += 1
         return [self.script[self.cycle % len(self.script)]] * len(rows)
 
@@ -333,11 +387,16 @@ def test_mixed_widths_are_lossless(arch, fast_path):
     expected = [greedy_reference(target, p, 50) for p in PROMPTS]
     batch = engine.open_batch()
     batch.policy = ScriptedWidths([8, 1, 4, 2, 8, 1, 1])
+    planned, drafted = [], []  # the drafter fills only as many positions as the widest row verifies
+    plan, propose = batch.policy.widths, engine.proposer.propose
+    batch.policy.widths = lambda rows, pending=None: planned.append(plan(rows, pending)) or planned[-1]
+    engine.proposer.propose = lambda state, inp, size: drafted.append(size) or propose(state, inp, size)
     out = {e.index: e.token_ids for e in engine.add(batch, PROMPTS, SamplingParams(max_new_tokens=50))}
     while batch.rows:
         for e in engine.step(batch):
             out[e.index] = out.get(e.index, []) + e.token_ids
     assert [out[i] for i in range(3)] == expected
+    assert drafted == [max(w) for w in planned if max(w) > 1] and {4, 8} <= set(drafted)
 
 
 def test_oracle_drafts_with_mixed_widths_are_lossless_and_counted():

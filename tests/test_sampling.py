@@ -179,7 +179,7 @@ class MixedWidths:
     def new_row(self, sampled=False):
         return None
 
-    def widths(self, rows):
+    def widths(self, rows, pending=None):
         self.cycle += 1
         return [min(self.block_size, self.WIDTHS[(self.cycle + i) % 5]) for i in range(len(rows))]
 

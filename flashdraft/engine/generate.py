@@ -51,7 +51,7 @@ from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
-from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy
+from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
 from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
@@ -275,16 +275,20 @@ class SpecEngine:
             self.block_step = compile_step(self.fast.forward, self.target.device)
         self.buckets = RowBuckets(bucketed=compile)  # compiled steps see power-of-two row counts
         # the draft policy's shared memory: measured cycle costs and the acceptance priors of new rows (`policy.py`);
-        # rows verify their own widths in one forward on the eager fast path, else all rows share one width. A row
-        # verifies the block or takes a one-token step: narrower blocks (`policy.width_choices`) cost nearly as much
-        # on CPU and measured 5-9 % slower in-domain at batch 1 (BENCHMARKS.md), and compiled steps have graphs for
-        # these two only
+        # rows verify their own widths in one forward on the eager fast path, else all rows share one width
         self.costs = CostModel()
         self.acceptance_priors = AcceptancePriors(self.block_size)
         self.ragged = self.fast is not None and self.block_step is None
-        self.width_choices = (1, self.block_size)
         # token trees (`tree.py`): the eager fast path verifies them; elsewhere rows verify the chain
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
+        # an eager drafter drafts only as far as the widest row verifies (bonus + w - 1 masked positions, not the
+        # whole block): a block of 4 costs a third of one of 16 at 16 rows on CPU, for 1-3 % fewer accepted drafts
+        # than the first 3 of a full block's. Then narrower blocks are worth offering (`policy.width_choices`); where
+        # every draft is a full block (compiled drafting graphs, fixed-size token trees) a row verifies the block or
+        # takes a one-token step: narrower blocks cost nearly as much and measured 5-9 % slower at batch 1
+        self.drafts_to_width = (self.block_size > 1 and not getattr(self.proposer, "compiled", False)
+                                and self.tree_budget in (0, "auto"))
+        self.width_choices = width_choices(self.block_size) if self.drafts_to_width else (1, self.block_size)
         why_no_trees = (("compiled steps verify one width" if self.block_step is not None else None)
                         or ("the generic target path has no tree attention" if self.fast is None else None)
                         or ("exact mode attends by position" if exact else None)
@@ -415,7 +419,8 @@ class SpecEngine:
         return Batch(proposer_state=self._new_proposer_state(),
                      block_size=self.scratch_slots,
                      policy=new_policy(self.config.draft_policy, self.block_size, self.costs, self.ragged,
-                                       self.acceptance_priors, self.width_choices), **fields)
+                                       self.acceptance_priors, self.width_choices, self.drafts_to_width),
+                     **fields)
 
     def _new_proposer_state(self):
         return self.proposer.new_batch_state(self.buckets, self.config.kv_page_size, self.kv_page_limit)
@@ -578,16 +583,18 @@ class SpecEngine:
         prof.start()
         batch.grow()  # every row's caches take pages for the positions its block (or tree) may reach
         widths = ([forced_width] * len(rows) if forced_width is not None
-                  else batch.policy.widths([r.acceptance for r in rows]))
+                  else batch.policy.widths([r.acceptance for r in rows], [r.pending.length for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
-        # sampled rows' counter-based noise at the output positions their draft and verify cover
-        noise = self._noise(rows, [self.block_size if w > 1 else 1 for w in widths])
         trees = bool(self.tree_budget and drafting) and (
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
+        # positions the drafter fills: trees grow from a whole block's candidates
+        draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
+        # sampled rows' counter-based noise at the output positions their draft and verify cover
+        noise = self._noise(rows, [draft_width if w > 1 else 1 for w in widths])
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
         else:
-            block, positions, draft_probs = self._propose(batch, drafting, max(widths), noise)
+            block, positions, draft_probs, context = self._propose(batch, drafting, max(widths), draft_width, noise)
             drafted_at = self._clock()
             prof.mark("draft")
             groups = width_groups(widths, block.device)
@@ -598,8 +605,9 @@ class SpecEngine:
             verified = widths
         self._commit_block(batch, block, features, verified, accepted, next_tokens)
         prof.mark("commit")
-        timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting),
-                             drafted_at - started, time.perf_counter() - started)
+        context_tokens, context_s = (0, 0.0) if trees else context
+        timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting) * draft_width,
+                             drafted_at - started - context_s, time.perf_counter() - started, context_tokens, context_s)
         if forced_width is None:
             auto_shape = self.tree_budget == "auto" and bool(drafting)
             if auto_shape:
@@ -642,27 +650,39 @@ class SpecEngine:
                 rows[i].noise_cache = (len(rows[i].output), windows[i])
         return windows
 
-    def _propose(self, batch: Batch, drafting: list[int], width: int, noise: list[torch.Tensor] | None):
+    def _propose(self, batch: Batch, drafting: list[int], width: int, draft_width: int,
+                 noise: list[torch.Tensor] | None):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,
-        then filler that is never verified), and the drafts' distributions (None: one-hot drafts)."""
+        then filler that is never verified), and the drafts' distributions (None: one-hot drafts), drafted as a
+        block of `draft_width` >= `width` positions; and (positions, seconds) of the pending context written apart
+        first (eager drafters: the policy prices that write by its size, rows x the longest pending)."""
         rows, dev = batch.rows, self.target.device
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
+        context = (0, 0.0)
         if not drafting:
-            return bonus[:, None], positions, None
-        inp = self._proposal_input(batch, drafting, noise)
-        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, self.block_size)
+            return bonus[:, None], positions, None, context
+        inp = self._proposal_input(batch, drafting, noise, draft_width)
+        written = inp.new_features
+        if written is not None and written.values.shape[1] and not getattr(self.proposer, "compiled", False):
+            write_started = self._clock()
+            self.proposer.absorb(batch.proposer_state, written, draft_width, inp.draft_rows)
+            context = (written.values.shape[0] * written.values.shape[1], self._clock() - write_started)
+            inp.new_features = Features(*(t[:, :0] for t in written.astuple()))  # written: nothing left to write
+        drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, draft_width)
         block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
         block[:, 0] = bonus
         if inp.draft_rows is None:
             block[:, 1:] = drafts[:, :width - 1]
         else:
             block[inp.draft_rows, 1:] = drafts[:, :width - 1]
-        return block, positions, draft_probs
+        return block, positions, draft_probs, context
 
-    def _proposal_input(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None) -> ProposalInput:
-        """What the drafting method receives for the rows `drafting` (and every row's new features)."""
+    def _proposal_input(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None,
+                        draft_width: int) -> ProposalInput:
+        """What the drafting method receives for the rows `drafting` (and every row's new features), for a block of
+        `draft_width` positions."""
         rows, dev = batch.rows, self.target.device
         idx = None if len(drafting) == len(rows) else torch.tensor(drafting, device=dev)
         drafters = [rows[i] for i in drafting]
@@ -670,7 +690,7 @@ class SpecEngine:
         if self.proposer.needs_features:
             new_features = take_pending([r.pending for r in drafters], *self._feature_spec)
         histories = self.proposer.needs_histories
-        k = self.block_size - 1
+        k = draft_width - 1
         draft_noise = temperatures = None
         if any(not r.params.greedy for r in drafters):  # else every drafting row drafts its argmax, noise or not
             temperatures = torch.tensor([r.params.temperature for r in drafters], dtype=torch.float32, device=dev)
@@ -678,7 +698,7 @@ class SpecEngine:
                 draft_noise = torch.stack([noise[i][:k] for i in drafting])
         bonus = torch.tensor([r.bonus for r in drafters], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in drafters], dtype=torch.long, device=dev)
-        block_positions = n_cached[:, None] + torch.arange(self.block_size, device=dev)[None]
+        block_positions = n_cached[:, None] + torch.arange(draft_width, device=dev)[None]
         return ProposalInput(bonus, block_positions, max(r.n_cached for r in drafters),
                              new_features, [r.history for r in drafters] if histories else None,
                              [r.index for r in drafters] if histories else None,
@@ -690,7 +710,7 @@ class SpecEngine:
         its accepted path: (block, features, nodes verified, accepted, next tokens) and the time the
         draft was done."""
         rows, dev, prof = batch.rows, self.target.device, self.profiler
-        inp = self._proposal_input(batch, drafting, noise)
+        inp = self._proposal_input(batch, drafting, noise, self.block_size)
         ids, logp = self.proposer.propose_candidates(batch.proposer_state, inp, self.block_size, TREE_CANDIDATES)
         most = self.tree_sizes[-1] - 1 if self.tree_budget == "auto" else self.tree_budget
         grown = [best_first(rows[i].bonus, ids[j], logp[j], most) for j, i in enumerate(drafting)]
@@ -756,7 +776,7 @@ class SpecEngine:
         best, best_rate = self.block_size, 0.0
         for size in self.tree_sizes:
             nodes = [min(size, len(t.tokens)) for t in trees]  # a small block's trees may hold fewer
-            seconds = self.tree_costs.cycle(plain + sum(nodes), len(trees))
+            seconds = self.tree_costs.cycle(plain + sum(nodes), len(trees) * self.block_size)
             if seconds is None:
                 break
             scale = self.tree_calibration.scale(size)

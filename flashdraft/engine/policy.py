@@ -24,7 +24,7 @@ created by `new_row()` and travels with the row.
     whose drafts recover is drafting again within a few probes.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
     verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
-    the number of drafting rows, each the median of the last timings per power-of-two bucket (one preempted cycle
+    the number of positions drafted (rows x block drafted), each the median of the last timings per power-of-two bucket (one preempted cycle
     on a busy machine does not move it), interpolated between buckets and never decreasing with size (a size
     timed slow once and avoided since is capped by the larger sizes timed after it). A bucket not measured for a
     while is forgotten (the plan then tries it again). Nothing is hard-coded: a busy machine or a GPU gets its own
@@ -41,7 +41,9 @@ created by `new_row()` and travels with the row.
   best batch-wide width and then lets every row take the width that pays at the batch's throughput (one
   Dinkelbach step on the linearised cost). Where one forward pads every row to the widest one (compiled steps,
   the generic transformers path) all rows share one width, chosen the same way. The widths come from `choices`
-  (the engine offers 1 and the block; `width_choices` lists the narrower blocks too).
+  (`width_choices`: 1, the powers of two below the block, the block; an engine whose drafts are always whole
+  blocks offers 1 and the block). The draft is priced by the positions drafted: the widest drafting row's width
+  where the drafter stops there (`drafts_to_width`), else the block.
 
 Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
 target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
@@ -121,9 +123,11 @@ class CycleTiming:
     """What one cycle did and how long its parts took (seconds)."""
 
     verified_tokens: int  # tokens through the target forward (padding included where rows are padded)
-    drafting_rows: int
-    draft_s: float
+    drafted_tokens: int  # positions through the drafter: drafting rows x the block it drafted (0: no draft)
+    draft_s: float  # the plan and the draft, without writing context
     total_s: float
+    context_tokens: int = 0  # pending context written into the drafter apart from the draft: rows x longest
+    context_s: float = 0.0
 
 
 class Curve:
@@ -273,30 +277,44 @@ def rate(window) -> float:
 
 class CostModel:
     """An engine's measured cycle costs: the cycle without its draft (target forward, verify, commit) by tokens
-    verified, the draft by drafting rows; and the goodput the plans gave (`Goodput`)."""
+    verified, the draft by positions drafted (drafting rows x the block drafted: on CPU a draft of 16 rows x 4
+    positions costs what one of 4 x 16 does, within 5 %); and the goodput the plans gave (`Goodput`)."""
 
     def __init__(self):
-        self.body, self.draft = Curve(), Curve()
+        self.body, self.draft, self.context = Curve(), Curve(), Curve()
         self.goodput = Goodput()
 
     def record(self, t: CycleTiming) -> None:
-        self.body.record(t.verified_tokens, max(0.0, t.total_s - t.draft_s))
-        if t.drafting_rows:
-            self.draft.record(t.drafting_rows, t.draft_s)
+        self.body.record(t.verified_tokens, max(0.0, t.total_s - t.draft_s - t.context_s))
+        if t.drafted_tokens:
+            self.draft.record(t.drafted_tokens, t.draft_s)
+        if t.context_tokens:
+            self.context.record(t.context_tokens, t.context_s)
 
-    def cycle(self, verified_tokens, drafting_rows):
-        """Predicted seconds of cycles (numbers or arrays of verified tokens and drafting rows); None while a part
-        they need was never measured."""
+    def context_write(self, positions):
+        """Predicted seconds of writing pending context (rows x longest pending) into the drafter; 0 for none,
+        and while no write was measured (then the plan drafts and measures one)."""
+        if not self.context.points:
+            return 0.0 if isinstance(positions, NUMBER) else np.zeros(np.shape(positions))
+        if isinstance(positions, NUMBER):
+            return self.context(positions) if positions else 0.0
+        return np.where(np.asarray(positions) > 0, self.context(positions), 0.0)
+
+    def cycle(self, verified_tokens, drafted_tokens, context_tokens=0):
+        """Predicted seconds of cycles (numbers or arrays of verified and drafted tokens, and of pending context
+        written first); None while a part they need was never measured."""
         body = self.body(verified_tokens)
-        if isinstance(drafting_rows, NUMBER) and isinstance(verified_tokens, NUMBER):
-            if body is None or not drafting_rows:
+        if body is not None:
+            body = body + self.context_write(context_tokens)
+        if isinstance(drafted_tokens, NUMBER) and isinstance(verified_tokens, NUMBER):
+            if body is None or not drafted_tokens:
                 return body
-            return None if not self.draft.points else body + self.draft(drafting_rows)
-        drafting_rows = np.asarray(drafting_rows)
-        draft = self.draft(np.maximum(drafting_rows, 1)) if self.draft.points else None
-        if body is None or (draft is None and drafting_rows.any()):
+            return None if not self.draft.points else body + self.draft(drafted_tokens)
+        drafted_tokens = np.asarray(drafted_tokens)
+        draft = self.draft(np.maximum(drafted_tokens, 1)) if self.draft.points else None
+        if body is None or (draft is None and drafted_tokens.any()):
             return None
-        return body + (np.where(drafting_rows > 0, draft, 0.0) if draft is not None else 0.0)
+        return body + (np.where(drafted_tokens > 0, draft, 0.0) if draft is not None else 0.0)
 
 
 def smooth_survival(survival: np.ndarray, width: int, accepted: int, rate) -> None:
@@ -359,7 +377,7 @@ class FixedWidth:
     def new_row(self, sampled: bool = False) -> None:
         return None
 
-    def widths(self, rows: list) -> list[int]:
+    def widths(self, rows: list, pending: list[int] | None = None) -> list[int]:
         return [self.block_size] * len(rows)
 
     def observe(self, rows: list, widths: list[int], accepted: list[int], timing: CycleTiming | None) -> None:
@@ -372,11 +390,15 @@ class AdaptiveWidth:
     """Widths that maximise expected committed tokens per second; see the module docstring."""
 
     def __init__(self, block_size: int, costs: CostModel, ragged: bool, priors: AcceptancePriors | None = None,
-                 choices: tuple[int, ...] | None = None):
+                 choices: tuple[int, ...] | None = None, drafts_to_width: bool = False):
         self.block_size = block_size
         self.costs = costs
         self.ragged = ragged  # rows verify their own widths in one forward (else all are padded to the widest)
         self.drafting_widths = np.array((choices or width_choices(block_size))[1:])
+        # positions the drafter fills when the widest drafting row verifies each width: that width where drafts
+        # stop there (`drafts_to_width`), else the whole block
+        self.draft_lengths = self.drafting_widths if drafts_to_width else np.full_like(self.drafting_widths,
+                                                                                        block_size)
         # the engine-wide priors of new rows (shared by the engine's batches when passed in)
         self.priors = priors if priors is not None else AcceptancePriors(block_size)
         self._plain_cycles_left, self._plain_rows = 0, 0  # a one-token-step plan kept while nothing changes
@@ -390,8 +412,11 @@ class AdaptiveWidth:
 
     # ---- the plan -------------------------------------------------------------------------------------------
 
-    def widths(self, rows: list[RowAcceptance]) -> list[int]:
+    def widths(self, rows: list[RowAcceptance], pending: list[int] | None = None) -> list[int]:
+        """One verify width per row; `pending`: per row, the context positions its draft would write first (the
+        target features of what it committed since it last drafted)."""
         n = len(rows)
+        pending = np.zeros(n, dtype=np.int64) if pending is None else np.asarray(pending, dtype=np.int64)
         # a row left at one-token steps long enough is probed: judged optimistically once. One probe per cycle:
         # rows that join together come due together, and probed all at once the optimistic prior priced drafting
         # for the whole batch (16 rows on CPU: 16 drafting rows in a 63 ms cycle that gave a third less than
@@ -415,12 +440,12 @@ class AdaptiveWidth:
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
             pass  # every row steps (a probe among them is declined below)
         elif kept and self.ragged:  # but one row, now probed: it drafts if drafting it alone pays
-            plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n)
+            plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]))
             if plan[probe] == 1:  # declined: the plan kept stands (a full plan costs ~5 % of a 16-row step)
                 self._declined(rows[probe])
                 return plan.tolist()
         else:
-            plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]))
+            plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
         for r, w in zip(rows, plan):
             if r.probing and w == 1:
                 self._declined(r)
@@ -436,25 +461,25 @@ class AdaptiveWidth:
         r.survival, r.probing, r.plain_steps = r.judged, False, 0
         r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
 
-    def _alone(self, gains: np.ndarray, n: int) -> int:
+    def _alone(self, gains: np.ndarray, n: int, pending: int) -> int:
         """The width at which one row drafting beside n - 1 one-token steps gives the most expected tokens per
         second, 1 when none beats one-token steps for all."""
         plain_s = self.costs.cycle(n, 0)
         best, best_rate = 1, n / plain_s if plain_s else 0.0
-        for w, gain in zip(self.drafting_widths.tolist(), gains.tolist()):
-            seconds = self.costs.cycle(n + w - 1, 1)
+        for w, length, gain in zip(self.drafting_widths.tolist(), self.draft_lengths.tolist(), gains.tolist()):
+            seconds = self.costs.cycle(n + w - 1, length, pending)
             if seconds and (n + gain) / seconds > best_rate:
                 best, best_rate = w, (n + gain) / seconds
         return best
 
-    def _plan(self, gains: np.ndarray) -> np.ndarray:
+    def _plan(self, gains: np.ndarray, pending: np.ndarray) -> np.ndarray:
         """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
-        accepted drafts of each row at each drafting width)."""
+        accepted drafts of each row at each drafting width) and each row's pending context positions [n]."""
         n, widths = len(gains), self.drafting_widths
         plain_s = self.costs.cycle(n, 0)
         plain_rate = n / plain_s if plain_s else 0.0
         if not self.ragged:  # every row verifies the same width
-            seconds = self.costs.cycle(n * widths, np.full(len(widths), n))
+            seconds = self.costs.cycle(n * widths, n * self.draft_lengths, n * int(pending.max()))
             if seconds is None:
                 return np.ones(n, dtype=np.int64)
             rates = (n + gains.sum(axis=0)) / np.maximum(seconds, 1e-12)
@@ -464,7 +489,8 @@ class AdaptiveWidth:
         order = np.argsort(-gains, axis=0, kind="stable")
         gained = np.cumsum(np.take_along_axis(gains, order, axis=0), axis=0)  # [g - 1, widths]
         g = np.arange(1, n + 1)[:, None]
-        seconds = self.costs.cycle(n + g * (widths - 1), g)
+        context = g * np.maximum.accumulate(pending[order], axis=0)  # the g rows' pending, padded to the longest
+        seconds = self.costs.cycle(n + g * (widths - 1), g * self.draft_lengths, context)
         if seconds is None:
             return np.ones(n, dtype=np.int64)
         rates = (n + gained) / np.maximum(seconds, 1e-12)
@@ -475,21 +501,29 @@ class AdaptiveWidth:
         plan = np.ones(n, dtype=np.int64)
         plan[order[:gi + 1, j]] = widths[j]
         # then each row takes the width whose expected accepted drafts best pay for its cost at that rate:
-        # max over w of gain(w) - rate x ((w - 1) x seconds per verified token + seconds per drafting row)
+        # max over w of gain(w) - rate x ((w - 1) x seconds per verified token + seconds of its drafted positions
+        # + seconds of writing its pending context)
         per_token = self.costs.body.slope(float(plan.sum()))
-        per_draft = self.costs.draft.slope(float(gi + 1))
-        net = gains - best_rate * ((widths - 1) * per_token + per_draft)
+        per_drafted = self.costs.draft.slope(float((gi + 1) * self.draft_lengths[j]))
+        per_context = self.costs.context.slope(float(context[gi, j])) if self.costs.context.points else 0.0
+        net = gains - best_rate * ((widths - 1) * per_token + per_drafted * self.draft_lengths
+                                   + per_context * pending[:, None])
         pick = net.argmax(axis=1)
         refined = np.where(net[np.arange(n), pick] > 0, widths[pick], 1)
-        return refined if self._rate(gains, refined) > best_rate else plan
+        return refined if self._rate(gains, refined, pending) > best_rate else plan
 
-    def _rate(self, gains: np.ndarray, plan: np.ndarray) -> float:
-        """Expected committed tokens per second of a ragged plan (0 while a cost it needs is unknown)."""
+    def _rate(self, gains: np.ndarray, plan: np.ndarray, pending: np.ndarray) -> float:
+        """Expected committed tokens per second of a ragged plan (0 while a cost it needs is unknown): every
+        drafting row drafts as far as the widest one, and writes its context padded to the longest."""
         drafting = plan > 1
-        seconds = self.costs.cycle(plan.sum(), drafting.sum())
+        columns = np.searchsorted(self.drafting_widths, plan[drafting])
+        drafted, context = 0, 0
+        if drafting.any():
+            drafted = int(drafting.sum() * self.draft_lengths[columns].max())
+            context = int(drafting.sum() * pending[drafting].max())
+        seconds = self.costs.cycle(int(plan.sum()), drafted, context)
         if seconds is None or seconds <= 0:
             return 0.0
-        columns = np.searchsorted(self.drafting_widths, plan[drafting])
         return float((len(plan) + gains[drafting.nonzero()[0], columns].sum()) / seconds)
 
     # ---- what happened ----------------------------------------------------------------------------------------
@@ -523,8 +557,10 @@ DRAFT_POLICIES = ("adaptive", "fixed")
 
 
 def new_policy(name: str, block_size: int, costs: CostModel | None = None, ragged: bool = True,
-               priors: AcceptancePriors | None = None, choices: tuple[int, ...] | None = None):
+               priors: AcceptancePriors | None = None, choices: tuple[int, ...] | None = None,
+               drafts_to_width: bool = False):
     """The policy a new batch of an engine with these settings starts with."""
     if name == "fixed" or block_size <= 1:
         return FixedWidth(block_size, costs)
-    return AdaptiveWidth(block_size, costs if costs is not None else CostModel(), ragged, priors, choices)
+    return AdaptiveWidth(block_size, costs if costs is not None else CostModel(), ragged, priors, choices,
+                         drafts_to_width)

@@ -184,6 +184,8 @@ class DFlashProposer:
 
     def _write_rows(self, state: DraftRows, new_features: Features, rows: torch.Tensor) -> None:
         """Eager: the features of live rows `rows` into those rows of the drafter's cache."""
+        if not new_features.values.shape[1]:
+            return
         dev = self.drafter.device
         self.drafter.write_context(state.reserved(), *(t.to(dev) for t in new_features.astuple()), rows=rows.to(dev))
 

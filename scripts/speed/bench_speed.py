@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.policy import DRAFT_POLICIES
 from flashdraft.loading import load_pair
 from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available
 
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-dtype", default="auto", help="default: the target's; bf16 on a CPU with native bf16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="also time our engine and plain decoding compiled")
+    ap.add_argument("--draft-policy", choices=DRAFT_POLICIES, default="adaptive",
+                    help="ours: the adaptive policy (the default) or the whole block every cycle")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -57,10 +60,12 @@ def main(argv=None) -> int:
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
     block = args.block_size or drafter.block_size
-    engines = {"dflash (ours)": SpecEngine(target, drafter, block_size=block, profile=True),
+    engines = {"dflash (ours)": SpecEngine(target, drafter, block_size=block, profile=True,
+                                           draft_policy=args.draft_policy),
                "plain decoding": SpecEngine(target, None)}
     if args.compile:
-        engines["dflash (ours, compiled)"] = SpecEngine(target, drafter, block_size=block, profile=True, compile=True)
+        engines["dflash (ours, compiled)"] = SpecEngine(target, drafter, block_size=block, profile=True, compile=True,
+                                                       draft_policy=args.draft_policy)
         engines["plain decoding (compiled)"] = SpecEngine(target, None, compile=True)
     assistant = None  # transformers' DFlash runs the drafter in the target's dtype (it cannot mix them)
     if transformers_dflash_available() and block == drafter.block_size:

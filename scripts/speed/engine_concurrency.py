@@ -50,7 +50,7 @@ class NeverDraft:
     def new_row(self, sampled: bool = False) -> None:
         return None
 
-    def widths(self, rows: list) -> list[int]:
+    def widths(self, rows: list, pending: list[int] | None = None) -> list[int]:
         return [1] * len(rows)
 
     def observe(self, rows, widths, accepted, timing) -> None:

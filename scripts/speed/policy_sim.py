@@ -73,7 +73,7 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
         draft_s = (draft_row_s * drafting + context_token_s * pending) * noise
         total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s
         if not plain:
-            policy.observe([r["state"] for r in rows], widths, accepted, CycleTiming(verified, drafting, draft_s, total_s))
+            policy.observe([r["state"] for r in rows], widths, accepted, CycleTiming(verified, drafting * block_size, draft_s, total_s))
         seconds += total_s
         for i, (r, a) in enumerate(zip(rows, accepted)):
             committed = min(a + 1, r["left"])
