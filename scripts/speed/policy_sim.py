@@ -1,15 +1,17 @@
 """The draft policy on a simulated machine: throughput against plain decoding, deterministic, in seconds.
 
-    python scripts/speed/policy_sim.py [--seeds 3] [--cycles 3000] [--concurrency 1,4,16,32]
+    python scripts/speed/policy_sim.py [--seeds 3] [--cycles 3000] [--concurrency 1,4,16,32] [--whole-blocks]
 
 Served comparisons (`serve_sweep.py`) are the truth but take half an hour and move 5-10 % between runs on a shared
 CPU, which hides most policy changes. This drives `AdaptiveWidth` (the engine's default policy, unchanged) through a
 continuous batch on a machine model instead:
-- the machine: a cycle costs (step + per_token x (tokens verified - 1)) x noise + (draft_per_row x drafting rows
-  + context_token x the positions the drafting rows had not drafted on yet) x noise, where noise is log-normal
-  (sigma 0.25) and 5 % of cycles take 3x (the OS preempted the process): the timings a busy 2-core machine gives.
-  The drafter writes a row's pending context (its prompt, then its one-token steps) when the row drafts, a cost
-  the policy's curves by drafting rows do not see. The defaults are roughly the shipped pair's cycles at 16 rows
+- the machine: a cycle costs (step + per_token x (tokens verified - 1)) x noise + (draft_fixed + draft_per_row /
+  block x positions drafted + context_token x pending positions written) x noise, where noise is log-normal (sigma 0.25)
+  and 5 % of cycles take 3x (the OS preempted the process): the timings a busy 2-core machine gives. Positions
+  drafted: drafting rows x the widest drafting row's width, as the eager engine drafts (or x the block with
+  `--whole-blocks`, as compiled drafting graphs do; the policy then offers only one token and the block). The
+  drafter first writes the drafting rows' pending context (a row's prompt, then its one-token steps), padded to
+  the longest, timed apart as the engine times it. The defaults are roughly the shipped pair's cycles at 16 rows
   on this CPU (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~1 ms per row, ~0.01 ms per
   pending position: 16 rows drafting on ~100-token prompts took 40 ms against 25 ms); at batch 1 the real
   verify costs more than this models;
@@ -36,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from flashdraft.engine.policy import AcceptancePriors, AdaptiveWidth, CostModel, CycleTiming  # noqa: E402
+from flashdraft.engine.policy import AcceptancePriors, AdaptiveWidth, CostModel, CycleTiming, width_choices  # noqa: E402
 
 SETS = {"in-domain": (0.75, 0.95), "mixed": (0.2, 0.9), "failing": (0.0, 0.5), "bursty": (0.05, 0.9)}
 BURSTY = {"bursty": 0.1}  # sets whose requests switch between the two ends of their range, with this chance a cycle
@@ -45,11 +47,12 @@ BURSTY = {"bursty": 0.1}  # sets whose requests switch between the two ends of t
 def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: int = 3000, plain: bool = False,
              step_s: float = 2.5e-3, per_token_s: float = 0.08e-3, draft_row_s: float = 1.0e-3,
              request_tokens: int = 64, block_size: int = 16, switch: float = 0.0,
-             context_token_s: float = 0.01e-3) -> float:
+             context_token_s: float = 0.01e-3, drafts_to_width: bool = True, draft_fixed_s: float = 0.5e-3) -> float:
     """Committed tokens per simulated second of `concurrency` rows under the policy (or plain decoding)."""
     rng = np.random.default_rng(seed)
     policy = AdaptiveWidth(block_size, CostModel(), ragged=True, priors=AcceptancePriors(block_size),
-                           choices=(1, block_size))
+                           choices=width_choices(block_size) if drafts_to_width else (1, block_size),
+                           drafts_to_width=drafts_to_width)
 
     def new_request() -> dict:
         p = rng.choice(p_range) if switch else rng.uniform(*p_range)
@@ -58,7 +61,7 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
     rows = [new_request() for _ in range(concurrency)]
     seconds = tokens = 0.0
     for _ in range(cycles):
-        widths = [1] * len(rows) if plain else policy.widths([r["state"] for r in rows])
+        widths = [1] * len(rows) if plain else policy.widths([r["state"] for r in rows], [r["pending"] for r in rows])
         accepted = []
         for r, w in zip(rows, widths):
             if switch and rng.random() < switch:
@@ -69,11 +72,14 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
             accepted.append(a)
         verified, drafting = sum(widths), sum(w > 1 for w in widths)
         noise = rng.lognormal(0.0, 0.25) * (3.0 if rng.random() < 0.05 else 1.0)
-        pending = sum(r["pending"] for r, w in zip(rows, widths) if w > 1)
-        draft_s = (draft_row_s * drafting + context_token_s * pending) * noise
-        total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s
+        drafted = drafting * (max(widths) if drafts_to_width else block_size) if drafting else 0
+        context = drafting * max((r["pending"] for r, w in zip(rows, widths) if w > 1), default=0)
+        draft_s = (draft_fixed_s + draft_row_s / block_size * drafted) * noise if drafted else 0.0
+        context_s = context_token_s * context * noise
+        total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s + context_s
         if not plain:
-            policy.observe([r["state"] for r in rows], widths, accepted, CycleTiming(verified, drafting * block_size, draft_s, total_s))
+            policy.observe([r["state"] for r in rows], widths, accepted,
+                           CycleTiming(verified, drafted, draft_s, total_s, context, context_s))
         seconds += total_s
         for i, (r, a) in enumerate(zip(rows, accepted)):
             committed = min(a + 1, r["left"])
@@ -85,10 +91,10 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
     return tokens / seconds
 
 
-def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000) -> float:
+def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000, drafts_to_width: bool = True) -> float:
     """Mean over seeds of the policy's throughput / plain decoding's, on the set `name`."""
     p, switch = SETS[name], BURSTY.get(name, 0.0)
-    return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch)
+    return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch, drafts_to_width=drafts_to_width)
                           / simulate(concurrency, p, s, cycles, True, switch=switch) for s in range(seeds)]))
 
 
@@ -97,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=3000)
     ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--whole-blocks", action="store_true",
+                    help="every draft fills the whole block (compiled drafting graphs); widths 1 and the block")
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.seeds < 1 or args.cycles < 10 or not levels or min(levels) < 1:
@@ -105,7 +113,8 @@ def main(argv=None) -> int:
     print("| concurrency | " + " | ".join(SETS) + " |")
     print("|---|" + "---|" * len(SETS))
     for c in levels:
-        print(f"| {c} | " + " | ".join(f"{ratio(c, name, args.seeds, args.cycles):.3f}" for name in SETS) + " |")
+        print(f"| {c} | " + " | ".join(f"{ratio(c, name, args.seeds, args.cycles, not args.whole_blocks):.3f}"
+                                      for name in SETS) + " |")
     return 0
 
 
