@@ -286,8 +286,8 @@ class SpecEngine:
         # than the first 3 of a full block's. Then narrower blocks are worth offering (`policy.width_choices`); where
         # every draft is a full block (compiled drafting graphs, fixed-size token trees) a row verifies the block or
         # takes a one-token step: narrower blocks cost nearly as much and measured 5-9 % slower at batch 1
-        self.drafts_to_width = (self.block_size > 1 and not getattr(self.proposer, "compiled", False)
-                                and self.tree_budget in (0, "auto"))
+        self._compiled_drafts = getattr(self.proposer, "compiled", False)  # graphs that write context as they draft
+        self.drafts_to_width = self.block_size > 1 and not self._compiled_drafts and self.tree_budget in (0, "auto")
         self.width_choices = width_choices(self.block_size) if self.drafts_to_width else (1, self.block_size)
         why_no_trees = (("compiled steps verify one width" if self.block_step is not None else None)
                         or ("the generic target path has no tree attention" if self.fast is None else None)
@@ -665,7 +665,7 @@ class SpecEngine:
             return bonus[:, None], positions, None, context
         inp = self._proposal_input(batch, drafting, noise, draft_width)
         written = inp.new_features
-        if written is not None and written.values.shape[1] and not getattr(self.proposer, "compiled", False):
+        if written is not None and written.values.shape[1] and not self._compiled_drafts:
             write_started = self._clock()
             self.proposer.absorb(batch.proposer_state, written, draft_width, inp.draft_rows)
             context = (written.values.shape[0] * written.values.shape[1], self._clock() - write_started)

@@ -23,10 +23,11 @@ created by `new_row()` and travels with the row.
     probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
     whose drafts recover is drafting again within a few probes.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
-    verification, commit: all grow with the tokens verified) by the number of tokens verified, and of the draft by
-    the number of positions drafted (rows x block drafted), each the median of the last timings per power-of-two bucket (one preempted cycle
-    on a busy machine does not move it), interpolated between buckets and never decreasing with size (a size
-    timed slow once and avoided since is capped by the larger sizes timed after it). A bucket not measured for a
+    verification, commit: all grow with the tokens verified) by the number of tokens verified, of the draft by
+    the number of positions drafted (rows x block drafted) and of writing a draft's pending context first by the
+    positions written, each the median of the last timings per power-of-two bucket (one preempted cycle on a busy
+    machine does not move it), interpolated between buckets and never decreasing with size (a size timed slow
+    once and avoided since is capped by the larger sizes timed after it). A bucket not measured for a
     while is forgotten (the plan then tries it again). Nothing is hard-coded: a busy machine or a GPU gets its own
     curves within a few cycles.
   - goodput (`Goodput`), from two rows up: what drafting cycles and one-token steps actually committed per second

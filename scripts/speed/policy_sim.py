@@ -12,9 +12,10 @@ continuous batch on a machine model instead:
   `--whole-blocks`, as compiled drafting graphs do; the policy then offers only one token and the block). The
   drafter first writes the drafting rows' pending context (a row's prompt, then its one-token steps), padded to
   the longest, timed apart as the engine times it. The defaults are roughly the shipped pair's cycles at 16 rows
-  on this CPU (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~1 ms per row, ~0.01 ms per
-  pending position: 16 rows drafting on ~100-token prompts took 40 ms against 25 ms); at batch 1 the real
-  verify costs more than this models;
+  on this CPU (16 rows' plain step ~3.7 ms, a 256-token verify ~23 ms, a draft ~0.5 ms plus ~1 ms per row's
+  block of 16, ~0.01 ms per pending position: 16 rows drafting on ~100-token prompts took 40 ms against 25 ms);
+  at batch 1 the real verify costs more than this models, and a short draft accepts 1-3 % less than the same
+  positions of a whole block's (not modelled);
 - the requests: `concurrency` rows of 64 tokens after a prompt of 30-300, each replaced by a new one when it
   finishes; each request accepts every draft position with its own probability p, drawn uniformly from the set's
   range (in-domain 0.75-0.95, mixed 0.2-0.9, failing 0.0-0.5), or, in the bursty set, stretches of p 0.9 and of
