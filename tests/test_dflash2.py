@@ -295,6 +295,44 @@ def test_output_is_the_targets_own(arch, compile):
         assert [r.token_ids for r in engine.generate(PROMPTS, sampled)] == plain
 
 
+class CycleWidths:
+    """A draft policy that gives row i of cycle c the width script[(c + i) % len(script)]."""
+
+    def __init__(self, script):
+        self.script, self.cycle = script, 0
+
+    def new_row(self, sampled=False):
+        return None
+
+    def widths(self, rows, pending=None):
+        self.cycle += 1
+        return [self.script[(self.cycle + i) % len(self.script)] for i in range(len(rows))]
+
+    def observe(self, rows, widths, accepted, timing):
+        pass
+
+
+def test_short_drafts_keep_the_output(qwen3):
+    """Cycles whose widest row verifies fewer positions than the block: the drafter fills only that many (its
+    convolutions and selector walk the shorter block) and the text is still the target's greedy text and, seeded
+    under the default sampler, plain decoding's."""
+    drafter = make_dflash2(qwen3, block_size=8)
+    params = [SamplingParams(max_new_tokens=30, temperature=t, seed=s) for t, s in ((0.0, None), (1.0, 3), (0.8, 4))]
+    plain = [SpecEngine(qwen3).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    with SpecEngine(qwen3, drafter) as engine:
+        assert engine.drafts_to_width and engine.width_choices == (1, 2, 4, 8)
+        batch = engine.open_batch()
+        batch.policy = CycleWidths([2, 1, 4, 1, 2, 2, 8])
+        drafted, propose = [], engine.proposer.propose
+        engine.proposer.propose = lambda state, inp, size: drafted.append(size) or propose(state, inp, size)
+        out = {e.index: e.token_ids for e in engine.add(batch, PROMPTS, params)}
+        while batch.rows:
+            for e in engine.step(batch):
+                out[e.index] = out.get(e.index, []) + e.token_ids
+    assert out[0] == greedy_reference(qwen3, PROMPTS[0], 30) and [out[1], out[2]] == plain[1:]
+    assert {2, 4} <= set(drafted)
+
+
 class SoftDraftCounter(DFlash2Proposer):
     """Counts the drafts whose q the selector really spread (not one-hot): the engine hands proposers each drafting
     row's temperature under rejection sampling, so the selector samples and its q reaches the verifier."""
