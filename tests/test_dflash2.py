@@ -393,7 +393,8 @@ def test_confidence_per_position(qwen3):
     target = TargetModel(qwen3)
     target.set_layer_ids(drafter.target_layer_ids)
     proposer = DFlash2Proposer(drafter, target, confidence=True)
-    with SpecEngine(target, proposer=proposer, block_size=6) as engine:
+    # whole blocks every cycle: under the adaptive policy a cycle may draft fewer positions (its confidence too)
+    with SpecEngine(target, proposer=proposer, block_size=6, draft_policy="fixed") as engine:
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=8))
     conf = proposer.last_confidence
     assert conf.selector.shape == conf.marginal.shape and conf.selector.shape[1] == 5

@@ -418,6 +418,9 @@ def test_oracle_drafts_with_mixed_widths_are_lossless_and_counted():
         assert len(s.verify_widths) == s.num_drafts and set(s.verify_widths) <= {2, 4, 8} and s.plain_steps > 0
         assert all(a <= w for a, w in zip(s.acceptance_lengths, s.verify_widths))
         assert s.verified_tokens == sum(s.verify_widths) + s.plain_steps
+        # each cycle's drafter filled the widest width of the cycle: at least this row's, at most the block
+        assert len(s.draft_lengths) == s.num_drafts
+        assert all(w <= d <= 8 for w, d in zip(s.verify_widths, s.draft_lengths)) and s.proposed_tokens >= s.drafted_tokens
         # every cycle commits its acceptance length (the last may be cut); +1 for the prefill's token
         assert sum(s.acceptance_lengths) + s.plain_steps + 1 >= 60
     assert len(events) == 3

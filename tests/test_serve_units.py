@@ -127,6 +127,9 @@ def test_metrics_count_drafts_by_position():
     got = [_metric(m, "spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(4)]
     assert got == [3, 2, 1, 1]
     assert b"spec_decode_num_accepted_tokens_per_pos_total" in m.render()
+    m.count_drafts([2, 1], [2, 4], block_size=5, draft_lengths=[4, 4])  # short drafts: the widest width - 1 each
+    assert _metric(m, "spec_decode_num_proposed_tokens_total") == 16 + 6
+    assert _metric(m, "spec_decode_num_drafts_total") == 6
 
 
 def test_protocol_messages():

@@ -78,6 +78,8 @@ class RequestStats:
     acceptance_lengths: list[int] = field(default_factory=list)
     plain_steps: int = 0  # one-token steps without a draft (the draft policy's choice); not in the acceptance figures
     verify_widths: list[int] = field(default_factory=list)  # tokens verified by each drafting cycle (bonus included)
+    # positions the drafter filled in each drafting cycle (bonus included): the cycle's widest width, or the block
+    draft_lengths: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
@@ -99,6 +101,11 @@ class RequestStats:
     def drafted_tokens(self) -> int:
         """Draft tokens the verifier judged (a drafting cycle of width w judges w - 1)."""
         return sum(w - 1 for w in self.verify_widths)
+
+    @property
+    def proposed_tokens(self) -> int:
+        """Draft tokens the drafter proposed (verified or not: a row may verify a prefix of its cycle's draft)."""
+        return sum(d - 1 for d in self.draft_lengths)
 
     @property
     def verified_tokens(self) -> int:
@@ -136,6 +143,7 @@ class RequestStats:
             "plain_steps": self.plain_steps,
             "verify_widths": list(self.verify_widths),
             "drafted_tokens": self.drafted_tokens,
+            "proposed_tokens": self.proposed_tokens,
             "verified_tokens": self.verified_tokens,
             "acceptance_histogram": self.histogram,
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],
@@ -603,7 +611,7 @@ class SpecEngine:
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
             verified = widths
-        self._commit_block(batch, block, features, verified, accepted, next_tokens)
+        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width)
         prof.mark("commit")
         context_tokens, context_s = (0, 0.0) if trees else context
         timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting) * draft_width,
@@ -822,7 +830,7 @@ class SpecEngine:
                 accepted[i], next_tokens[i] = a, t
         return accepted, next_tokens
 
-    def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens) -> None:
+    def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens, draft_width: int) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
         the drafter."""
         rows, width = batch.rows, block.shape[1]
@@ -838,6 +846,7 @@ class SpecEngine:
             if w > 1:
                 r.stats.acceptance_lengths.append(a + 1)
                 r.stats.verify_widths.append(w)
+                r.stats.draft_lengths.append(draft_width)
             else:
                 r.stats.plain_steps += 1
             r.n_cached += a + 1

@@ -6,8 +6,8 @@ Speculative decoding (counted per verify cycle, live, as vLLM does):
   spec_decode_num_accepted_tokens             draft tokens the target accepted
   spec_decode_num_accepted_tokens_per_pos     accepted drafts by position in the block (label `position`, 0-based)
   => mean acceptance length tau = 1 + accepted_tokens / drafts; acceptance rate = accepted / draft_tokens.
-  spec_decode_num_proposed_tokens             tokens the drafter proposed (block_size - 1 per drafting cycle; the
-                                              draft policy verifies a prefix of them)
+  spec_decode_num_proposed_tokens             tokens the drafter proposed (per drafting cycle, the cycle's widest
+                                              width - 1; the draft policy verifies a prefix of them)
   spec_decode_num_one_token_steps             cycles a request decoded one token without a draft (policy's choice)
 Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / generation_tokens (counters),
 request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, num_preemptions (running
@@ -80,9 +80,10 @@ class Metrics:
             c.labels(model_name)
 
     def count_drafts(self, acceptance_lengths: list[int], verify_widths: list[int], block_size: int,
-                     one_token_steps: int = 0) -> None:
+                     one_token_steps: int = 0, draft_lengths: list[int] | None = None) -> None:
         """Add verify cycles (acceptance length a: a - 1 drafts accepted, positions 0 .. a - 2; width w: w - 1
-        drafts verified) and one-token steps."""
+        drafts verified; draft length d: d - 1 drafts proposed, the whole block when not given) and one-token
+        steps."""
         if one_token_steps:
             self._one_token_steps.labels(self.model_name).inc(one_token_steps)
         if not acceptance_lengths:
@@ -98,7 +99,8 @@ class Metrics:
                 per_pos[pos] += 1
         self._num_drafts.labels(self.model_name).inc(len(acceptance_lengths))
         self._draft_tokens.labels(self.model_name).inc(sum(w - 1 for w in verify_widths))
-        self._proposed.labels(self.model_name).inc(k * len(acceptance_lengths))
+        proposed = k * len(acceptance_lengths) if draft_lengths is None else sum(d - 1 for d in draft_lengths)
+        self._proposed.labels(self.model_name).inc(proposed)
         self._accepted.labels(self.model_name).inc(sum(per_pos))
         for pos, n in enumerate(per_pos):
             if n:

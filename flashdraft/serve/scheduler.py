@@ -354,7 +354,7 @@ class Scheduler:
         if self.engine.block_size > 1:
             self.metrics.count_drafts(stats.acceptance_lengths[req.counted_cycles:],
                                       stats.verify_widths[req.counted_cycles:], self.engine.block_size,
-                                      stats.plain_steps - req.counted_steps)
+                                      stats.plain_steps - req.counted_steps, stats.draft_lengths[req.counted_cycles:])
         req.counted_cycles, req.counted_steps = len(stats.acceptance_lengths), stats.plain_steps
 
     def _count_finish(self, req: Request, reason: str, output_tokens: int) -> None:
