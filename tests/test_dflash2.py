@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_sampling import N_LONG, N_LONG_SAMPLES, N_SAMPLES, P_MIN, PROMPT, VOCAB, empirical, exact_distribution, \
     fit, null_total_variation, per_position_pvalues
+from test_policy import ScriptedWidths
 from test_sampling import target as sampling_target  # noqa: F401  (its 8-token target fixture)
 from tiny import MASK_ID, greedy_reference, make_target
 
@@ -295,23 +296,6 @@ def test_output_is_the_targets_own(arch, compile):
         assert [r.token_ids for r in engine.generate(PROMPTS, sampled)] == plain
 
 
-class CycleWidths:
-    """A draft policy that gives row i of cycle c the width script[(c + i) % len(script)]."""
-
-    def __init__(self, script):
-        self.script, self.cycle = script, 0
-
-    def new_row(self, sampled=False):
-        return None
-
-    def widths(self, rows, pending=None):
-        self.cycle += 1
-        return [self.script[(self.cycle + i) % len(self.script)] for i in range(len(rows))]
-
-    def observe(self, rows, widths, accepted, timing):
-        pass
-
-
 def test_short_drafts_keep_the_output(qwen3):
     """Cycles whose widest row verifies fewer positions than the block: the drafter fills only that many (its
     convolutions and selector walk the shorter block) and the text is still the target's greedy text and, seeded
@@ -322,7 +306,7 @@ def test_short_drafts_keep_the_output(qwen3):
     with SpecEngine(qwen3, drafter) as engine:
         assert engine.drafts_to_width and engine.width_choices == (1, 2, 4, 8)
         batch = engine.open_batch()
-        batch.policy = CycleWidths([2, 1, 4, 1, 2, 2, 8])
+        batch.policy = ScriptedWidths([2, 1, 4, 1, 2, 2, 8])
         drafted, propose = [], engine.proposer.propose
         engine.proposer.propose = lambda state, inp, size: drafted.append(size) or propose(state, inp, size)
         out = {e.index: e.token_ids for e in engine.add(batch, PROMPTS, params)}
