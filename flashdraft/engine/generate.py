@@ -601,6 +601,7 @@ class SpecEngine:
         noise = self._noise(rows, [draft_width if w > 1 else 1 for w in widths])
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
+            context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
         else:
             block, positions, draft_probs, context = self._propose(batch, drafting, max(widths), draft_width, noise)
             drafted_at = self._clock()
@@ -613,7 +614,7 @@ class SpecEngine:
             verified = widths
         self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width)
         prof.mark("commit")
-        context_tokens, context_s = (0, 0.0) if trees else context
+        context_tokens, context_s = context
         timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting) * draft_width,
                              drafted_at - started - context_s, time.perf_counter() - started, context_tokens, context_s)
         if forced_width is None:
