@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
 import statistics
@@ -46,15 +47,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(args: list[str], log, name: str = "flashdraft serve", cwd=None, timeout: float = 300):
+def local_server(args: list[str], log, name: str = "flashdraft serve", cwd=None, timeout: float = 300,
+                 cpus: set[int] | None = None):
     """`python -m flashdraft.cli serve --port <a free port> *args` in a subprocess writing to `log`, waited for until
     its /health answers; yields (base URL, process) and terminates it on exit. `cwd`: where it runs (`-m` puts the
-    working directory first on sys.path, ahead of PYTHONPATH: run outside a checkout to pick the engine by it)."""
+    working directory first on sys.path, ahead of PYTHONPATH: run outside a checkout to pick the engine by it).
+    `cpus`: the only CPUs the server and every thread it starts may run on (Linux)."""
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "flashdraft.cli", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, preexec_fn=pin)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout

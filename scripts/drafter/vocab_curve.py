@@ -34,39 +34,41 @@ from scripts.drafter.eval_tau import (SETS, build_cells, measure, pair_arguments
                                      response_counts, restrict_vocab, save_figure)
 
 
-def draft_step_ms(engines: dict, context: int, reps: int, new_tokens: int = 6) -> dict:
+def draft_step_ms(engines: dict, context: int, reps: int, rows: int = 1, new_tokens: int = 6) -> dict:
     """Median CPU ms (this thread's CPU time: with one torch thread every op runs here, and other jobs on a shared
-    machine do not inflate it as they inflate wall time) of one drafting step per engine: `new_tokens` newly committed positions written into the drafter's
-    cache (a typical accepted length), then one block drafted, after `context` positions already cached."""
+    machine do not inflate it as they inflate wall time; with more threads, wall time) of one drafting step per
+    engine for `rows` rows: `new_tokens` newly committed positions per row written into the drafter's cache (a
+    typical accepted length), then one whole block drafted per row, after `context` positions already cached."""
     import torch
 
     from flashdraft.engine.batch import RowBuckets
 
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     setups = {}
     for name, engine in engines.items():
         proposer, drafter = engine.proposer, engine.drafter
         state = proposer.new_batch_state(RowBuckets())
-        state.kv = drafter.new_cache(1, context + 64)
+        state.kv = drafter.new_cache(rows, context + 64)
         width = len(drafter.target_layer_ids) * drafter.target_hidden_size
         g = torch.Generator().manual_seed(0)
-        past = torch.randn(1, context, width, generator=g).to(drafter.dtype)
-        positions = torch.arange(context)[None]
+        past = torch.randn(rows, context, width, generator=g).to(drafter.dtype)
+        positions = torch.arange(context)[None].expand(rows, -1)
         drafter.write_context(state.kv, past, positions, torch.ones_like(positions, dtype=torch.bool))
-        feats = torch.randn(1, new_tokens, width, generator=g).to(drafter.dtype)
-        new_pos = torch.arange(context, context + new_tokens)[None]
-        block = torch.full((1, engine.block_size), drafter.mask_token_id, dtype=torch.long)
-        block[0, 0] = 5
-        block_pos = torch.arange(context + new_tokens, context + new_tokens + engine.block_size)[None]
+        feats = torch.randn(rows, new_tokens, width, generator=g).to(drafter.dtype)
+        new_pos = torch.arange(context, context + new_tokens)[None].expand(rows, -1)
+        block = torch.full((rows, engine.block_size), drafter.mask_token_id, dtype=torch.long)
+        block[:, 0] = 5
+        block_pos = torch.arange(context + new_tokens, context + new_tokens + engine.block_size)[None].expand(rows, -1)
         setups[name] = (proposer, (state.kv, feats, new_pos, torch.ones_like(new_pos, dtype=torch.bool), block,
                                    block_pos, context + new_tokens))
     times = {name: [] for name in engines}
     with torch.inference_mode():
         for rep in range(reps + 3):
             for name, (proposer, args) in setups.items():
-                t0 = time.thread_time()
+                t0 = clock()
                 proposer._draft_tokens(*args)
                 if rep >= 3:  # warm-up rounds
-                    times[name].append(time.thread_time() - t0)
+                    times[name].append(clock() - t0)
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
@@ -77,21 +79,30 @@ def plot(rows: list[dict], path: Path, label: str) -> None:
     import matplotlib.pyplot as plt
 
     sizes = [r["size"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax1.plot(sizes, [r["draft_ms"] for r in rows], marker="o")
+    with_tau = "tau" in rows[0]
+    fig, axes = plt.subplots(1, 2 if with_tau else 1, figsize=(11 if with_tau else 6, 4.2), squeeze=False)
+    ax1 = axes[0][0]
+    for batch in rows[0]["draft_ms"]:
+        full = rows[-1]["draft_ms"][batch]
+        ax1.plot(sizes, [r["draft_ms"][batch] / full for r in rows], marker="o", label=f"{batch} row(s): {full:.1f} ms "
+                 "at the largest")
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("draft vocabulary size")
-    ax1.set_ylabel("draft step per cycle (CPU ms, batch 1, 1 thread)")
+    ax1.set_ylabel("draft step per cycle, vs the largest size")
     ax1.set_ylim(bottom=0)
-    ax1.set_title("draft time")
-    for name, marker in zip(SETS, ("o", "s")):
+    ax1.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax1.legend(fontsize=8)
+    ax1.set_title("draft time (whole blocks)")
+    ax2 = axes[0][-1]
+    for name, marker in zip(SETS if with_tau else (), ("o", "s")):
         ax2.plot(sizes, [r["tau"][name]["mean"] for r in rows], marker=marker, label=f"{name} (mean over prompts)")
         ax2.plot(sizes, [r["tau"][name]["p10"] for r in rows], marker=marker, ls="--", label=f"{name} (p10)")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("draft vocabulary size")
-    ax2.set_ylabel("greedy tau (block 16)")
-    ax2.set_title("acceptance")
-    ax2.legend(fontsize=8)
+    if with_tau:
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("draft vocabulary size")
+        ax2.set_ylabel("greedy tau (block 16)")
+        ax2.set_title("acceptance")
+        ax2.legend(fontsize=8)
     fig.suptitle(f"reduced draft vocabulary: {label}")
     save_figure(fig, path)
 
@@ -105,6 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="prompt,256")
     ap.add_argument("--context", type=int, default=256, help="cached context of the timed draft steps")
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--rows", default="1", help="batch sizes the draft step is timed at (comma-separated)")
     ap.add_argument("--no-tau", action="store_true", help="time only")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "vocab_curve")
     args = ap.parse_args(argv)
@@ -124,12 +136,16 @@ def main(argv=None) -> int:
     drafters = {n: drafter if n == vocab else restrict_vocab(drafter, target, counts, n) for n in sizes}
     config = EngineConfig(block_size=16, draft_policy="fixed")  # every cycle drafts: tau of the drafter alone
     engines = {n: SpecEngine(target, d, tokenizer, config) for n, d in drafters.items()}
-    draft_ms = draft_step_ms(engines, args.context, args.reps)
+    batches = [int(b) for b in args.rows.split(",")]
+    if min(batches) < 1:
+        ap.error("--rows must be positive")
+    draft_ms = {b: draft_step_ms(engines, args.context, args.reps, rows=b) for b in batches}
     coverage = {n: float(counts[torch.sort(-counts, stable=True).indices[:n]].sum() / counts.sum()) for n in sizes}
     rows = []
     cells = None if args.no_tau else build_cells(tokenizer, args.num, [x for x in args.lengths.split(",") if x])
     for n in sizes:
-        row = {"size": n, "draft_ms": round(draft_ms[n], 4), "response_token_coverage": round(coverage[n], 5)}
+        row = {"size": n, "draft_ms": {b: round(draft_ms[b][n], 4) for b in batches},
+               "response_token_coverage": round(coverage[n], 5)}
         if cells is not None:
             res = measure(engines[n], cells, 128, tokenizer.eos_token_id, progress=True)
             row["tau"] = {}
@@ -144,21 +160,23 @@ def main(argv=None) -> int:
     (args.out / "results.json").write_text(json.dumps({"label": label, "args": {k: str(v) for k, v in vars(args).items()},
                                                        "rows": rows}, indent=1))
     full = next(r for r in rows if r["size"] == sizes[-1])
-    lines = [f"{label}; draft step at batch 1, {args.threads} thread(s), context {args.context}", "",
-             "| draft vocab | response tokens covered | draft CPU ms/cycle | vs largest |"
+    unit = "CPU ms" if args.threads == 1 else "ms"
+    lines = [f"{label}; draft step of whole blocks, {args.threads} thread(s), context {args.context}", "",
+             "| draft vocab | response tokens covered | "
+             + " | ".join(f"draft {unit}/cycle, {b} row(s) (vs largest)" for b in batches) + " |"
              + ("" if args.no_tau else " tau in-domain (mean/prompt) | tau ood (mean/prompt) |"),
-             "|---|---|---|---|" + ("" if args.no_tau else "---|---|")]
+             "|---|---|" + "---|" * len(batches) + ("" if args.no_tau else "---|---|")]
     for r in rows:
-        line = (f"| {r['size']} | {100 * r['response_token_coverage']:.2f}% | {r['draft_ms']:.3f} | "
-                f"{r['draft_ms'] / full['draft_ms']:.2f}x |")
+        line = (f"| {r['size']} | {100 * r['response_token_coverage']:.2f}% | "
+                + " | ".join(f"{r['draft_ms'][b]:.3f} ({r['draft_ms'][b] / full['draft_ms'][b]:.2f}x)" for b in batches)
+                + " |")
         if not args.no_tau:
             line += "".join(f" {r['tau'][s]['mean']:.2f} ({100 * (r['tau'][s]['mean'] / full['tau'][s]['mean'] - 1):+.1f}%) |"
                             for s in SETS)
         lines.append(line)
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if not args.no_tau:
-        plot(rows, args.out / "vocab_curve.png", label)
+    plot(rows, args.out / "vocab_curve.png", label)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
         [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
-        [--json runs/engine_concurrency.json]
+        [--compare-draft DIR] [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
 scheduler does (a request joins with `SpecEngine.add` as soon as one leaves, every live request advances with
@@ -14,6 +14,8 @@ does. Engines: plain decoding (no drafter), then DFlash under each draft policy 
 - `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing
   (the drafter's share of every step: the target's tapped features, the rows' pending context, the policy's
   bookkeeping, without its plans): the floor an ideal policy would reach at loads where drafting does not pay.
+- `--compare-draft DIR`: one more engine, the default policy with another drafter for the same target (e.g. the
+  shipped drafter with a reduced draft vocabulary), column `compare`.
 Every engine runs every round (the order reversed every other round); the ratio is of tokens summed over rounds.
 
 The served sweep (`serve_sweep.py`) is what users meet; this one takes the HTTP server, its threads and the
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compare-draft", default=None, help="another drafter, run with the default policy")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -116,15 +119,19 @@ def main(argv=None) -> int:
         p.error(f"bad value(s): {unknown or 'concurrency, rounds and num-prompts must be >= 1'}")
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, "cpu")
+    other = load_pair(None, args.compare_draft, "cpu")[2] if args.compare_draft else None
+    columns = policies + (["compare"] if other is not None else [])
     rows = []
-    print(f"| set | conc | {' | '.join(policies)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
-    print("|---|---|" + "---|" * len(policies))
+    print(f"| set | conc | {' | '.join(columns)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
+    print("|---|---|" + "---|" * len(columns))
     for name in args.sets.split(","):
         per = max(1, args.num_prompts // len(SETS[name]))
         prompts = [tokenizer.encode(q.text) for spec in SETS[name] for q in load_prompts(spec, per)]
         for concurrency in concurrencies:
             engines = {"plain": build_engine(target, tokenizer, drafter, None),
                        **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
+            if other is not None:
+                engines["compare"] = build_engine(target, tokenizer, other, "adaptive")
             for engine in engines.values():  # as `flashdraft serve` does before its first request
                 engine.warmup(concurrency)
             totals = {k: [0, 0.0, []] for k in engines}
@@ -138,7 +145,7 @@ def main(argv=None) -> int:
             plain = totals["plain"][0] / totals["plain"][1]
             cell = {"set": name, "concurrency": concurrency, "plain_tok_s": round(plain, 1)}
             shown = []
-            for key in policies:
+            for key in columns:
                 n, seconds, taus = totals[key]
                 tau = sum(taus) / len(taus) if taus else 1.0
                 cell[key] = {"ratio": round(n / seconds / plain, 3), "tok_s": round(n / seconds, 1),

@@ -33,14 +33,15 @@ from flashdraft.bench.datasets import load_prompts
 from flashdraft.bench.server import local_server, run_servers
 
 SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
+SERVER_CPUS = {0}  # --pin
 
 
 @contextlib.contextmanager
-def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path):
-    """A `flashdraft serve` process on a free port; yields its base URL."""
+def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path, cpus: set[int] | None = None):
+    """A `flashdraft serve` process on a free port (on `cpus` only, when given); yields its base URL."""
     args = ["--threads", str(threads), "--max-batch-size", str(max_batch), "--max-queue", str(4 * max_batch),
             "--log-level", "warning", *extra]
-    with open(log_dir / f"{name}.log", "w") as log, local_server(args, log, f"{name} server") as (url, _):
+    with open(log_dir / f"{name}.log", "w") as log, local_server(args, log, f"{name} server", cpus=cpus) as (url, _):
         yield url
 
 
@@ -58,6 +59,8 @@ def busy_core(enabled: bool):
     stop = multiprocessing.Event()
     proc = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
     proc.start()
+    with contextlib.suppress(AttributeError, OSError):  # wherever the scheduler puts it, whatever --pin did
+        os.sched_setaffinity(proc.pid, os.sched_getaffinity(0) | SERVER_CPUS)
     try:
         yield
     finally:
@@ -116,8 +119,18 @@ def main(argv=None) -> int:
     p.add_argument("--control", action="store_true",
                    help="a second plain-decoding server in the same rounds: its ratio to the first is this "
                         "machine's noise at each cell, the band a DFlash ratio must be read against")
+    p.add_argument("--pin", action="store_true",
+                   help="servers on CPU 0, this client on the others (Linux): the client's HTTP and tokenizer work "
+                        "no longer lands on the core a server computes on, so rounds vary less")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
+    server_cpus = None
+    if args.pin:
+        available = sorted(os.sched_getaffinity(0))
+        if len(available) < 2:
+            p.error("--pin needs at least 2 CPUs")
+        server_cpus = SERVER_CPUS & set(available) or {available[0]}
+        os.sched_setaffinity(0, set(available) - server_cpus)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     sets = args.sets.split(",")
@@ -130,14 +143,14 @@ def main(argv=None) -> int:
     max_batch = max(concurrencies)
     cells = []
     with contextlib.ExitStack() as servers:
-        urls = {"dflash": servers.enter_context(server("dflash", shlex.split(args.serve_args), args.threads,
-                                                       max_batch, out)),
-                "ar": servers.enter_context(server("ar", ["--no-draft"], args.threads, max_batch, out))}
+        def start(name, extra):
+            return servers.enter_context(server(name, extra, args.threads, max_batch, out, server_cpus))
+
+        urls = {"dflash": start("dflash", shlex.split(args.serve_args)), "ar": start("ar", ["--no-draft"])}
         if args.compare_args is not None:
-            urls["compare"] = servers.enter_context(server("compare", shlex.split(args.compare_args), args.threads,
-                                                           max_batch, out))
+            urls["compare"] = start("compare", shlex.split(args.compare_args))
         if args.control:
-            urls["control"] = servers.enter_context(server("control", ["--no-draft"], args.threads, max_batch, out))
+            urls["control"] = start("control", ["--no-draft"])
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
         if not args.no_busy:
             plan += [(s, t, 1, True) for t in temperatures for s in sets]
