@@ -130,3 +130,38 @@ def test_train_with_draft_vocab_size_and_init_from(pair, tmp_path):
     assert torch.equal(draft_targets(loaded.d2t), kept)
     with pytest.raises(ValueError, match="init_from|cannot initialise"):
         copy_weights(make_drafter(target, num_layers=1), trainer.drafter)
+
+
+def test_restrict_vocab_script_saves_a_drafter_that_drafts_inside_its_vocabulary(tmp_path):
+    """scripts/drafter/restrict_vocab.py on a saved pair and regenerated data: the saved drafter reads out over the
+    N most frequent response ids (d2t), loads back, and greedy output through it equals the target's."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashdraft.loading import load_pair
+    from tiny import save_text_pair
+
+    save_text_pair(tmp_path, block_size=4)
+    data = tmp_path / "regen"
+    data.mkdir()
+    responses = [[30, 31, 32, 30, 31], [30, 40, 41], [30, 31, 50]]
+    (data / "shard-00000.jsonl").write_text("".join(
+        json.dumps({"index": i, "prompt_ids": [5, 6, 7], "response_ids": r}) + "\n" for i, r in enumerate(responses)))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "drafter" / "restrict_vocab.py"
+    spec = importlib.util.spec_from_file_location("restrict_vocab", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "small"
+    assert module.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"),
+                        "--vocab-data", str(data), "--size", "3", "--out", str(out)]) == 0
+    target, _, small = load_pair(tmp_path / "target", out, "cpu")
+    assert draft_targets(small.d2t).tolist() == [30, 31, 32]  # 30 x4, 31 x3, then the lowest of the singles
+    torch.testing.assert_close(small.lm_head.weight, target.get_output_embeddings().weight[[30, 31, 32]].to(
+        small.lm_head.weight.dtype))
+    engine = SpecEngine(target, small, draft_policy="fixed")
+    prompt = [5, 6, 7, 8]
+    out_ids = engine.generate([prompt], SamplingParams(max_new_tokens=12))[0].token_ids
+    assert out_ids == greedy_reference(target, prompt, 12)
+    with pytest.raises(SystemExit):
+        module.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"),
+                     "--vocab-data", str(data), "--size", str(VOCAB * 1000), "--out", str(tmp_path / "bad")])
