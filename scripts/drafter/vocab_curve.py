@@ -1,19 +1,21 @@
 """Draft time per cycle and greedy tau over draft vocabulary sizes: the curve behind `--draft-vocab-size`.
 
     python scripts/drafter/vocab_curve.py --vocab-data data/default_pair/regen_mix [--draft DIR]
-        [--sizes 1024,2048,4096,8192] [--num 12] [--lengths prompt,256] [--threads 1] [--out runs/vocab_curve]
+        [--sizes 1024,2048,4096,8192] [--rows 1,4,16] [--num 12] [--lengths prompt,256] [--threads 1]
+        [--no-tau] [--out runs/vocab_curve]
 
 For each size N, the drafter (the shipped one by default) reads out over the N most frequent response tokens of the
 regenerated training data (`--vocab-data`, as `flashdraft train --draft-vocab-size` chooses them) through those rows
 of the target's lm_head (`restrict_drafter`); N = the target's vocabulary is the drafter as it is. Then:
 - draft time per cycle: the engine's own drafting step (`DFlashProposer._draft_tokens`: write the newly committed
-  context, one block forward, read-out, argmax) at batch 1 after a context of `--context` tokens, sizes interleaved
-  round by round, median over `--reps` rounds of the thread's CPU time (wall time on a shared machine measures the
-  other jobs); the engine's default CPU weight packing applies as when serving;
+  context, one block forward, read-out, argmax) of whole blocks at each `--rows` batch size (1 by default) after a
+  context of `--context` tokens, sizes interleaved round by round, median over `--reps` rounds of the thread's CPU
+  time with one thread (wall time on a shared machine measures the other jobs), of wall time with more; the
+  engine's default CPU weight packing applies as when serving;
 - tau: `eval_tau.py`'s cells (in-domain and out-of-domain, mid-line and newline endings, `--lengths`), pooled and
   mean and p10 over prompts.
-Writes `results.json`, `results.md` and `vocab_curve.png` into `--out`. Timings are single-threaded medians; say
-whether the machine was shared when quoting them.
+Writes `results.json`, `results.md` and `vocab_curve.png` into `--out`. Say whether the machine was shared when
+quoting the timings.
 
 What this script does not know about: training a drafter with a reduced vocabulary (`flashdraft train`).
 """
