@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.drafter.eval_tau import response_counts  # noqa: E402
+from scripts.drafter.eval_tau import response_counts, restrict_vocab  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -35,10 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
-    import torch
-
     from flashdraft.loading import load_pair
-    from flashdraft.model.draft_vocab import restrict_drafter, select_draft_vocab
+    from flashdraft.model.draft_vocab import draft_targets
 
     target, tokenizer, drafter = load_pair(args.target, args.draft, "cpu")
     vocab = int(target.config.vocab_size)
@@ -47,10 +45,9 @@ def main(argv=None) -> int:
     if not args.vocab_data.exists():
         ap.error(f"--vocab-data {args.vocab_data} does not exist")
     counts = response_counts(args.vocab_data, tokenizer, vocab)
-    ids = select_draft_vocab(counts, args.size)
-    small = restrict_drafter(drafter, target.get_output_embeddings().weight, ids)
+    small = restrict_vocab(drafter, target, counts, args.size)
     small.save_pretrained(args.out, dtype=drafter.dtype)
-    covered = float(counts[ids].sum() / counts.sum())
+    covered = float(counts[draft_targets(small.d2t)].sum() / counts.sum())
     print(f"saved {args.out}: draft vocabulary {args.size} of {vocab} ids, covering {100 * covered:.2f}% of the "
           f"{int(counts.sum())} response tokens in {args.vocab_data}")
     return 0

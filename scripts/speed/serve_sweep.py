@@ -33,7 +33,6 @@ from flashdraft.bench.datasets import load_prompts
 from flashdraft.bench.server import local_server, run_servers
 
 SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
-SERVER_CPUS = {0}  # --pin
 
 
 @contextlib.contextmanager
@@ -51,16 +50,17 @@ def _spin(stop) -> None:
 
 
 @contextlib.contextmanager
-def busy_core(enabled: bool):
-    """Another process keeping one core busy (a batch job, a second service) while the cell runs."""
+def busy_core(enabled: bool, cpus: set[int] | None = None):
+    """Another process keeping one core busy (a batch job, a second service) while the cell runs, free to run on
+    any of `cpus` (None: wherever this process may)."""
     if not enabled:
         yield
         return
     stop = multiprocessing.Event()
     proc = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
     proc.start()
-    with contextlib.suppress(AttributeError, OSError):  # wherever the scheduler puts it, whatever --pin did
-        os.sched_setaffinity(proc.pid, os.sched_getaffinity(0) | SERVER_CPUS)
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpus)
     try:
         yield
     finally:
@@ -120,17 +120,18 @@ def main(argv=None) -> int:
                    help="a second plain-decoding server in the same rounds: its ratio to the first is this "
                         "machine's noise at each cell, the band a DFlash ratio must be read against")
     p.add_argument("--pin", action="store_true",
-                   help="servers on CPU 0, this client on the others (Linux): the client's HTTP and tokenizer work "
-                        "no longer lands on the core a server computes on, so rounds vary less")
+                   help="servers on the first CPU, this client on the others (Linux): the client's HTTP and "
+                        "tokenizer work no longer lands on the core a server computes on (on the 2-core benchmark "
+                        "machine it raised throughput but did not narrow the rounds' spread)")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
-    server_cpus = None
+    server_cpus = all_cpus = None
     if args.pin:
-        available = sorted(os.sched_getaffinity(0))
-        if len(available) < 2:
+        all_cpus = os.sched_getaffinity(0)
+        if len(all_cpus) < 2:
             p.error("--pin needs at least 2 CPUs")
-        server_cpus = SERVER_CPUS & set(available) or {available[0]}
-        os.sched_setaffinity(0, set(available) - server_cpus)
+        server_cpus = {min(all_cpus)}
+        os.sched_setaffinity(0, all_cpus - server_cpus)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
     sets = args.sets.split(",")
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
             plan += [(s, t, 1, True) for t in temperatures for s in sets]
         for i, (s, t, c, busy) in enumerate(plan, 1):
             started = time.time()
-            with busy_core(busy):
+            with busy_core(busy, all_cpus):
                 result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds)
             row = {"set": s, "temperature": t, "concurrency": c, "busy_core": busy, **result}
             cells.append(row)
