@@ -15,8 +15,9 @@
 # (default: none), COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 4000), REPLAY
 # (default 4000), SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
 # runs/coverage_drafter), NICE (default 15).
-# The shipped drafter is this script run twice (build_drafter.sh stages 4 and 5): its defaults from the base drafter,
-# then SAMPLED=2000 DISTILL=0.5 STEPS=1500 from that (BENCHMARKS.md, issues 17 and 18). On the 2-core CPU the
+# The shipped drafter is this script run three times (build_drafter.sh stages 4-6): its defaults from the base
+# drafter, then SAMPLED=2000 DISTILL=0.5 STEPS=1500 from that, then COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000
+# DISTILL=0.5 STEPS=3000 LR=1e-4 from that (BENCHMARKS.md, issues 17 and 18). On the 2-core CPU the
 # function-start answers regenerate in ~3 min, the coverage answers in ~11 min, the sampled ones in ~3 min, and
 # training runs ~0.9 s/step (~45 min for 3,000 steps).
 # Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
@@ -41,7 +42,11 @@ DISTILL=()
 [ -n "${DISTILL:-}" ] && DISTILL=(--distill-weight "$DISTILL")
 
 echo "== [1/4] prompts"
-[ -f "$DATA/coverage_prompts.jsonl" ] || "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64 --coverage "$COVERAGE"
+# cut again when the file holds fewer than COVERAGE: the cuts are deterministic and a longer list starts with the
+# shorter one, so the answers already regenerated stay valid
+if [ ! -f "$DATA/coverage_prompts.jsonl" ] || [ "$(wc -l < "$DATA/coverage_prompts.jsonl")" -lt "$COVERAGE" ]; then
+    "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64 --coverage "$COVERAGE"
+fi
 
 echo "== [2/4] regenerate (greedy, 128 new tokens)"
 "${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data "$DATA/train_prompts.jsonl" --limit "$REPLAY" \
