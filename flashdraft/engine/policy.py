@@ -9,16 +9,15 @@ created by `new_row()` and travels with the row.
 - `AdaptiveWidth` (the default): every cycle chooses the widths that maximise the batch's expected committed tokens
   per second, from two models kept current while running, and checks the plans against what they gave:
   - acceptance, per row: `RowAcceptance.acceptance[i]` estimates P(draft position i+1 is accepted | positions
-    1 .. i were), an exponential moving average over the drafts that reached that position; a position is reached
-    when every draft before it was accepted and the row verified that far, and only reached positions learn. The
-    survival of position i+1 (what a width's expected gain sums) is the product of positions 1 .. i+1, so it
-    never rises along the block, and a row that accepts every draft it verified at a narrow width keeps its
-    estimates past that width, which only its earlier drafts set: estimates of survival itself, censored at
-    the width, kept the low values of an early bad stretch there, and a row accepting all 7 drafts of width 8,
-    cycle after cycle, was never offered width 16 again (the demo at batch 1: 1.9-2.1x against 2.5x for the
-    full block every cycle). A new row starts from the engine's prior: the same averages over every row's
-    drafts, kept apart for greedy and sampled rows (acceptance at temperature 1 says little about greedy rows; the
-    sampled rows' prior is a plain mean over its first drafts, so it leaves the optimistic start at once). A
+    1 .. i were), an exponential moving average over the row's drafts that reached the position (verified, every
+    draft before it accepted); positions a draft did not reach keep their estimate. A position's survival, which
+    a width's expected gain sums, is the product of the acceptances up to it. (Survival estimated per position
+    and censored at the width verified kept, past a narrow width, what an early bad stretch had left: a row
+    accepting all 7 drafts of width 8 cycle after cycle was never offered the block again, and the demo at batch
+    1 ran 1.9-2.1x plain decoding against 2.5x for the fixed block.) A new row starts from the engine's prior:
+    the same averages over every row's drafts, kept apart for greedy and sampled rows (acceptance at temperature
+    1 says little about greedy rows; the sampled rows' prior is a plain mean over its first drafts, so it leaves
+    the optimistic start at once). A
     row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
     new row starts from the wait the last row of its kind reached by drafting, so at temperature 1 with a weak
     drafter a new request does not lose its first probes again): judged by the optimistic starting prior once,
@@ -496,7 +495,7 @@ class AdaptiveWidth:
         """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
         accepted drafts of each row at each drafting width) and each row's pending context positions [n]."""
         n, widths = len(gains), self.drafting_widths
-        if n == 1:  # one row: its best width, in plain Python (the arrays below cost ~5 % of a batch-1 cycle on CPU)
+        if n == 1:  # one row: its best width, in plain Python (numpy's per-call overhead shows at batch 1 on CPU)
             return np.array([self._alone(gains[0], 1, int(pending[0]))])
         plain_s = self.costs.cycle(n, 0)
         plain_rate = n / plain_s if plain_s else 0.0
