@@ -53,13 +53,32 @@ def test_what_is_not_packed_comes_back_unchanged():
 
 def test_auto_packing_stays_within_its_budget(monkeypatch):
     weights = [torch.zeros(256, 256), torch.zeros(256, 256, dtype=torch.bfloat16)]
+    monkeypatch.setattr(cpu_linear, "packing_pays", lambda weights: True)
     assert pack_by_default(weights)
     monkeypatch.setattr(cpu_linear, "AUTO_PACK_BUDGET_BYTES", 256 * 256 * 6 - 1)
     assert not pack_by_default(weights)
     assert not pack_by_default([torch.zeros(4, 4, dtype=torch.float16)])
 
 
-def test_engine_packs_a_small_fp32_target_on_cpu_by_default():
+def test_auto_packing_packs_only_where_packing_measured_faster(monkeypatch):
+    """The default is timed, not assumed: oneDNN on packed weights was faster on one processor and slower on
+    another. Faked timings decide here; the measurement itself runs on real weights and is cached."""
+    weights = [torch.randn(512, 64), torch.randn(64, 64), torch.randn(64, 64)]
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_interleaved_median_s", lambda a, b: calls.append(1) or (1.0, 2.0))
+    monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
+    assert pack_by_default(weights) and len(calls) == 4  # two shapes x one-token and block rows
+    assert pack_by_default(weights) and len(calls) == 4  # cached
+    monkeypatch.setattr(cpu_linear, "_interleaved_median_s", lambda a, b: (1.0, 1.02))
+    monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
+    assert not pack_by_default(weights)  # within the margin: not worth the copies
+    monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
+    monkeypatch.undo()
+    assert isinstance(cpu_linear.packing_pays(weights), bool)  # the real timing runs
+
+
+def test_engine_packs_a_small_fp32_target_on_cpu_by_default(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "packing_pays", lambda weights: True)
     target = make_target("llama", dtype=torch.float32)
     engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32))
     assert engine.pack_weights and engine.fast.packed_layers is not None
