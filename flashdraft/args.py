@@ -195,8 +195,8 @@ def add_device_args(p) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the draft and verify steps (torch.compile; CUDA graphs on GPU); slower start")
     p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
-                   help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when the "
-                        "copies stay under 2 GiB)")
+                   help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when both "
+                        "paths, timed on the weights at start-up, favour it and the copies stay under 2 GiB)")
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant target forward: output bit-identical to plain decoding in --exact mode, "
                         "whatever the block or batch (eager only; costs speed, see BENCHMARKS.md)")
