@@ -72,12 +72,11 @@ def test_auto_packing_packs_only_where_packing_measured_faster(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_interleaved_median_s", lambda a, b: (1.0, 1.02))
     monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
     assert not pack_by_default(weights)  # within the margin: not worth the copies
-    monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
     monkeypatch.undo()
     assert isinstance(cpu_linear.packing_pays(weights), bool)  # the real timing runs
 
 
-def test_engine_packs_a_small_fp32_target_on_cpu_by_default(monkeypatch):
+def test_engine_packs_a_small_fp32_target_on_cpu_where_packing_pays(monkeypatch):
     monkeypatch.setattr(cpu_linear, "packing_pays", lambda weights: True)
     target = make_target("llama", dtype=torch.float32)
     engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32))
