@@ -72,7 +72,8 @@ def test_auto_packing_packs_only_where_packing_measured_faster(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_interleaved_median_s", lambda a, b: (1.0, 1.02))
     monkeypatch.setattr(cpu_linear, "_PACKING_PAYS", {})
     assert not pack_by_default(weights)  # within the margin: not worth the copies
-    monkeypatch.undo()
+    assert pack_by_default([torch.zeros(64, 64), torch.zeros(64, 64, dtype=torch.bfloat16)]) is False  # one shape,
+    monkeypatch.undo()  # two dtypes: keyed and timed apart
     assert isinstance(cpu_linear.packing_pays(weights), bool)  # the real timing runs
 
 

@@ -17,10 +17,10 @@ created by `new_row()` and travels with the row.
     1 ran 1.9-2.1x plain decoding against 2.5x for the fixed block.) A new row starts from the engine's prior:
     the same averages over every row's drafts, kept apart for greedy and sampled rows (acceptance at temperature
     1 says little about greedy rows; the sampled rows' prior is a plain mean over its first drafts, so it leaves
-    the optimistic start at once). A
-    row left at one-token steps is probed after a while (4 steps, doubling up to 128 while probes keep losing; a
-    new row starts from the wait the last row of its kind reached by drafting, so at temperature 1 with a weak
-    drafter a new request does not lose its first probes again): judged by the optimistic starting prior once,
+    the optimistic start at once). A row left at one-token steps is probed after a while (4 steps, doubling up to
+    128 while probes keep losing; a new row starts from the wait the last row of its kind reached by drafting, so
+    at temperature 1 with a weak drafter a new request does not lose its first probes again): judged by the
+    optimistic starting prior once,
     one row per cycle (rows that joined together come due together; a probe of all of them at once drafted the
     whole batch on optimistic estimates), so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again

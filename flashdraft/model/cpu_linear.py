@@ -72,7 +72,9 @@ def packing_pays(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16), m
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
-    key = (tuple(sorted((k, len(v)) for k, v in groups.items())), torch.get_num_threads())
+    # dtypes do not order: the key names them, so one shape in two dtypes still sorts
+    key = (tuple(sorted((shape, str(dtype), len(v)) for (shape, dtype), v in groups.items())),
+           torch.get_num_threads())
     if key not in _PACKING_PAYS:
         packed_s = plain_s = 0.0
         with torch.inference_mode():
