@@ -151,7 +151,8 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
 
 def test_each_row_holds_pages_for_its_own_tokens_and_gives_them_back_when_it_leaves():
     """Paged caches (pages of 16 positions here): each row owns pages for its committed tokens plus a block, not
-    the longest row's; the long row's pages go back when it leaves; the output stays the target's own."""
+    the longest row's; the long row's pages go back when it leaves; the output stays the target's own. The
+    drafter's cache is allocated at the first draft, not at prefill."""
     target = make_target("qwen3")
     long_prompt, short_prompt = list(range(20, 58)), [5, 17, 3]
     expected = [greedy_reference(target, long_prompt, 4), greedy_reference(target, short_prompt, 40)]
@@ -159,12 +160,14 @@ def test_each_row_holds_pages_for_its_own_tokens_and_gives_them_back_when_it_lea
     batch = engine.open_batch()
     params = [SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=40)]
     outputs = {i: ev.token_ids for i, ev in enumerate(engine.add(batch, [long_prompt, short_prompt], params))}
-    target_kv, draft_kv = batch.kv.kv, batch.proposer_state.kv
+    target_kv = batch.kv.kv
     assert [len(p) for p in target_kv.pages] == [3, 1]  # 38 + a block of 4 in pages of 16; 3 + 4
+    assert batch.proposer_state.kv is None  # nothing written to the drafter yet
     held = []  # the short row's tokens once it is alone
     while batch.rows:
         for ev in engine.step(batch):
             outputs[ev.index] = outputs[ev.index] + ev.token_ids
+        draft_kv = batch.proposer_state.kv if batch.rows else draft_kv  # (an emptied batch starts afresh)
         for kv in (target_kv, draft_kv):
             for r, pages in zip(batch.rows, kv.pages):
                 assert pages_for(r.n_cached, 16) <= len(pages) <= pages_for(r.n_cached + 4, 16)

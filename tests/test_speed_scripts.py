@@ -91,22 +91,36 @@ def test_bench_speed_smoke(tmp_path):
     assert set(report["identical"].values()) == {2} and report["tau"] > 1
 
 
-def test_engine_concurrency_smoke(tmp_path, capsys):
+def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
     """The in-process load pattern on the shipped pair: every policy's cell is written; `never` never drafts
-    (tau 1), `fixed` always does."""
+    (tau 1), `fixed` always does, with its first cycles' acceptance; a variant runs the default policy with the
+    constants it names and leaves them as they were."""
     import engine_concurrency
 
+    from flashdraft.engine import policy
+
+    seen = []
+    new_row = policy.AdaptiveWidth.new_row
+    monkeypatch.setattr(policy.AdaptiveWidth, "new_row",
+                        lambda self, sampled=False: seen.append(policy.MIN_PLAIN_RUN) or new_row(self, sampled))
     out = tmp_path / "cells.json"
     assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
                                     "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,fixed,never",
-                                    "--json", str(out)]) == 0
-    cell = json.loads(out.read_text())["cells"][0]
+                                    "--variant", "slow:MIN_PLAIN_RUN=9,SMOOTHING=0.5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    cell = report["cells"][0]
+    assert report["variants"] == {"slow": {"MIN_PLAIN_RUN": 9, "SMOOTHING": 0.5}}
     assert cell["set"] == "held-out" and cell["concurrency"] == 2 and cell["plain_tok_s"] > 0
     assert cell["never"]["tau"] == 1.0 and cell["fixed"]["tau"] > 1.0
-    assert all(cell[p]["ratio"] > 0 for p in ("adaptive", "fixed", "never"))
+    assert cell["fixed"]["first_cycles"][0] >= 1.0 and cell["never"]["first_cycles"] == [None] * 4
+    assert all(cell[p]["ratio"] > 0 for p in ("adaptive", "fixed", "never", "slow"))
+    assert sorted(set(seen)) == [4, 9] and seen.count(9) == 3  # the variant's three requests, and only those
+    assert policy.MIN_PLAIN_RUN == 4 and policy.SMOOTHING == 0.3
     assert "| held-out | 2 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        engine_concurrency.main(["--policies", "sometimes"])
+    for bad in (["--policies", "sometimes"], ["--variant", "x:NOT_A_CONSTANT=1"], ["--variant", "x:SMOOTHING=fast"],
+                ["--variant", "fixed:SMOOTHING=0.1"], ["--variant", "x"], ["--variant", "x:new_policy=1"]):
+        with pytest.raises(SystemExit):
+            engine_concurrency.main(bad)
 
 
 def test_sampling_cost_smoke(capsys):

@@ -562,7 +562,6 @@ class SpecEngine:
         batch.grow(lengths)
         if features is not None:  # the prompts' context waits for each row's first draft (long ones: written now)
             self._feature_spec = (features.values.shape[-1], features.values.dtype, features.values.device)
-            self.proposer.reserve(batch.proposer_state, len(rows))
             for r, values, valid in zip(rows, features.values, features.valid):
                 r.pending = PendingContext()  # a resumed row's drafter context is rebuilt from its prefill
                 r.pending.add(values[valid], 0)  # a prompt's valid slots are its positions 0 .. n - 1
@@ -839,9 +838,10 @@ class SpecEngine:
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
         batch.kv.keep(kept_valid)
         if features is not None:  # each row's kept slots wait for its next draft (a copy of the kept columns only)
-            kept_features = features[:, :max(accepted) + 1].clone()
-            for r, values, a in zip(rows, kept_features, accepted):
-                r.pending.add(values[:a + 1], r.n_cached)
+            longest = max(accepted) + 1
+            kept_features = features if longest == features.shape[1] else features[:, :longest].clone()
+            for r, values, a in zip(rows, kept_features.unbind(0), accepted):
+                r.pending.add(values if a + 1 == longest else values[:a + 1], r.n_cached)
             self._write_long_pending(batch)
         for r, w, a, nxt, blk in zip(rows, widths, accepted, next_tokens, block.tolist()):
             if w > 1:

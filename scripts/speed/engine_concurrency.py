@@ -2,7 +2,7 @@
 
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
         [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
-        [--compare-draft DIR] [--json runs/engine_concurrency.json]
+        [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
 scheduler does (a request joins with `SpecEngine.add` as soon as one leaves, every live request advances with
@@ -16,6 +16,13 @@ does. Engines: plain decoding (no drafter), then DFlash under each draft policy 
   bookkeeping, without its plans): the floor an ideal policy would reach at loads where drafting does not pay.
 - `--compare-draft DIR`: one more engine, the default policy with another drafter for the same target (e.g. the
   shipped drafter with a reduced draft vocabulary), column `compare`.
+- `--variant NAME:CONSTANT=VALUE,...` (repeatable): one more engine, the default policy with constants of
+  `flashdraft/engine/policy.py` set to those values while it runs (restored after), column NAME, e.g.
+  `--variant share01:JUDGEMENT_SHARE=0.01`. Policy changes move served ratios less than a shared CPU does between
+  runs; side by side in the same interleaved rounds they can be told apart from plain decoding's own drift.
+Each cell also records, per engine, the mean acceptance length of the requests' first drafting cycles
+(`first_cycles`: a request's first drafts accept far less than its later ones, which priors learnt over whole
+requests do not see).
 Every engine runs every round (the order reversed every other round); the ratio is of tokens summed over rounds.
 
 The served sweep (`serve_sweep.py`) is what users meet; this one takes the HTTP server, its threads and the
@@ -27,6 +34,7 @@ What this script does not know about: HTTP, streaming, detokenisation for client
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -40,10 +48,43 @@ sys.path.insert(0, str(ROOT))
 from flashdraft import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.engine import EngineConfig  # noqa: E402
+from flashdraft.engine import policy as policy_module  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
 
 SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
 POLICIES = ("adaptive", "fixed", "never")
+FIRST_CYCLES = 4  # drafting cycles per request whose acceptance `first_cycles` reports
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, float]]:
+    """`NAME:CONSTANT=VALUE,...` -> (NAME, {CONSTANT: value}); only numeric constants the policy module has."""
+    name, _, assignments = text.partition(":")
+    if not name or name in POLICIES or name in ("plain", "compare") or not assignments:
+        raise ValueError(f"--variant {text!r}: expected NAME:CONSTANT=VALUE[,CONSTANT=VALUE] with a new NAME")
+    values = {}
+    for item in assignments.split(","):
+        key, _, value = item.partition("=")
+        current = getattr(policy_module, key, None)
+        if not key.isupper() or isinstance(current, bool) or not isinstance(current, (int, float)):
+            raise ValueError(f"--variant {text!r}: {key!r} is not a numeric constant of flashdraft.engine.policy")
+        try:
+            values[key] = type(current)(float(value)) if isinstance(current, float) else int(value)
+        except ValueError:
+            raise ValueError(f"--variant {text!r}: {key} needs a {type(current).__name__}, got {value!r}") from None
+    return name, values
+
+
+@contextlib.contextmanager
+def policy_constants(values: dict[str, float]):
+    """The policy module's constants set to `values` inside the block (read when the policy runs)."""
+    saved = {k: getattr(policy_module, k) for k in values}
+    for k, v in values.items():
+        setattr(policy_module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(policy_module, k, v)
 
 
 class NeverDraft:
@@ -78,11 +119,12 @@ def build_engine(target, tokenizer, drafter, policy: str | None) -> SpecEngine:
 
 @torch.inference_mode()
 def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
-          temperature: float) -> tuple[int, float, list[float]]:
-    """(output tokens, seconds, tau per drafting request) of the queue served `concurrency` at a time."""
+          temperature: float) -> tuple[int, float, list[float], list[list[int]]]:
+    """(output tokens, seconds, tau per drafting request, first drafting cycles' acceptance lengths per drafting
+    request) of the queue served `concurrency` at a time."""
     queue = list(enumerate(prompts))
     batch = engine.open_batch()
-    tokens, taus = 0, []
+    tokens, taus, firsts = 0, [], []
     started = time.perf_counter()
     while queue or batch.rows:
         while queue and len(batch.rows) < concurrency:
@@ -96,7 +138,8 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
                 lengths = event.result.stats.acceptance_lengths
                 if lengths:
                     taus.append(sum(lengths) / len(lengths))
-    return tokens, time.perf_counter() - started, taus
+                    firsts.append(lengths[:FIRST_CYCLES])
+    return tokens, time.perf_counter() - started, taus, firsts
 
 
 def main(argv=None) -> int:
@@ -110,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compare-draft", default=None, help="another drafter, run with the default policy")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME:CONSTANT=VALUE[,...]: the default policy with flashdraft.engine.policy constants set")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -117,10 +162,16 @@ def main(argv=None) -> int:
     unknown = [x for x in policies if x not in POLICIES] + [s for s in args.sets.split(",") if s not in SETS]
     if unknown or min(concurrencies) < 1 or args.rounds < 1 or args.num_prompts < 1:
         p.error(f"bad value(s): {unknown or 'concurrency, rounds and num-prompts must be >= 1'}")
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as e:
+        p.error(str(e))
+    if len(variants) < len(args.variant):
+        p.error("--variant names must differ")
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, "cpu")
     other = load_pair(None, args.compare_draft, "cpu")[2] if args.compare_draft else None
-    columns = policies + (["compare"] if other is not None else [])
+    columns = policies + (["compare"] if other is not None else []) + list(variants)
     rows = []
     print(f"| set | conc | {' | '.join(columns)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
     print("|---|---|" + "---|" * len(columns))
@@ -132,30 +183,37 @@ def main(argv=None) -> int:
                        **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
             if other is not None:
                 engines["compare"] = build_engine(target, tokenizer, other, "adaptive")
+            for variant in variants:
+                engines[variant] = build_engine(target, tokenizer, drafter, "adaptive")
             for engine in engines.values():  # as `flashdraft serve` does before its first request
                 engine.warmup(concurrency)
-            totals = {k: [0, 0.0, []] for k in engines}
+            totals = {k: [0, 0.0, [], []] for k in engines}
             for r in range(args.rounds):
                 order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
                 for key, engine in order:
-                    n, seconds, taus = serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
+                    with policy_constants(variants.get(key, {})):
+                        n, seconds, taus, firsts = serve(engine, prompts, concurrency, args.max_tokens,
+                                                         args.temperature)
                     totals[key][0] += n
                     totals[key][1] += seconds
                     totals[key][2] += taus
+                    totals[key][3] += firsts
             plain = totals["plain"][0] / totals["plain"][1]
             cell = {"set": name, "concurrency": concurrency, "plain_tok_s": round(plain, 1)}
             shown = []
             for key in columns:
-                n, seconds, taus = totals[key]
+                n, seconds, taus, firsts = totals[key]
                 tau = sum(taus) / len(taus) if taus else 1.0
+                first_cycles = [[f[i] for f in firsts if len(f) > i] for i in range(FIRST_CYCLES)]
                 cell[key] = {"ratio": round(n / seconds / plain, 3), "tok_s": round(n / seconds, 1),
-                             "tau": round(tau, 2)}
+                             "tau": round(tau, 2),
+                             "first_cycles": [round(sum(c) / len(c), 2) if c else None for c in first_cycles]}
                 shown.append(f"{n / seconds / plain:.2f}x ({tau:.2f})")
             rows.append(cell)
             print(f"| {name} | {concurrency} | " + " | ".join(shown) + " |", flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "cells": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"argv": sys.argv, "variants": variants, "cells": rows}, indent=1))
     return 0
 
 

@@ -48,7 +48,8 @@ BURSTY = {"bursty": 0.1}  # sets whose requests switch between the two ends of t
 def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: int = 3000, plain: bool = False,
              step_s: float = 2.5e-3, per_token_s: float = 0.08e-3, draft_row_s: float = 1.0e-3,
              request_tokens: int = 64, block_size: int = 16, switch: float = 0.0,
-             context_token_s: float = 0.01e-3, drafts_to_width: bool = True, draft_fixed_s: float = 0.5e-3) -> float:
+             context_token_s: float = 0.01e-3, drafts_to_width: bool = True, draft_fixed_s: float = 0.5e-3,
+             early: float = 1.0, early_tokens: int = 16) -> float:
     """Committed tokens per simulated second of `concurrency` rows under the policy (or plain decoding)."""
     rng = np.random.default_rng(seed)
     policy = AdaptiveWidth(block_size, CostModel(), ragged=True, priors=AcceptancePriors(block_size),
@@ -68,7 +69,9 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
             if switch and rng.random() < switch:
                 r["p"] = p_range[1] if r["p"] == p_range[0] else p_range[0]
             a = 0
-            while a < w - 1 and rng.random() < r["p"]:
+            done = request_tokens - r["left"]  # output tokens so far: a request's first drafts accept less
+            p = r["p"] * (early + (1.0 - early) * min(1.0, done / early_tokens))
+            while a < w - 1 and rng.random() < p:
                 a += 1
             accepted.append(a)
         verified, drafting = sum(widths), sum(w > 1 for w in widths)
@@ -92,10 +95,12 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
     return tokens / seconds
 
 
-def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000, drafts_to_width: bool = True) -> float:
+def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000, drafts_to_width: bool = True,
+          early: float = 1.0) -> float:
     """Mean over seeds of the policy's throughput / plain decoding's, on the set `name`."""
     p, switch = SETS[name], BURSTY.get(name, 0.0)
-    return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch, drafts_to_width=drafts_to_width)
+    return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch, drafts_to_width=drafts_to_width,
+                                   early=early)
                           / simulate(concurrency, p, s, cycles, True, switch=switch) for s in range(seeds)]))
 
 
@@ -106,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--whole-blocks", action="store_true",
                     help="every draft fills the whole block (compiled drafting graphs); widths 1 and the block")
+    ap.add_argument("--early", type=float, default=1.0)
     args = ap.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.seeds < 1 or args.cycles < 10 or not levels or min(levels) < 1:
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     print("| concurrency | " + " | ".join(SETS) + " |")
     print("|---|" + "---|" * len(SETS))
     for c in levels:
-        print(f"| {c} | " + " | ".join(f"{ratio(c, name, args.seeds, args.cycles, not args.whole_blocks):.3f}"
+        print(f"| {c} | " + " | ".join(f"{ratio(c, name, args.seeds, args.cycles, not args.whole_blocks, args.early):.3f}"
                                       for name in SETS) + " |")
     return 0
 
