@@ -18,9 +18,9 @@ created by `new_row()` and travels with the row.
     the same averages over every row's drafts, kept apart for greedy and sampled rows (acceptance at temperature
     1 says little about greedy rows; the sampled rows' prior is a plain mean over its first drafts, so it leaves
     the optimistic start at once). A row left at one-token steps is probed after a while (4 steps, doubling up to
-    128 while probes keep losing; a new row starts from the wait the last row of its kind reached by drafting, so
-    at temperature 1 with a weak drafter a new request does not lose its first probes again): judged by the
-    optimistic starting prior once,
+    128 while probes keep losing; a new sampled row starts from the wait the last sampled row reached by
+    drafting, so at temperature 1 with a weak drafter a new request does not lose its first probes again, a new
+    greedy row from 4: greedy acceptance is the prompt's): judged by the optimistic starting prior once,
     one row per cycle (rows that joined together come due together; a probe of all of them at once drafted the
     whole batch on optimistic estimates), so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
@@ -345,15 +345,17 @@ def expected_gains(acceptance: np.ndarray, widths: np.ndarray) -> np.ndarray:
 
 class AcceptancePriors:
     """What new rows start from, one for greedy and one for sampled rows: the engine-wide acceptance per draft
-    position, a slow moving average over every row's drafts; and the wait before a row's first probe, the wait
-    the last row of that kind set itself by drafting (so where probes keep losing, at temperature 1 with a weak
-    drafter, a new request does not lose its first few probes again: each costs ~2 one-token steps at batch 1 on
-    CPU)."""
+    position, a slow moving average over every row's drafts; and, for sampled rows, the wait before a row's first
+    probe: the wait the last sampled row set itself by drafting (so where probes keep losing, at temperature 1
+    with a weak drafter, a new request does not lose its first few probes again: each costs ~2 one-token steps at
+    batch 1 on CPU). Greedy rows do not inherit it: greedy acceptance belongs to the prompt (out of domain, a
+    prompt's tau under the fixed block ranges 1.0-9.9), and after a few failing requests the inherited 128-step
+    wait left 7 good ones in a row (fixed-block tau 4.6-7.4) without a single draft at batch 1."""
 
     def __init__(self, block_size: int):
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
         self.seen = np.zeros(block_size - 1)  # sampled rows' drafts that reached each position
-        self.wait = {False: MIN_PLAIN_RUN, True: MIN_PLAIN_RUN}
+        self.sampled_wait = MIN_PLAIN_RUN
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
@@ -424,10 +426,13 @@ class AdaptiveWidth:
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         self._plain_cycles_left = 0  # a row joins: plan afresh
-        return RowAcceptance(self.priors[sampled].copy(), sampled, plain_run=self.priors.wait[sampled])
+        return RowAcceptance(self.priors[sampled].copy(), sampled,
+                             plain_run=self.priors.sampled_wait if sampled else MIN_PLAIN_RUN)
 
     def _wait(self, r: RowAcceptance, plain_run: int) -> None:
-        r.plain_run = self.priors.wait[r.sampled] = plain_run
+        r.plain_run = plain_run
+        if r.sampled:
+            self.priors.sampled_wait = plain_run
 
     # ---- the plan -------------------------------------------------------------------------------------------
 
