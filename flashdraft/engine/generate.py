@@ -249,6 +249,7 @@ class SpecEngine:
         # (`cpu_linear.py`; None = when all are packable and the copies stay small; the drafter's read-out is one
         # more copy of the lm_head)
         packable = (packable_weights(self.target.model) if use_fast else []) + [self.target.lm_head.weight]
+        pack_draft = pack_weights  # None: the drafter's read-out is measured apart (`DFlashProposer`)
         if pack_weights is None:
             pack_weights = pack_by_default(packable)
         elif pack_weights:
@@ -266,7 +267,7 @@ class SpecEngine:
             if not self._owns_target:
                 self._restore_layer_ids = list(self.target.layer_ids)
             self.target.set_layer_ids(drafter.target_layer_ids)
-            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_weights)
+            self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_draft)
         else:
             self.proposer = NoProposer()
         if isinstance(self.proposer, NoProposer):

@@ -32,13 +32,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flashdraft.engine.argmax import argmax
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.engine.noise import race
 from flashdraft.engine.tree import candidate_lists
-from flashdraft.model.cpu_linear import packed_linear
+from flashdraft.model.cpu_linear import pack_by_default, packed_linear
 from flashdraft.model.draft_vocab import draft_targets
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE
@@ -154,7 +155,7 @@ class DFlashProposer:
         return super().__new__(cls)
 
     def __init__(self, drafter: DFlashDraftModel, target: TargetModel, compile: bool = False,
-                 pack_weights: bool = False):
+                 pack_weights: bool | None = False):
         self.drafter = drafter
         self.target = target
         # the drafter may run in another dtype than the target (e.g. bf16 drafts for an fp32 target on CPU):
@@ -164,7 +165,13 @@ class DFlashProposer:
         if lm_head.weight.dtype != drafter.dtype:
             lm_head = copy.deepcopy(lm_head).to(drafter.dtype)
         # CPU: the vocabulary projection through oneDNN on a packed copy (`cpu_linear.py`; the drafter's own
-        # projections gained nothing measurable end to end, so they stay as they are)
+        # projections gained nothing measurable end to end, so they stay as they are). None: where packing is
+        # faster for this read-out itself, a block's rows at a time; it may run in another dtype than the target,
+        # whose measurement can go the other way (an AMX Xeon: MKL for the fp32 target, oneDNN for the bf16
+        # read-out, 5 % of the draft)
+        if pack_weights is None:
+            pack_weights = isinstance(lm_head, nn.Linear) and pack_by_default([lm_head.weight],
+                                                                              rows=(drafter.block_size,))
         self.lm_head = packed_linear(lm_head) if pack_weights else lm_head
         # a reduced draft vocabulary: the target id of each draft id (`draft_vocab.py`); None: the target's own ids
         self.draft_targets = draft_targets(drafter.d2t) if getattr(drafter, "d2t", None) is not None else None

@@ -52,11 +52,11 @@ def require_packable(weights: list[torch.Tensor]) -> None:
         raise ValueError(f"pack_weights=True needs fp32 or bf16 weights on a CPU with oneDNN, got {', '.join(bad)}")
 
 
-def pack_by_default(weights: list[torch.Tensor]) -> bool:
+def pack_by_default(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16)) -> bool:
     """Whether packed copies of `weights` are a good default: all packable, their copies within budget, and
-    faster than torch's own linear on this machine (`packing_pays`)."""
+    faster than torch's own linear on this machine at `rows` rows per call (`packing_pays`)."""
     size = sum(w.numel() * w.element_size() for w in weights)
-    return all(can_pack(w) for w in weights) and size <= AUTO_PACK_BUDGET_BYTES and packing_pays(weights)
+    return all(can_pack(w) for w in weights) and size <= AUTO_PACK_BUDGET_BYTES and packing_pays(weights, rows)
 
 
 _PACKING_PAYS: dict[tuple, bool] = {}
@@ -67,13 +67,14 @@ def packing_pays(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16), m
     each distinct shape and dtype timed at 1 and 16 rows (a one-token step and a block verify), the two paths'
     calls interleaved, weighted by how many weights share the shape; packed must take at most `margin` of the
     time. Measured, not assumed: on the AMD EPYC of our first benchmarks oneDNN was 1.2-5x faster on these shapes,
-    on an AMX-capable Xeon MKL was faster (plain decoding of the default pair 316 tok/s packed, 422 not). Cached per
-    shapes and thread count; ~0.15 s for the default pair."""
+    on an AMX-capable Xeon MKL was faster (plain decoding of the default pair 316 tok/s packed, 422 not) for the
+    fp32 target and slower for the bf16 drafter's read-out (16 rows 8192 x 256: 378 us, packed 278 us). Cached per
+    shapes, rows and thread count; ~0.15 s for the default pair."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
     # dtypes do not order: the key names them, so one shape in two dtypes still sorts
-    key = (tuple(sorted((shape, str(dtype), len(v)) for (shape, dtype), v in groups.items())),
+    key = (tuple(sorted((shape, str(dtype), len(v)) for (shape, dtype), v in groups.items())), tuple(rows),
            torch.get_num_threads())
     if key not in _PACKING_PAYS:
         packed_s = plain_s = 0.0
