@@ -394,8 +394,40 @@ def test_curve_keeps_the_second_observation_and_interpolates():
     curve.record(16, 3.0)
     assert curve(1) == pytest.approx(1.0) and curve(16) == pytest.approx(3.0)
     assert curve(8.5) == pytest.approx(2.0)  # between the points
-    assert curve(31) == pytest.approx(5.0)  # beyond: the last segment's slope
+    assert curve(31) == pytest.approx(3.0) and curve([31.0, 8.5])[0] == pytest.approx(3.0)  # beyond: flat
     assert width_choices(16) == (1, 2, 4, 8, 16) and width_choices(6) == (1, 2, 4, 6)
+
+
+def test_a_curve_does_not_extrapolate_the_noise_of_small_sizes():
+    """Beyond its largest measured size a cost curve is flat, so the plan tries the size and measures it. With the
+    last segment's slope, two noisy tiny context writes (1 and 2 positions) priced a 36-position write at ~36 ms
+    (measured: 2.4 ms) and a row at batch 1 never drafted again, so the curve never saw a long write."""
+    curve = Curve()
+    for size, seconds in ((1, 0.56e-3), (1, 0.56e-3), (2, 1.66e-3), (2, 1.66e-3)):
+        curve.record(size, seconds)
+    assert curve(36) == pytest.approx(1.66e-3) and curve(np.array([36.0]))[0] == pytest.approx(1.66e-3)
+    costs = CostModel()
+    for verified in (1, 16):
+        for _ in range(2):
+            costs.record(CycleTiming(verified, 16 if verified > 1 else 0, 2.0e-3 if verified > 1 else 0.0,
+                                     (7.0e-3 if verified > 1 else 2.3e-3)))
+    costs.context = curve
+    policy = AdaptiveWidth(16, costs, ragged=True, choices=(1, 16))
+    assert policy.widths([policy.new_row()], [36]) == [16]  # a fresh row with 36 positions pending drafts
+
+
+def test_warmup_times_context_writes_up_to_the_pending_limit():
+    """A served engine prices its first drafts' pending context (a prompt: tens to hundreds of positions) from
+    timings, not from the block-sized writes its warm-up cycles make."""
+    from flashdraft.engine.generate import PENDING_CONTEXT_LIMIT
+
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    engine.warmup(2)
+    for rows in (1, 2):
+        assert engine.costs.context.known(rows * PENDING_CONTEXT_LIMIT) and engine.costs.context.known(rows * 16)
+    params = SamplingParams(max_new_tokens=12)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == [greedy_reference(target, p, 12) for p in PROMPTS]
 
 
 class ScriptedWidths:

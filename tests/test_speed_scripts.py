@@ -114,7 +114,7 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
     assert cell["never"]["tau"] == 1.0 and cell["fixed"]["tau"] > 1.0
     assert cell["fixed"]["first_cycles"][0] >= 1.0 and cell["never"]["first_cycles"] == [None] * 4
     assert all(cell[p]["ratio"] > 0 for p in ("adaptive", "fixed", "never", "slow"))
-    assert sorted(set(seen)) == [4, 9] and seen.count(9) == 3  # the variant's three requests, and only those
+    assert sorted(set(seen)) == [4, 9] and seen.count(9) == seen.count(4)  # the variant's rows, as many as adaptive's
     assert policy.MIN_PLAIN_RUN == 4 and policy.SMOOTHING == 0.3
     assert "| held-out | 2 |" in capsys.readouterr().out
     for bad in (["--policies", "sometimes"], ["--variant", "x:NOT_A_CONSTANT=1"], ["--variant", "x:SMOOTHING=fast"],

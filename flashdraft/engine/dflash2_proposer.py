@@ -87,8 +87,8 @@ SAMPLED_RACES = ("marginal", "selector")
 class DFlash2Proposer(DFlashProposer):
     """`DFlashProposer` for a DFlash2 drafter (what `DFlashProposer(drafter, ...)` builds for one)."""
 
-    def __init__(self, drafter, target, compile: bool = False, pack_weights: bool | None = False, confidence: bool = False,
-                 sampled_race: str = "marginal"):
+    def __init__(self, drafter, target, compile: bool = False, pack_weights: bool | None = False,
+                 confidence: bool = False, sampled_race: str = "marginal"):
         if sampled_race not in SAMPLED_RACES:
             raise ValueError(f"sampled_race must be one of {', '.join(SAMPLED_RACES)}, not {sampled_race!r}")
         super().__init__(drafter, target, compile=compile, pack_weights=pack_weights)

@@ -66,6 +66,7 @@ from flashdraft.model.target import TargetModel, validate_pair
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
 PROFILE_CYCLES = 3  # timed cycles of each verify width per row bucket in `warmup`
+CONTEXT_PROFILE_LENGTHS = (16, 64, 256)  # pending context per row timed in `warmup` (the last: PENDING_CONTEXT_LIMIT)
 
 
 @dataclass
@@ -390,7 +391,8 @@ class SpecEngine:
         """Get ready for batches of up to `max_batch_size` rows before the first request. At each row bucket (the
         compiled buckets; eager: powers of two and `max_batch_size`) throwaway rows run one cycle of every verify
         width a cycle may use, which builds the compiled graphs, then `PROFILE_CYCLES` more of each, timed into the
-        draft policy's cost model. The first requests are then planned from measured costs: without this the
+        draft policy's cost model, and eager drafters time writing 16-256 positions of pending context per row
+        (`_time_context_writes`). The first requests are then planned from measured costs: without this the
         policy drafts blind to measure them (at 16 rows on CPU two full-block cycles, each ~8 one-token steps'
         time). The graphs take any cache size (pool pages and page-table width are dynamic dimensions), so longer
         requests compile nothing more. Returns the buckets warmed ([] for eager plain decoding: nothing to plan or
@@ -415,7 +417,28 @@ class SpecEngine:
                         self._cycle(batch, forced_width=width, profile=i > 0)
             while batch.rows and self.block_step is not None:  # compiled: the rows' last steps too
                 self.step(batch)
+            self._time_context_writes(rows)
         return buckets
+
+    def _time_context_writes(self, rows: int) -> None:
+        """Time writing pending context of a few lengths, up to `PENDING_CONTEXT_LIMIT` per row, for `rows` rows into
+        a throwaway drafter cache (eager drafting writes it apart before a draft, and the policy prices drafts by
+        it; the cycles above only write a block's worth). Compiled drafting writes context inside its graphs."""
+        if self._compiled_drafts or not self.proposer.needs_features or self._feature_spec is None:
+            return
+        width, dtype, device = self._feature_spec
+        idx = torch.arange(rows, device=device)
+        for length in CONTEXT_PROFILE_LENGTHS:
+            state = self._new_proposer_state()
+            state.grow([length] * rows)
+            features = Features(torch.zeros(rows, length, width, dtype=dtype, device=device),
+                                torch.arange(length, device=device).expand(rows, -1),
+                                torch.ones(rows, length, dtype=torch.bool, device=device))
+            for i in range(3):  # the first builds the kernels for the shape and is not timed
+                started = self._clock()
+                self.proposer.absorb(state, features, self.block_size, idx)
+                if i:
+                    self.costs.context.record(rows * length, self._clock() - started)
 
     # ---- continuous batching: a live batch that requests join and leave between cycles ------------------------
 
@@ -838,7 +861,8 @@ class SpecEngine:
         kept = torch.tensor(accepted, device=block.device)
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
         batch.kv.keep(kept_valid)
-        if features is not None:  # each row's kept slots wait for its next draft (a copy of the kept columns only)
+        if features is not None:  # each row's kept slots wait for its next draft (a copy of the kept columns, if
+            # some were not kept: a view would hold the whole block's features)
             longest = max(accepted) + 1
             kept_features = features if longest == features.shape[1] else features[:, :longest].clone()
             for r, values, a in zip(rows, kept_features.unbind(0), accepted):

@@ -5,10 +5,12 @@
         [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
-scheduler does (a request joins with `SpecEngine.add` as soon as one leaves, every live request advances with
-`SpecEngine.step`), on the shipped pair, one torch thread, wall time from the first `add` to the last request's
-end. Every engine is warmed up for the cell's concurrency first (`SpecEngine.warmup`), as the server
-does. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
+scheduler does (requests join with one `SpecEngine.add`, one prefill for all that join, as soon as others leave;
+every live request advances with `SpecEngine.step`), on the shipped pair, one torch thread, wall time from the
+first `add` to the last request's end. Every engine is warmed up for the cell's concurrency first
+(`SpecEngine.warmup`), as the server does. Equal-length greedy requests leave plain decoding's rows in step, so
+they leave together and their successors share one prefill, where drafting rows finish apart and join one by one:
+the joins are timed as the server has them. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
 - `adaptive`: the engine's default policy;
 - `fixed`: every row verifies the full block every cycle;
 - `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing
@@ -17,9 +19,10 @@ does. Engines: plain decoding (no drafter), then DFlash under each draft policy 
 - `--compare-draft DIR`: one more engine, the default policy with another drafter for the same target (e.g. the
   shipped drafter with a reduced draft vocabulary), column `compare`.
 - `--variant NAME:CONSTANT=VALUE,...` (repeatable): one more engine, the default policy with constants of
-  `flashdraft/engine/policy.py` set to those values while it runs (restored after), column NAME, e.g.
-  `--variant share01:JUDGEMENT_SHARE=0.01`. Policy changes move served ratios less than a shared CPU does between
-  runs; side by side in the same interleaved rounds they can be told apart from plain decoding's own drift.
+  `flashdraft/engine/policy.py` set to those values while it is built, warmed up and runs (restored after),
+  column NAME, e.g. `--variant share01:JUDGEMENT_SHARE=0.01`. Policy changes move served ratios less than a
+  shared CPU does between runs; side by side in the same interleaved rounds they can be told apart from plain
+  decoding's own drift.
 Each cell also records, per engine, the mean acceptance length of the requests' first drafting cycles
 (`first_cycles`: a request's first drafts accept far less than its later ones, which priors learnt over whole
 requests do not see).
@@ -127,11 +130,11 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
     tokens, taus, firsts = 0, [], []
     started = time.perf_counter()
     while queue or batch.rows:
-        while queue and len(batch.rows) < concurrency:
-            i, prompt = queue.pop(0)
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                    seed=i if temperature > 0 else None)
-            engine.add(batch, [prompt], params, request_ids=[i])
+        joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
+        if joining:  # one prefill for all that join, as the server admits them
+            params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                     seed=i if temperature > 0 else None) for i, _ in joining]
+            engine.add(batch, [prompt for _, prompt in joining], params, request_ids=[i for i, _ in joining])
         for event in engine.step(batch):
             if event.finished:
                 tokens += len(event.result.token_ids)
@@ -183,10 +186,12 @@ def main(argv=None) -> int:
                        **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
             if other is not None:
                 engines["compare"] = build_engine(target, tokenizer, other, "adaptive")
-            for variant in variants:
-                engines[variant] = build_engine(target, tokenizer, drafter, "adaptive")
-            for engine in engines.values():  # as `flashdraft serve` does before its first request
-                engine.warmup(concurrency)
+            for variant, values in variants.items():  # built under its constants: some are read at construction
+                with policy_constants(values):
+                    engines[variant] = build_engine(target, tokenizer, drafter, "adaptive")
+            for key, engine in engines.items():  # as `flashdraft serve` does before its first request
+                with policy_constants(variants.get(key, {})):
+                    engine.warmup(concurrency)
             totals = {k: [0, 0.0, [], []] for k in engines}
             for r in range(args.rounds):
                 order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
