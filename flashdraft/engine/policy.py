@@ -39,7 +39,7 @@ created by `new_row()` and travels with the row.
   - goodput (`Goodput`), from two rows up: what drafting cycles and one-token steps actually committed per second
     at the batch's load; where drafting gave less, the plan is not asked and every row steps, for a hold that
     doubles while drafting keeps losing (and from the second loss in a row lasts long enough that judging costs
-    at most 5 % of the time). It catches what the two models get wrong together (chosen rows accept
+    at most 2 % of the time). It catches what the two models get wrong together (chosen rows accept
     less than the estimates that chose them; costs the curves do not see), which left the plan drafting at loads
     where drafting lost.
   `SpecEngine.warmup` (run by `flashdraft serve`) times one-token steps and block cycles at every row bucket, and
@@ -96,12 +96,17 @@ REPLAN_PLAIN_EVERY = 16
 # nearest smaller one's last judgement was a loss. The windows are long because acceptance per row is geometric:
 # windows of 8 cycles held winning buckets by chance (policy_sim.py); a 5 % margin left drafting that lost 3-6 %
 GOODPUT_ROWS, JUDGED_ROWS, DRAFTING_WINDOW, PLAIN_WINDOW, HOLD_BELOW = 2, 32, 32, 32, 1.0
-MIN_HOLD, MAX_HOLD = 32, 1024
+# 128 rather than 32, and a 2 % share rather than 5 %: where drafting never pays (16 rows on a CPU: the full block
+# at 0.53-0.60x) every judgement costs two losing cycles, and the engine at 4 and 16 rows gained 3 % on average
+# (two runs of `engine_concurrency.py --variant longhold:MIN_HOLD=128,JUDGEMENT_SHARE=0.02`, 7 of 8 cells level or
+# better). The price: where the first plans (on the optimistic prior) draft failing rows beside good ones and lose,
+# the good rows draft alone only after the first hold, 128 cycles (0.5-1 s at 4-16 rows on CPU)
+MIN_HOLD, MAX_HOLD = 128, 1024
 # from a load's second lost judgement in a row, a hold also lasts long enough that the judgement which started it
 # (the time its drafting cycles took beyond what one-token steps needed for the same tokens) is at most this share
 # of the hold: at 16 rows on CPU two judged cycles lost ~75 ms, and 32- and 64-cycle holds then gave a third of a
 # short burst's time back to judging
-JUDGEMENT_SHARE = 0.05
+JUDGEMENT_SHARE = 0.02
 PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
 
 NUMBER = (int, float, np.integer, np.floating)
