@@ -127,7 +127,8 @@ class DraftRows:
         self.lengths = lengths
 
     def cache(self):
-        """The cache, allocated for the live rows if it was not yet."""
+        """The cache, allocated for the live rows if it was not yet (padding rows own no pages: what they write
+        goes to the trash page); rows are written when they draft or when their pending context grows long."""
         if self.kv is None:
             self.kv = self.new_cache(self.buckets.rows(len(self.lengths)), self.lengths)
         return self.kv
@@ -183,16 +184,9 @@ class DFlashProposer:
                         max_pages: int | None = None) -> DraftRows:
         return DraftRows(buckets, functools.partial(self.drafter.new_cache, page_size=page_size, max_pages=max_pages))
 
-    def reserve(self, state: DraftRows, live: int) -> None:
-        """The drafter's context cache for a batch of `live` rows (allocated once, then grown by `grow`): rows are
-        written when they draft (`propose`) or when their pending context grows long (`absorb`)."""
-        if state.kv is None:  # padding rows own no pages: what they write goes to the trash page
-            state.kv = state.new_cache(state.buckets.rows(live), state.lengths)
-
     def _context(self, state: DraftRows, new_features: Features):
         """Every live row's new features, padded to the cache's rows: (cache rows, features, positions, valid)."""
         live = new_features.values.shape[0]
-        self.reserve(state, live)
         b = state.reserved().batch
         context = new_features if b == live else new_features.pad_rows(b)
         return (b, *(t.to(self.drafter.device) for t in context.astuple()))
