@@ -37,11 +37,12 @@ def test_cli_regenerate_then_train_uses_tokenizer_mask_token(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--target", str(target), "--data", str(regen), "--output-dir", str(out),
                  "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "2", "--batch-size", "2",
-                 "--eval-prompts", str(prompts), "--eval-limit", "2", "--eval-max-new-tokens", "8",
+                 "--num-anchors", "3", "--start-anchors", "2", "--eval-prompts", str(prompts), "--eval-limit", "2", "--eval-max-new-tokens", "8",
                  "--no-progress", "--device", "cpu"]) == 0
     conf = json.loads((out / "final" / "config.json").read_text())
     assert conf["dflash_config"]["mask_token_id"] == tok.mask_token_id
     assert check_export_config(out / "final") == []
+    assert json.loads(open(out / "train_log.jsonl").readline())["config"]["start_anchors"] == 2
     evals = [json.loads(line) for line in open(out / "train_log.jsonl") if '"eval"' in line]
     assert [e["step"] for e in evals] == [0, 2] and all(e["num_cycles"] > 0 for e in evals)
 

@@ -60,6 +60,28 @@ def test_anchors_resampled_per_epoch_and_uniform():
     assert (sel - expected).abs().max() < 0.25 * expected, sel
 
 
+def test_start_anchors_take_every_answers_first_blocks_and_draw_the_rest_uniformly():
+    """Two answers (a chat's two turns): with start_anchors=3 the first three candidates of each are always
+    anchors, the other slots uniform over the remaining candidates; 0 keeps the plain uniform draw unchanged."""
+    mask = torch.zeros(80, dtype=torch.bool)
+    mask[10:30] = True
+    mask[40:80] = True
+    cand = candidate_anchors(mask, 4).tolist()
+    first = [10, 11, 12, 40, 41, 42]
+    counts = torch.zeros(80)
+    for e in range(3000):
+        a = sample_anchors(mask, 4, 10, anchor_generator(2, e, 0), start_anchors=3).tolist()
+        assert len(a) == 10 == len(set(a)) and a == sorted(a) and set(first) <= set(a) <= set(cand)
+        counts[a] += 1
+    rest = [p for p in cand if p not in first]
+    expected = 3000 * 4 / len(rest)  # 235 draws each, sd ~15: a bias of a quarter is ~4 sd
+    assert (counts[rest] - expected).abs().max() < 0.25 * expected
+    assert sample_anchors(mask, 4, 4, anchor_generator(2, 0, 0), start_anchors=3).tolist() == first[:4]
+    for e in range(5):
+        assert (sample_anchors(mask, 4, 10, anchor_generator(3, e, 1), start_anchors=0).tolist()
+                == sample_anchors(mask, 4, 10, anchor_generator(3, e, 1)).tolist())
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_build_blocks_vs_brute_force(seed):
     block, mask_id = 4, 2

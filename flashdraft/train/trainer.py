@@ -101,6 +101,7 @@ class TrainConfig:
     grad_accum: int = 1
     max_length: int = 3072
     num_anchors: int = 512
+    start_anchors: int = 0  # the first N blocks of every answer are always among its anchors (`anchors.py`)
     lr: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
@@ -160,6 +161,7 @@ def check_config(cfg: "TrainConfig") -> None:
         value = getattr(cfg, name)
         need(value is None or (isinstance(value, int) and value >= 1), name, "None or an integer >= 1")
     need(isinstance(cfg.eval_every, int) and cfg.eval_every >= 0, "eval_every", "an integer >= 0 (0 = at the end)")
+    need(isinstance(cfg.start_anchors, int) and cfg.start_anchors >= 0, "start_anchors", "an integer >= 0")
     need(cfg.mask_token_id is None or cfg.mask_token_id >= 0, "mask_token_id", "None or >= 0")
     need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, "seed", "an integer in [0, 2**32 - 1]")
     finite = math.isfinite
@@ -476,7 +478,8 @@ class Trainer:
                             [[self.examples[i].loss_mask for i in row] for row in rows])
         # anchors per example (seeded by its index), shifted to where it starts in its row
         anchors = [torch.cat([sample_anchors(self.examples[i].loss_mask, cfg.block_size, cfg.num_anchors,
-                                             anchor_generator(cfg.seed, epoch, i)) + start
+                                             anchor_generator(cfg.seed, epoch, i),
+                                             start_anchors=cfg.start_anchors) + start
                               for i, start in zip(row, starts)]) for row, starts in zip(rows, packed.offsets)]
         anchors, anchor_valid = pad_anchors(anchors)
         blocks = build_blocks(packed.input_ids, packed.loss_mask, anchors, anchor_valid, cfg.block_size,

@@ -13,11 +13,12 @@
 #   4. evaluate    scripts/drafter/eval_tau.py on the result (in-domain / out-of-domain, endings, lengths)
 # Each step is skipped when its outputs exist. Env: PY, STEPS (default 3000), LR (default 1.5e-4), DRAFT_VOCAB
 # (default: none), COVERAGE (prompts cut, default 4000), COVERAGE_USED (of them regenerated, default 4000), REPLAY
-# (default 4000), SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0), RUN (default
-# runs/coverage_drafter), NICE (default 15).
+# (default 4000), SAMPLED (default 0), DISTILL (soft-label KL weight, `--distill-weight`, default 0),
+# START_ANCHORS (`--start-anchors`, default 0), RUN (default runs/coverage_drafter), NICE (default 15).
 # The shipped drafter is this script run three times (build_drafter.sh stages 4-6): its defaults from the base
-# drafter, then SAMPLED=2000 DISTILL=0.5 STEPS=1500 from that, then COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000
-# DISTILL=0.5 STEPS=3000 LR=1e-4 from that (BENCHMARKS.md, issues 17 and 18). On the 2-core CPU the
+# drafter, then SAMPLED=2000 STEPS=1500 from that, then COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000 STEPS=3000
+# LR=1e-4 from that (BENCHMARKS.md, issues 17 and 18; both were run with DISTILL=0.5, which did not reach `train`
+# then, see below: hard labels only, as their train_log.jsonl config records). On the 2-core CPU the
 # function-start answers regenerate in ~3 min, the coverage answers in ~11 min, the sampled ones in ~3 min, and
 # training runs ~0.9 s/step (~45 min for 3,000 steps).
 # Usage: scripts/default_pair/build_coverage_drafter.sh [extra `flashdraft train` flags...]
@@ -38,8 +39,12 @@ DATA=data/default_pair
 SAMPLED="${SAMPLED:-0}"
 VOCAB=()
 [ -n "${DRAFT_VOCAB:-}" ] && VOCAB=(--draft-vocab-size "$DRAFT_VOCAB")
-DISTILL=()
-[ -n "${DISTILL:-}" ] && DISTILL=(--distill-weight "$DISTILL")
+# (an array of its own name: `DISTILL=()` first emptied the variable it then tested, so until 2026-11-25 every
+# DISTILL=w run trained without the soft-label term)
+DISTILL_FLAGS=()
+[ -n "${DISTILL:-}" ] && DISTILL_FLAGS=(--distill-weight "$DISTILL")
+START_FLAGS=()
+[ -n "${START_ANCHORS:-}" ] && START_FLAGS=(--start-anchors "$START_ANCHORS")
 
 echo "== [1/4] prompts"
 # cut again when the file holds fewer than COVERAGE: the cuts are deterministic and a longer list starts with the
@@ -71,7 +76,8 @@ RESUME=()
 "${RUNNER[@]}" "$PY" -m flashdraft.cli train --target "$TARGET" --data "$DATA/regen_train" --output-dir "$RUN" \
     --init-from "$INIT" --block-size 16 --num-draft-layers 2 --target-layer-ids 0,1,2,3 \
     --max-steps "$STEPS" --batch-size 4 --max-length 2048 --num-anchors 32 --lr "$LR" --seed 0 \
-    --save-every 500 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${DISTILL[@]}" "${RESUME[@]}" "$@"
+    --save-every 500 --export-dtype bfloat16 --device cpu "${VOCAB[@]}" "${DISTILL_FLAGS[@]}" "${START_FLAGS[@]}" \
+    "${RESUME[@]}" "$@"
 
 echo "== [4/4] evaluate"
 "${RUNNER[@]}" "$PY" scripts/drafter/eval_tau.py --draft "$RUN/final" --threads 1 --label "$RUN" --out "$RUN/eval_tau"

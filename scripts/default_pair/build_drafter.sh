@@ -59,11 +59,13 @@ echo "== [4/7] fine-tune on coverage data"
 INIT="$RUN/final" RUN=runs/coverage_drafter PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh
 
 echo "== [5/7] fine-tune with sampled answers"
-INIT=runs/coverage_drafter/final RUN=runs/sampled_drafter SAMPLED=2000 DISTILL=0.5 STEPS=1500 PY="$PY" NICE=0 \
+# stages 5 and 6 ran with DISTILL=0.5, which build_coverage_drafter.sh then dropped (hard labels only): left out
+# here, so this script reproduces the shipped weights
+INIT=runs/coverage_drafter/final RUN=runs/sampled_drafter SAMPLED=2000 STEPS=1500 PY="$PY" NICE=0 \
     bash scripts/default_pair/build_coverage_drafter.sh
 
 echo "== [6/7] fine-tune on more coverage contexts and sampled answers"
-INIT=runs/sampled_drafter/final RUN=runs/more_data_drafter COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000 DISTILL=0.5 \
+INIT=runs/sampled_drafter/final RUN=runs/more_data_drafter COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000 \
     STEPS=3000 LR=1e-4 PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh
 
 echo "== [7/7] export"

@@ -108,9 +108,19 @@ def percentile(values: list[float], q: float) -> float:
     return pct(values, q)
 
 
+FIRST_CYCLES = 4  # drafting cycles of an answer whose mean acceptance `by_cycle` reports
+
+
 def distribution(taus: list[float], lengths: list[int]) -> dict:
     return {"prompts": len(taus), "min": min(taus), "p10": percentile(taus, 0.1), "median": statistics.median(taus),
             "mean": statistics.fmean(taus), "pooled": sum(lengths) / len(lengths)}
+
+
+def by_cycle(per_prompt: list[list[int]], cycles: int = FIRST_CYCLES) -> list[float]:
+    """Mean acceptance length of an answer's 1st, 2nd .. drafting cycle over the prompts that reached it: an
+    answer's first drafts accept far less than its later ones, which a short answer (a server's 64 tokens) feels."""
+    return [round(statistics.fmean(lengths[i] for lengths in per_prompt if len(lengths) > i), 3)
+            for i in range(cycles) if any(len(lengths) > i for lengths in per_prompt)]
 
 
 def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress: bool = True,
@@ -127,15 +137,17 @@ def measure(engine, cells: dict, max_new_tokens: int, eos: int | None, progress:
     bar = tqdm(total=sum(len(v) for v in cells.values()), desc="eval tau", unit="prompt", disable=not progress,
                dynamic_ncols=True)
     for key, prompts in cells.items():
-        taus, all_lengths, context = [], [], []
+        taus, all_lengths, context, per_prompt = [], [], [], []
         for index, ids in enumerate(prompts):
             out = engine.generate([ids], params(index))[0]
             bar.update(1)
             if out.stats.acceptance_lengths:  # an immediate eos drafts nothing
                 taus.append(out.stats.tau)
                 all_lengths += out.stats.acceptance_lengths
+                per_prompt.append(out.stats.acceptance_lengths)
                 context.append(len(ids))
         results["|".join(key)] = {**distribution(taus, all_lengths), "mean_context_tokens": statistics.fmean(context),
+                                  "by_cycle": by_cycle(per_prompt),
                                   "per_prompt_tau": [round(t, 4) for t in taus]}
         bar.set_postfix_str(f"{'/'.join(key)} mean {results['|'.join(key)]['mean']:.2f}")
     bar.close()
@@ -174,7 +186,13 @@ def markdown(results: dict, lengths: list[str], label: str) -> str:
         r = results.get(key)
         return r and f"{r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / **{r['mean']:.2f}** ({r['pooled']:.2f})"
 
-    return cell_table(f"tau per prompt, {label}: min / p10 / median / mean (pooled)", lengths, cell)
+    def first(key):
+        r = results.get(key)
+        return r and r.get("by_cycle") and " / ".join(f"{x:.2f}" for x in r["by_cycle"])
+
+    return (cell_table(f"tau per prompt, {label}: min / p10 / median / mean (pooled)", lengths, cell) + "\n"
+            + cell_table(f"mean acceptance length of an answer's drafting cycles 1 / 2 / .. / {FIRST_CYCLES}, {label}",
+                         lengths, first))
 
 
 def comparison(before: dict, after: dict) -> str:
