@@ -188,7 +188,8 @@ def test_lower_precision_drafter_is_lossless_and_still_drafts_well():
     assert (target.dtype, drafter.dtype) == (torch.float32, torch.bfloat16)
     # the fp32 comparison drafter is its own copy (same weights, upcast): the bf16 one is never converted in place
     full_drafter = copy.deepcopy(drafter).float()
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(4)]
+    # 8 prompts: on 4 the two precisions happened to draft alike throughout with one of the shipped drafters
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(8)]
     params = SamplingParams(max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
     plain = SpecEngine(target, None).generate(prompts, params)
     # the fixed policy: every cycle drafts, so the acceptance compared below does not follow the machine's timing

@@ -10,13 +10,16 @@
 #                  function starts (build_coverage_drafter.sh; ~60 min): the base drafter collapsed on long
 #                  contexts and on prompts ending in a newline (BENCHMARKS.md, issue 17)
 #   5. sampled     fine-tuned from that on the same data plus 2,000 answers the target SAMPLED at temperature 1,
-#                  soft-label KL weight 0.5, 1,500 steps (~25 min; build_coverage_drafter.sh with SAMPLED): at
+#                  1,500 steps (~25 min; build_coverage_drafter.sh with SAMPLED): at
 #                  T = 1 a drafter must predict the marginal over sampled continuations, which greedy answers
 #                  never show it (BENCHMARKS.md, issue 18)
 #   6. more data   fine-tuned from that on twice the coverage contexts (8,000) and 3,000 sampled answers, 3,000
 #                  steps at lr 1e-4 (~25 min of regeneration, ~25-45 min of training): +5 % greedy tau in-domain,
 #                  +10 % out of domain, +3-4 % at T = 1 (BENCHMARKS.md, issue 17)
-#   7. export      the fine-tuned drafter (reference format, bf16) into the package assets, model card kept
+#   7. starts      1,500 more steps on the same data with every answer's first 8 blocks always among its anchors
+#                  (`--start-anchors 8`; ~30 min): an answer's first drafts accept least (+2 % / +1 % greedy tau,
+#                  BENCHMARKS.md, issue 17)
+#   8. export      the fine-tuned drafter (reference format, bf16) into the package assets, model card kept
 # Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
 # Usage: scripts/default_pair/build_drafter.sh [--force] [extra `flashdraft train` flags...]   (PY=python to choose)
 set -euo pipefail
@@ -33,15 +36,15 @@ REGEN=data/default_pair/regen_mix
 RUN=runs/default_drafter
 OUT=flashdraft/assets/default_pair/drafter
 
-echo "== [1/7] prompts"
+echo "== [1/8] prompts"
 "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64
 
-echo "== [2/7] regenerate responses with the target (greedy, 128 new tokens)"
+echo "== [2/8] regenerate responses with the target (greedy, 128 new tokens)"
 [ "$FORCE" = 1 ] && rm -rf "$REGEN"
 "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data data/default_pair/train_prompts.jsonl \
     --output-dir "$REGEN" --max-new-tokens 128 --batch-size 32 --shard-size 500 --device cpu
 
-echo "== [3/7] train the base drafter"
+echo "== [3/8] train the base drafter"
 [ "$FORCE" = 1 ] && rm -rf "$RUN"
 # two stages, as the shipped drafter was trained: 1500 steps (cosine to zero), then resumed to 4000 steps (the
 # scheduler's cosine is stretched to 4000 at the resume, so the learning rate restarts at ~70 % of its peak)
@@ -55,21 +58,25 @@ for STEPS in 1500 4000; do
         --save-every 250 --device cpu "${RESUME[@]}" "${EXTRA[@]}"
 done
 
-echo "== [4/7] fine-tune on coverage data"
+echo "== [4/8] fine-tune on coverage data"
 INIT="$RUN/final" RUN=runs/coverage_drafter PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh
 
-echo "== [5/7] fine-tune with sampled answers"
+echo "== [5/8] fine-tune with sampled answers"
 # stages 5 and 6 ran with DISTILL=0.5, which build_coverage_drafter.sh then dropped (hard labels only): left out
 # here, so this script reproduces the shipped weights
 INIT=runs/coverage_drafter/final RUN=runs/sampled_drafter SAMPLED=2000 STEPS=1500 PY="$PY" NICE=0 \
     bash scripts/default_pair/build_coverage_drafter.sh
 
-echo "== [6/7] fine-tune on more coverage contexts and sampled answers"
+echo "== [6/8] fine-tune on more coverage contexts and sampled answers"
 INIT=runs/sampled_drafter/final RUN=runs/more_data_drafter COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000 \
     STEPS=3000 LR=1e-4 PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh
 
-echo "== [7/7] export"
-"$PY" - runs/more_data_drafter/final "$OUT" <<'PY'
+echo "== [7/8] fine-tune with every answer's first blocks among the anchors"
+INIT=runs/more_data_drafter/final RUN=runs/start_anchors_drafter COVERAGE=8000 COVERAGE_USED=8000 SAMPLED=3000 \
+    START_ANCHORS=8 STEPS=1500 LR=1e-4 PY="$PY" NICE=0 bash scripts/default_pair/build_coverage_drafter.sh --seed 1
+
+echo "== [8/8] export"
+"$PY" - runs/start_anchors_drafter/final "$OUT" <<'PY'
 import sys, torch
 from flashdraft import DFlashDraftModel
 DFlashDraftModel.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], dtype=torch.bfloat16)
