@@ -3,10 +3,10 @@
 Design:
 - Per sequence, up to `num_anchors` anchor positions are drawn uniformly WITHOUT replacement among the response
   positions (loss_mask == 1) that have room for a full block: `anchor + block_size - 1 < length`, so every label
-  of the block exists. Fewer candidates than `num_anchors` means all of them are used. With `start_anchors` = n, the first n
-  candidates of every response span (an answer's first tokens, where a server's short answers spend a large share
-  of their drafts and a drafter accepts least) are always taken, the rest drawn uniformly from the others: a
-  128-token answer with 32 anchors otherwise gives its first block 1 / 113 of the answer's blocks.
+  of the block exists. Fewer candidates than `num_anchors` means all of them are used. With `start_anchors` = n,
+  the first n candidates of every response span (an answer's first tokens, where a server's short answers spend a
+  large share of their drafts and a drafter accepts least) are always taken, the rest drawn uniformly from the
+  others: a 128-token answer with 32 anchors otherwise gives its first block 1 / 113 of the answer's blocks.
 - The draw is a pure function of (seed, epoch, sample index): `anchor_generator` derives a fresh torch.Generator,
   so anchors are resampled every epoch, do not depend on how data is split across ranks or micro-batches, and a
   resumed run draws exactly what the uninterrupted one would have drawn.
