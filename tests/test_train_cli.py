@@ -37,8 +37,8 @@ def test_cli_regenerate_then_train_uses_tokenizer_mask_token(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--target", str(target), "--data", str(regen), "--output-dir", str(out),
                  "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "2", "--batch-size", "2",
-                 "--num-anchors", "3", "--start-anchors", "2", "--eval-prompts", str(prompts), "--eval-limit", "2", "--eval-max-new-tokens", "8",
-                 "--no-progress", "--device", "cpu"]) == 0
+                 "--num-anchors", "3", "--start-anchors", "2", "--eval-prompts", str(prompts), "--eval-limit", "2",
+                 "--eval-max-new-tokens", "8", "--no-progress", "--device", "cpu"]) == 0
     conf = json.loads((out / "final" / "config.json").read_text())
     assert conf["dflash_config"]["mask_token_id"] == tok.mask_token_id
     assert check_export_config(out / "final") == []

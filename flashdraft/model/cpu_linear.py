@@ -66,10 +66,11 @@ def packing_pays(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16), m
     """Whether the packed oneDNN path computes `weights`' projections faster than torch's default linear here:
     each distinct shape and dtype timed at each of `rows` rows (by default 1 and 16: a one-token step and a block
     verify; a drafter's read-out: its block), the two paths' calls interleaved, weighted by how many weights share
-    the shape; packed must take at most `margin` of the time. Measured, not assumed: on the AMD EPYC of our first benchmarks oneDNN was 1.2-5x faster on these shapes,
-    on an AMX-capable Xeon MKL was faster (plain decoding of the default pair 316 tok/s packed, 422 not) for the
-    fp32 target and slower for the bf16 drafter's read-out (16 rows 8192 x 256: 378 us, packed 278 us). Cached per
-    shapes, rows and thread count; ~0.15 s for the default pair."""
+    the shape; packed must take at most `margin` of the time. Measured, not assumed: on the AMD EPYC of our first
+    benchmarks oneDNN was 1.2-5x faster on these shapes, on an AMX-capable Xeon MKL was faster (plain decoding of
+    the default pair 316 tok/s packed, 422 not) for the fp32 target and slower for the bf16 drafter's read-out (16
+    rows 8192 x 256: 378 us, packed 278 us). Cached per shapes, rows and thread count; ~0.15 s for the default
+    pair."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)

@@ -10,7 +10,8 @@ every live request advances with `SpecEngine.step`), on the shipped pair, one to
 first `add` to the last request's end. Every engine is warmed up for the cell's concurrency first
 (`SpecEngine.warmup`), as the server does. Equal-length greedy requests leave plain decoding's rows in step, so
 they leave together and their successors share one prefill, where drafting rows finish apart and join one by one:
-the joins are timed as the server has them. Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
+the joins are timed as the server has them. Engines: plain decoding (no drafter), then DFlash under each draft
+policy asked for:
 - `adaptive`: the engine's default policy;
 - `fixed`: every row verifies the full block every cycle;
 - `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing
