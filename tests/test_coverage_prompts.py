@@ -1,6 +1,6 @@
 """Coverage prompts for drafter training (scripts/default_pair/coverage.py) and the contexts eval_tau.py cuts:
 each ending is what its name says, lengths stay inside the target's window, the cut is deterministic, and only the
-documents given are read."""
+documents given are read; third-party code comes from installed packages other than the out-of-domain sets'."""
 
 import random
 
@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from flashdraft.loading import DEFAULT_TARGET
-from scripts.default_pair.coverage import ENDINGS, coverage_prompts, cut_context
+from scripts.default_pair.coverage import (ENDINGS, OUT_OF_DOMAIN_SOURCES, coverage_prompts, cut_context,
+                                           package_documents)
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +53,25 @@ def test_coverage_prompts_mix_and_determinism(tokenizer):
     for r in a:
         text = r["messages"][0]["content"] if "messages" in r else r["prompt"]
         assert any("\n" + text[:len(text) // 2] in "\n" + d for d in docs)  # from the documents, at a line start
+
+
+def test_foreign_code_is_sampled_per_package_and_never_from_the_out_of_domain_sources(monkeypatch, tmp_path):
+    import importlib.util
+    from types import SimpleNamespace
+
+    for name, files in {"big": 30, "small": 3}.items():
+        (tmp_path / name / "tests").mkdir(parents=True)
+        (tmp_path / name / "tests" / "test_x.py").write_text("# a test file\n")
+        for i in range(files):
+            (tmp_path / name / f"m{i:02d}.py").write_text(f"# {name} {i}\n")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+        submodule_search_locations=[str(tmp_path / name)] if (tmp_path / name).is_dir() else None))
+    docs = package_documents(("big", "small", "absent"), per_package=10)
+    assert len(docs) == 13 and sum(d.startswith("# small") for d in docs) == 3  # 10 of big's 30, all of small's
+    assert not any("a test file" in d for d in docs)
+    assert docs == package_documents(("big", "small", "absent"), per_package=10)  # deterministic
+    for name in OUT_OF_DOMAIN_SOURCES[:2]:
+        with pytest.raises(ValueError, match="out-of-domain"):
+            package_documents(("big", name))
+    with pytest.raises(ValueError, match="installed"):
+        package_documents(("absent",))

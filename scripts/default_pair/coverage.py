@@ -16,6 +16,11 @@ target with a real template gets its chat format covered by the same builder.
 The responses, and with them the target's degenerate modes (loops, blank lines, comment runs), come from the
 target itself (`flashdraft regenerate`); this module only cuts prompts. Never reads the held-out split.
 
+`package_documents` gives the same cutter code the target never saw: the Python sources of installed third-party
+packages (`FOREIGN_PACKAGES`), so the drafter also learns what the target does on unfamiliar code. The
+out-of-domain evaluation sets cut their prompts from transformers and torch (`flashdraft.bench.datasets`): those,
+the packages that share their code, and this project are never read here.
+
     from scripts.default_pair.coverage import coverage_prompts, cut_context
 """
 
@@ -23,6 +28,14 @@ from __future__ import annotations
 
 import random
 
+# installed with the project's extras, disjoint from the out-of-domain sets' transformers / torch (and the
+# Hugging Face and torch packages that share code with them)
+FOREIGN_PACKAGES = ("numpy", "scipy", "pandas", "matplotlib", "sympy", "networkx", "setuptools", "pip", "pydantic",
+                    "starlette", "fastapi", "httpx", "httpcore", "anyio", "rich", "pygments", "jinja2", "click",
+                    "typer", "uvicorn", "requests", "urllib3", "yaml", "aiohttp", "werkzeug", "pyparsing",
+                    "hypothesis", "dateutil", "openai")
+OUT_OF_DOMAIN_SOURCES = ("transformers", "torch", "torchgen", "functorch", "datasets", "huggingface_hub",
+                         "tokenizers", "safetensors", "flashdraft")
 ENDINGS = ("line-start", "mid-line", "mid-token", "blank-lines", "comment")
 # (low, high) token counts and their shares
 LENGTHS = (((16, 256), 0.4), ((256, 1024), 0.3), ((1024, 1900), 0.3))
@@ -60,6 +73,37 @@ def cut_context(text: str, tokenizer, tokens: int, ending: str, rng: random.Rand
     if len(piece) < len(head) // 2 or not piece.strip():
         return None
     return piece
+
+
+def package_documents(packages: tuple[str, ...] = FOREIGN_PACKAGES, per_package: int = 100,
+                      max_bytes: int = 200 * 1024) -> list[str]:
+    """The Python sources of the installed `packages` (those not installed are skipped), test and vendored folders
+    and files over `max_bytes` left out, at most `per_package` files of each (a deterministic sample: openai's
+    generated types alone hold 1,500 files, sympy 850, where click has 17), so every project weighs alike.
+    Refuses the out-of-domain evaluation's sources."""
+    import importlib.util
+    from pathlib import Path
+
+    clash = set(packages) & set(OUT_OF_DOMAIN_SOURCES)
+    if clash:
+        raise ValueError(f"{sorted(clash)}: the out-of-domain evaluation cuts its prompts from these")
+    documents = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        paths = []
+        for root in spec.submodule_search_locations:
+            for path in sorted(Path(root).rglob("*.py")):
+                parts = set(path.relative_to(root).parts[:-1])
+                if not parts & {"test", "tests", "testing", "_vendor", "vendor"} and path.stat().st_size <= max_bytes:
+                    paths.append(path)
+        if len(paths) > per_package:
+            paths = random.Random(name).sample(paths, per_package)
+        documents += [path.read_text(errors="replace") for path in paths]
+    if not documents:
+        raise ValueError(f"none of {packages} is installed")
+    return documents
 
 
 def coverage_prompts(documents: list[str], tokenizer, num: int, seed: int = 0, chat_share: float = 0.1) -> list[dict]:
