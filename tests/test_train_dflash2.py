@@ -149,3 +149,39 @@ def test_dflash2_training_starts_from_a_dflash1_drafter(tmp_path):
     back = TrainConfig(output_dir=str(tmp_path / "run1"), init_from=str(tmp_path / "dflash2"), **common)
     with pytest.raises(ValueError, match="DFlash2 drafter"):
         Trainer(back, target_model=tiny_target(), examples=_examples())
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_shallower_drafter_grows_into_a_deeper_one_that_drafts_what_it_did(tmp_path, arch):
+    """--init-from a 1-layer drafter with --num-draft-layers 3: its layer starts the first one, the two added ones
+    pass the residual through, so the grown drafter's hidden states are the source's exactly; the added layers
+    still train (their gradients are not zero); a deeper source into a shallower drafter is refused."""
+    from flashdraft.model import DFlashDraftModel
+    from flashdraft.model.drafter import make_draft_config
+
+    target = tiny_target()
+    torch.manual_seed(4)
+    shallow = DFlashDraftModel(make_draft_config(target.config, num_layers=1, block_size=4, mask_token_id=MASK,
+                                                 target_layer_ids=[0, 1]))
+    shallow.save_pretrained(tmp_path / "shallow")
+    common = dict(block_size=4, mask_token_id=MASK, num_anchors=4, max_length=64, batch_size=4, max_steps=1,
+                  progress=False, eval_at_start=False, arch=arch, target_layer_ids=[0, 1])
+    if arch == "dflash2":
+        common.update(selector_rank=4, selector_top_k=4, conv_kernel_size=3, conv_group_size=8)
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), num_draft_layers=3, init_from=str(tmp_path / "shallow"),
+                      **common)
+    grown = Trainer(cfg, target_model=target, examples=_examples()).drafter
+    assert len(grown.layers) == 3
+    seq = one_sequence(shallow.double(), target.double(), 40, [3, 11, 20], 4)
+    mask = training_mask("sdpa", seq.anchors, seq.valid, 4, False)
+    args = (seq.noise, seq.position_ids, seq.feats, seq.ctx_pos, seq.valid, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(grown.double().eval()(*args), shallow.eval()(*args))
+    grown.train()(*args).pow(2).sum().backward()
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert grown.layers[2].get_submodule(name.rsplit(".", 1)[0]).weight.grad.abs().sum() > 0, name
+    grown.save_pretrained(tmp_path / "deep")
+    back = TrainConfig(output_dir=str(tmp_path / "run1"), num_draft_layers=2, init_from=str(tmp_path / "deep"),
+                       **common)
+    with pytest.raises(ValueError, match="3 draft layers, more than the 2"):
+        Trainer(back, target_model=tiny_target(), examples=_examples())

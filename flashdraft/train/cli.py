@@ -143,7 +143,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "vLLM store it); default: the target's whole vocabulary")
     p.add_argument("--init-from", type=model_path_arg("drafter"), default=None,
                    help="start from this drafter's weights (all but the read-out) instead of random ones; with "
-                        "--arch dflash2 a DFlash-1 drafter works too (identity convolutions, a fresh selector)")
+                        "--arch dflash2 a DFlash-1 drafter works too (identity convolutions, a fresh selector); one "
+                        "with fewer layers than --num-draft-layers grows (the added layers start as the identity)")
     p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
                    help="dflash2: grouped dynamic convolutions around each layer's attention and MLP and a candidate "
                         "selector (z-lab's DFlash2DraftModel layout); default dflash")

@@ -401,7 +401,9 @@ class Trainer:
     def _shape_drafter(self, target_model) -> None:
         """`draft_vocab_size`: the drafter reads out over the most frequent response tokens of the training data
         through its own lm_head, initialised with those rows of the target's; `init_from`: the weights of a trained
-        drafter (all but the read-out) instead of random ones."""
+        drafter (all but the read-out) instead of random ones; a shallower one grows: its layers start the first
+        ones and each layer added after them starts as the identity (its attention and MLP write nothing to the
+        residual), so the grown drafter starts out drafting exactly what it did."""
         cfg = self.cfg
         if cfg.draft_vocab_size:
             head = target_model.get_output_embeddings().weight
@@ -422,9 +424,18 @@ class Trainer:
             if isinstance(source, DFlash2DraftModel) and not training_dflash2:
                 raise ValueError(f"init_from {cfg.init_from} is a DFlash2 drafter: train it with arch dflash2 (a "
                                  "DFlash-1 drafter would drop its convolutions and selector)")
+            have, want = len(source.layers), len(self.drafter.layers)
+            if have > want:
+                raise ValueError(f"init_from {cfg.init_from} has {have} draft layers, more than the {want} to train "
+                                 "(--num-draft-layers)")
             # from a DFlash-1 drafter the convolutions stay the identity, so the drafter starts computing what the
             # DFlash-1 one computes, and the selector starts fresh (a DFlash2 source has all of them)
-            copy_weights(source, self.drafter, may_lack=DFLASH2_ONLY if training_dflash2 else ())
+            added = tuple(f"layers.{i}." for i in range(have, want))
+            copy_weights(source, self.drafter, may_lack=(DFLASH2_ONLY if training_dflash2 else ()) + added)
+            with torch.no_grad():
+                for layer in self.drafter.layers[have:]:  # the residual's writers: an added layer passes x through
+                    layer.self_attn.o_proj.weight.zero_()
+                    layer.mlp.down_proj.weight.zero_()
 
     # ---- distributed ----------------------------------------------------------------------------------------
 
