@@ -196,7 +196,9 @@ def dataset_label(spec: str) -> str:
 SOURCE_SETS = {"ood-code": False, "ood-code-nl": True}
 
 
-def _source_files(packages: tuple[str, ...]) -> list[Path]:
+def _source_files(packages: tuple[str, ...], skip_dirs: frozenset[str] = frozenset()) -> list[Path]:
+    """The installed `packages`' Python files, sorted per package folder; `skip_dirs`: folder names (inside a
+    package) whose files are left out."""
     import importlib.util
 
     files = []
@@ -205,7 +207,8 @@ def _source_files(packages: tuple[str, ...]) -> list[Path]:
         if spec is None or not spec.submodule_search_locations:
             continue
         for root in spec.submodule_search_locations:
-            files += sorted(Path(root).rglob("*.py"))
+            files += [path for path in sorted(Path(root).rglob("*.py"))
+                      if not skip_dirs.intersection(path.relative_to(root).parts[:-1])]
     if not files:
         raise DatasetUnavailable(f"none of {packages} is installed to cut source prompts from")
     return files

@@ -81,23 +81,18 @@ def package_documents(packages: tuple[str, ...] = FOREIGN_PACKAGES, per_package:
     and files over `max_bytes` left out, at most `per_package` files of each (a deterministic sample: openai's
     generated types alone hold 1,500 files, sympy 850, where click has 17), so every project weighs alike.
     Refuses the out-of-domain evaluation's sources."""
-    import importlib.util
-    from pathlib import Path
+    from flashdraft.bench.datasets import DatasetUnavailable, _source_files
 
     clash = set(packages) & set(OUT_OF_DOMAIN_SOURCES)
     if clash:
         raise ValueError(f"{sorted(clash)}: the out-of-domain evaluation cuts its prompts from these")
     documents = []
     for name in packages:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not spec.submodule_search_locations:
+        try:
+            paths = _source_files((name,), skip_dirs=frozenset({"test", "tests", "testing", "_vendor", "vendor"}))
+        except DatasetUnavailable:  # not installed
             continue
-        paths = []
-        for root in spec.submodule_search_locations:
-            for path in sorted(Path(root).rglob("*.py")):
-                parts = set(path.relative_to(root).parts[:-1])
-                if not parts & {"test", "tests", "testing", "_vendor", "vendor"} and path.stat().st_size <= max_bytes:
-                    paths.append(path)
+        paths = [path for path in paths if path.stat().st_size <= max_bytes]
         if len(paths) > per_package:
             paths = random.Random(name).sample(paths, per_package)
         documents += [path.read_text(errors="replace") for path in paths]
