@@ -102,6 +102,59 @@ def test_rows_that_come_due_together_are_probed_one_at_a_time():
     assert sum(h != [1] * 16 for h in history[10:]) <= 2  # each probe declined alone, not drafted
 
 
+def _measured(timing, rows: int = 16) -> CostModel:
+    """A cost model that timed cycles of `rows` rows with 0, 1, 2, 4 ... rows drafting, as `SpecEngine.warmup` does."""
+    costs = CostModel()
+    for drafting in (0, 1, 2, 4, 8, 16):
+        for _ in range(3):
+            costs.record(timing([16] * drafting + [1] * (rows - drafting)))
+    return costs
+
+
+def churn(policy, rows, accept, timing, cycles, every=2, sampled=True):
+    """Like `run`, with the oldest row leaving and a new one joining every `every` cycles (a busy server)."""
+    history = []
+    for c in range(cycles):
+        if c and c % every == 0:
+            rows.pop(0)
+            rows.append(policy.new_row(sampled=sampled))
+        widths = policy.widths(rows)
+        accepted = [min(w - 1, accept(i, c, w)) if w > 1 else 0 for i, w in enumerate(widths)]
+        policy.observe(rows, widths, accepted, timing(widths))
+        history.append(widths)
+    return history
+
+
+def test_a_joining_row_is_judged_alone_not_by_a_new_plan(monkeypatch):
+    """16 sampled rows whose drafts fail, a row leaving and one joining every other cycle, on a machine where one
+    drafting row does not pay beside 15 one-token steps: the kept plan of one-token steps judges each new row alone
+    and stands, so the full plan runs about once per REPLAN_PLAIN_EVERY cycles, not at every join (it did: 5 % of
+    a 16-row step each time, every ~2 cycles on a server of 64-token requests)."""
+    sublinear = machine(step_s=1e-3, per_token_s=0.005e-3, draft_s=1e-3)
+    policy = AdaptiveWidth(16, _measured(sublinear), ragged=True)
+    rows = [policy.new_row(sampled=True) for _ in range(16)]
+    run(policy, rows, lambda i, c, w: 0, sublinear, 60)  # the sampled prior learns the drafts fail
+    plans = []
+    full_plan = policy._plan
+    monkeypatch.setattr(policy, "_plan", lambda *a: plans.append(1) or full_plan(*a))
+    history = churn(policy, rows, lambda i, c, w: 0, sublinear, 160)
+    assert all(h == [1] * 16 for h in history)
+    assert len(plans) <= 160 // 16 + 2
+
+
+def test_a_joining_row_that_would_pay_alone_drafts_at_once():
+    """The same churn on a machine where a verify costs about a step and a draft little: a new greedy row, judged
+    alone on the (optimistic) greedy prior, drafts in its first cycle beside rows that keep stepping."""
+    policy = AdaptiveWidth(16, _measured(GPU), ragged=True)
+    rows = [policy.new_row(sampled=True) for _ in range(16)]
+    run(policy, rows, lambda i, c, w: 0, GPU, 300)  # failing sampled rows: mostly one-token steps
+    policy.costs.goodput = Goodput()  # what those cycles held says nothing of greedy rows' drafts
+    rows.pop(0)
+    rows.append(policy.new_row(sampled=False))
+    widths = policy.widths(rows)
+    assert widths[-1] > 1
+
+
 def test_padded_rows_share_one_width():
     policy = AdaptiveWidth(16, CostModel(), ragged=False, choices=(1, 16))
     rows = [policy.new_row() for _ in range(4)]

@@ -42,6 +42,10 @@ created by `new_row()` and travels with the row.
     at most 2 % of the time). It catches what the two models get wrong together (chosen rows accept
     less than the estimates that chose them; costs the curves do not see), which left the plan drafting at loads
     where drafting lost.
+  A plan of one-token steps only is kept for `REPLAN_PLAIN_EVERY` cycles while the batch stays in its row
+  bucket: a row that joins meanwhile is judged alone on its prior estimates, as a probe is (the batch is planned
+  afresh only if drafting that row alone would pay), and a row that leaves changes nothing, so a server's churn
+  (at 16 rows of 64-token requests a row joins every ~2 cycles) does not re-run the full plan every other cycle.
   `SpecEngine.warmup` (run by `flashdraft serve`) times one-token steps and block cycles at every row bucket, and
   pending-context writes of 16-256 positions per row, so a server plans its first requests from measured costs.
   With ragged verification (the fast target path, eager) each row gets its own width: the plan starts from the
@@ -84,8 +88,8 @@ OPTIMISTIC_ACCEPTANCE = 0.9  # per position, the prior before any draft was seen
 # (an unmeasured size is priced optimistically), which at 256 cost a 16-row batch of plain steps ~7 % of its
 # throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
-# cycles an all-one-token-step plan is kept while no row changes (costs drift slowly; a probe or a new row replans at
-# once). 16 rather than 4: at batch 1 a plan costs ~5 % of a one-token step on CPU, and fewer replans on noisy
+# cycles an all-one-token-step plan is kept while the batch stays in its row bucket (costs drift slowly; a probe and
+# a row that joins are judged alone against it, each as if drafting beside one-token steps). 16 rather than 4: at batch 1 a plan costs ~5 % of a one-token step on CPU, and fewer replans on noisy
 # timings drafted less where it lost (policy_sim.py at 1 row: mixed 1.09x -> 1.18x, bursty 1.73x -> 1.78x)
 REPLAN_PLAIN_EVERY = 16
 # the goodput check (`Goodput`), for batches of GOODPUT_ROWS rows or more: a row bucket's last DRAFTING_WINDOW
@@ -386,6 +390,7 @@ class RowAcceptance:
     plain_run: int = MIN_PLAIN_RUN  # one-token steps before the next probe
     probing: bool = False
     judged: np.ndarray | None = None  # the estimates a probe replaced by the prior (restored if it loses)
+    planned: bool = True  # judged by a plan since it joined the batch
 
     def gains(self, widths: np.ndarray) -> np.ndarray:
         return expected_gains(self.acceptance, widths)
@@ -429,12 +434,13 @@ class AdaptiveWidth:
                                                                                         block_size)
         # the engine-wide priors of new rows (shared by the engine's batches when passed in)
         self.priors = priors if priors is not None else AcceptancePriors(block_size)
-        self._plain_cycles_left, self._plain_rows = 0, 0  # a one-token-step plan kept while nothing changes
+        # a plan of one-token steps only is kept for REPLAN_PLAIN_EVERY cycles while the batch stays in its row
+        # bucket: rows that join meanwhile are judged alone (`_newcomers_draft`), rows that leave change nothing
+        self._plain_cycles_left, self._plain_bucket = 0, 0
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
-        self._plain_cycles_left = 0  # a row joins: plan afresh
         return RowAcceptance(self.priors[sampled].copy(), sampled,
-                             plain_run=self.priors.sampled_wait if sampled else MIN_PLAIN_RUN)
+                             plain_run=self.priors.sampled_wait if sampled else MIN_PLAIN_RUN, planned=False)
 
     def _wait(self, r: RowAcceptance, plain_run: int) -> None:
         r.plain_run = plain_run
@@ -462,27 +468,45 @@ class AdaptiveWidth:
             return [self.block_size] * n
         if not self.costs.body.known(n):  # a one-token step of this many rows was never measured
             return [1] * n
-        kept = self._plain_cycles_left > 0 and self._plain_rows == n
+        kept = self._plain_cycles_left > 0 and bucket(n) == self._plain_bucket
+        joined = [i for i, r in enumerate(rows) if not r.planned] if kept else []
         if kept:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
-            if probe is None:
+            if probe is None and not joined:
                 return [1] * n
         plan = np.ones(n, dtype=np.int64)
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
             pass  # every row steps (a probe among them is declined below)
-        elif kept and self.ragged:  # but one row, now probed: it drafts if drafting it alone pays
+        elif kept and self.ragged and not self._newcomers_draft(rows, joined, n, pending):
+            # the plan kept stands for the rows that joined (a full plan costs ~5 % of a 16-row step, and with
+            # 64-token requests at 16 rows a row joins every ~2 cycles); a probe drafts if drafting it alone pays
+            for i in joined:
+                rows[i].planned = True
+            if probe is None:
+                return plan.tolist()
             plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]))
-            if plan[probe] == 1:  # declined: the plan kept stands (a full plan costs ~5 % of a 16-row step)
+            if plan[probe] == 1:
                 self._declined(rows[probe])
                 return plan.tolist()
         else:
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
         for r, w in zip(rows, plan):
+            r.planned = True
             if r.probing and w == 1:
                 self._declined(r)
         drafting = bool((plan > 1).any())
-        self._plain_cycles_left, self._plain_rows = (0 if drafting else REPLAN_PLAIN_EVERY - 1), n
+        self._plain_cycles_left, self._plain_bucket = (0 if drafting else REPLAN_PLAIN_EVERY - 1), bucket(n)
         return plan.tolist()
+
+    def _newcomers_draft(self, rows: list[RowAcceptance], joined: list[int], n: int, pending: np.ndarray) -> bool:
+        """Whether a row that joined since the last plan would draft alone beside n - 1 one-token steps, judged on
+        its own (the prior's) estimates. One row per kind is judged: rows of a kind start from the same prior, and
+        the one with the least pending context costs least to draft."""
+        for sampled in {rows[i].sampled for i in joined}:
+            i = min((i for i in joined if rows[i].sampled == sampled), key=lambda i: pending[i])
+            if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i])) > 1:
+                return True
+        return False
 
     @staticmethod
     def _declined(r: RowAcceptance) -> None:
