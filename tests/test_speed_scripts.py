@@ -132,3 +132,18 @@ def test_sampling_cost_smoke(capsys):
     for bad in (["--shapes", "2by1"], ["--shapes", "0x1"], ["--vocab", "1"]):
         with pytest.raises(SystemExit):
             sampling_cost.main(bad)
+
+
+def test_policy_trace_smoke(tmp_path):
+    """The GPU policy trace runs on CPU (scaled down) and reports what the plan saw and chose."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "gpu"))
+    import policy_trace
+
+    out = tmp_path / "trace.json"
+    assert policy_trace.main(["--device", "cpu", "--dtype", "float32", "--num-prompts", "2", "--max-new-tokens", "24",
+                              "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["prompts"]) == 2 and all(p["same_tokens"] for p in report["prompts"])
+    for p in report["prompts"]:  # every token came from a drafting cycle or a one-token step
+        assert p["one_token_steps"] + p["cycles"] >= 1
+    assert report["body_ms"] and report["profile_plain"]["cycles"] > 0

@@ -35,8 +35,8 @@ METHODS = ("plain", "dflash", "plain-exact", "dflash-exact")
 
 
 def run_precision(dtype, contexts, args, tokenizer) -> dict:
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-    drafter = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval().to(args.device)
+    drafter = DFlashDraftModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
     eos = tokenizer.eos_token_id
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
     engines = {"plain": SpecEngine(target, None, tokenizer), "dflash": SpecEngine(target, drafter, tokenizer),
@@ -47,7 +47,8 @@ def run_precision(dtype, contexts, args, tokenizer) -> dict:
     for ids in tqdm(contexts, desc=f"{dtype}", unit="prompt"):
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = target.generate(torch.tensor([ids], device=args.device),
+                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=args.device),
                                   max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos,
                                   pad_token_id=eos)
         seconds["target-generate"] += time.perf_counter() - t0
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
                 + source_contexts(tokenizer, args.num_prompts - half, args.context_tokens, end_at_line_start=True,
                                   seed=1))
     results = {"num_prompts": len(contexts), "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-               "threads": args.threads, "precisions": {}}
+               "threads": args.threads, "device": args.device, "precisions": {}}
     for name in args.dtypes.split(","):
         results["precisions"][name] = run_precision(getattr(torch, name), contexts, args, tokenizer)
         s = results["precisions"][name]

@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (the pair in the device's default dtype)")
     p.add_argument("--compare-draft", default=None, help="another drafter, run with the default policy")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:CONSTANT=VALUE[,...]: the default policy with flashdraft.engine.policy constants set")
@@ -173,8 +174,8 @@ def main(argv=None) -> int:
     if len(variants) < len(args.variant):
         p.error("--variant names must differ")
     torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_pair(None, None, "cpu")
-    other = load_pair(None, args.compare_draft, "cpu")[2] if args.compare_draft else None
+    target, tokenizer, drafter = load_pair(None, None, args.device)
+    other = load_pair(None, args.compare_draft, args.device)[2] if args.compare_draft else None
     columns = policies + (["compare"] if other is not None else []) + list(variants)
     rows = []
     print(f"| set | conc | {' | '.join(columns)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
