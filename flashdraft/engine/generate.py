@@ -65,7 +65,7 @@ from flashdraft.model.target import TargetModel, validate_pair
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
-PROFILE_CYCLES = 3  # timed cycles of each verify width per row bucket in `warmup`
+PROFILE_CYCLES = 4  # timed cycles of each verify width per row bucket in `warmup` (the first of a size is not kept)
 CONTEXT_PROFILE_LENGTHS = (16, 64, 256)  # pending context per row timed in `warmup` (the last: PENDING_CONTEXT_LIMIT)
 
 

@@ -26,7 +26,8 @@ created by `new_row()` and travels with the row.
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
     (a probe the plan declines counts as lost), so good drafts at a load where drafting does not pay neither
     probe every few steps nor pile up into one cycle where every row drafts on the optimistic prior. A request
-    whose drafts recover is drafting again within a few probes.
+    whose drafts recover is drafting again within a few probes. A probe the cost model declines on a cycle size
+    timed fewer than SETTLED times drafts anyway (and times it), so one cold timing does not keep rows from drafting.
   - cost (`CostModel`, shared by an engine's batches): seconds of the cycle without its draft (target forward,
     verification, commit: all grow with the tokens verified) by the number of tokens verified, of the draft by
     the number of positions drafted (rows x block drafted) and of writing a draft's pending context first by the
@@ -75,6 +76,13 @@ import numpy as np
 
 SMOOTHING = 0.3  # weight of the newest observation in a row's acceptance estimates
 COST_WINDOW = 9  # a cost bucket is the median of its last timings: a cycle the OS preempted does not move it
+# a probe the cost model declines on a cycle size timed fewer than SETTLED times (after its untimed first) drafts
+# anyway, so one cold timing cannot keep a row from drafting: priced by one slow timing (200 ms against ~1 ms), a
+# block cycle looked 200 one-token steps dear, every probe was declined and the size was never timed again (the
+# shipped pair at batch 1: 0 drafting cycles in 5 x 128 tokens after it). On an H100 the shipped pair in bf16 never
+# drafted in 1,016 tokens at batch 1 (0.39x plain decoding); a cold timing (the first launch of a CUDA kernel loads
+# it) is the lead. From SETTLED timings a bucket is their median, which one outlier does not move
+SETTLED = 3
 # the engine-wide prior moves slowly: it summarises many rows. The sampled rows' prior is the mean of the drafts
 # it has seen at a position (the optimistic start counting as one) until it has seen 1 / PRIOR_SMOOTHING of them:
 # moving slowly from the start, a weak drafter's first rows at temperature 1 drafted on a prior still near 0.9,
@@ -176,6 +184,10 @@ class Curve:
 
     def known(self, size: int) -> bool:
         return bucket(size) in self.points
+
+    def settled(self, size: int) -> bool:
+        """Timed often enough that one cold timing cannot set its price."""
+        return len(self.window.get(bucket(size), ())) >= SETTLED
 
     def __call__(self, sizes):
         """Seconds at `sizes` (a number or an array): piecewise-linear through the measured points (made
@@ -317,6 +329,11 @@ class CostModel:
         if isinstance(positions, NUMBER):
             return self.context(positions) if positions else 0.0
         return np.where(np.asarray(positions) > 0, self.context(positions), 0.0)
+
+    def settled(self, verified_tokens: int, drafted_tokens: int) -> bool:
+        """Whether a cycle's target side and draft are priced by settled buckets (the context write is priced
+        optimistically while unmeasured and flat beyond its largest size, so it keeps no draft out for long)."""
+        return self.body.settled(verified_tokens) and self.draft.settled(drafted_tokens)
 
     def cycle(self, verified_tokens, drafted_tokens, context_tokens=0):
         """Predicted seconds of cycles (numbers or arrays of verified and drafted tokens, and of pending context
@@ -485,11 +502,15 @@ class AdaptiveWidth:
             if probe is None:
                 return plan.tolist()
             plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]))
+            if plan[probe] == 1 and self._unsettled(n):
+                plan[probe] = self.block_size
             if plan[probe] == 1:
                 self._declined(rows[probe])
                 return plan.tolist()
         else:
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
+            if probe is not None and plan[probe] == 1 and self._unsettled(n):
+                plan[probe if self.ragged else slice(None)] = self.block_size
         for r, w in zip(rows, plan):
             r.planned = True
             if r.probing and w == 1:
@@ -507,6 +528,13 @@ class AdaptiveWidth:
             if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i])) > 1:
                 return True
         return False
+
+    def _unsettled(self, n: int) -> bool:
+        """Whether a probe drafting the block (beside n - 1 one-token steps; padded: every row drafting) is priced by
+        a cycle size timed fewer than SETTLED times. A probe the plan declines then drafts anyway and times it:
+        probes come ever more rarely, so this explores a few times per size."""
+        drafting = 1 if self.ragged else n
+        return not self.costs.settled(n + drafting * (self.block_size - 1), drafting * int(self.draft_lengths[-1]))
 
     @staticmethod
     def _declined(r: RowAcceptance) -> None:

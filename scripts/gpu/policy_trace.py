@@ -8,6 +8,10 @@ context positions written), what the plan would predict for a one-token step and
 per-phase profiles (draft, target, verify, commit; synchronised at every phase, so slower than headline speed).
 
     python scripts/gpu/policy_trace.py --device cuda --dtype bfloat16 [--warmup] [--json runs/policy_trace.json]
+    python scripts/gpu/policy_trace.py --device cpu --dtype float32 --cold-ms 200   # a cold timing, on purpose
+
+`--cold-ms` adds that much to the cost model's copy of the second drafting cycle's time (the first kept timing of a
+block cycle), as a cold kernel load or a preempted process would: the policy must still draft afterwards.
 
 What this script does not know about: why a cost is what it is (it reports, it does not fix).
 """
@@ -24,11 +28,27 @@ import torch
 
 from flashdraft.demo import load_heldout_prompts
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
+from flashdraft.engine.policy import CostModel, CycleTiming
 from flashdraft.loading import load_pair
 
 
 def curve_points(curve) -> dict[str, list[float]]:
     return {str(k): [round(x, 1), round(1000 * y, 3)] for k, (x, y) in sorted(curve.points.items())}
+
+
+def inject_cold_timing(costs: CostModel, seconds: float) -> None:
+    """The second drafting cycle this cost model records took `seconds` longer (the engine's timing is untouched)."""
+    record, drafting = costs.record, []
+
+    def cold(t: CycleTiming) -> None:
+        if t.drafted_tokens:
+            drafting.append(t)
+            if len(drafting) == 2:
+                t = CycleTiming(t.verified_tokens, t.drafted_tokens, t.draft_s, t.total_s + seconds, t.context_tokens,
+                                t.context_s)
+        record(t)
+
+    costs.record = cold
 
 
 def timed(engine: SpecEngine, ids: list[int], params: SamplingParams):
@@ -45,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--warmup", action="store_true", help="run SpecEngine.warmup(1) first, as `serve` does")
+    p.add_argument("--cold-ms", type=float, default=0.0, help="one cold timing of a block cycle (see above)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -54,6 +75,8 @@ def main(argv=None) -> int:
     plain = SpecEngine(target, None, tokenizer, EngineConfig(profile=True))
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(args.num_prompts)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    if args.cold_ms:
+        inject_cold_timing(spec.costs, args.cold_ms / 1000)
     if args.warmup:
         spec.warmup(1)
     spec.generate(encoded[:1], SamplingParams(max_new_tokens=8))  # the demo's warm-up
@@ -78,7 +101,8 @@ def main(argv=None) -> int:
     block = spec.block_size
     prediction = {"one_token_step_ms": costs.cycle(1, 0), "full_block_ms": costs.cycle(block, block)}
     prediction = {k: None if v is None else round(1000 * float(v), 3) for k, v in prediction.items()}
-    report = {"device": str(target.device), "dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__, "warmup": args.warmup,
+    report = {"device": str(target.device), "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "cold_ms": args.cold_ms, "torch": torch.__version__, "warmup": args.warmup,
               "prompts": prompts, "body_ms": curve_points(costs.body), "draft_ms": curve_points(costs.draft),
               "context_ms": curve_points(costs.context), "prediction": prediction,
               "profile_drafting": spec.profiler.report(), "profile_plain": plain.profiler.report()}
