@@ -46,6 +46,7 @@ def run(args) -> int:
     print(f"flashdraft demo: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, drafter "
           f"{drafter.num_parameters() / 1e6:.1f}M params, block {spec.block_size}, {len(prompts)} held-out prompts, "
           f"device {target.device}, torch threads {torch.get_num_threads()}")
+    spec.warmup(1)  # as `flashdraft serve` does: every verify width's kernels run, the draft policy's costs timed
     spec.generate(encoded[:1], SamplingParams(max_new_tokens=8))  # warm-up, not timed
     plain.generate(encoded[:1], SamplingParams(max_new_tokens=8))
 

@@ -65,6 +65,9 @@ class Method:
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunOutput:
         raise NotImplementedError
 
+    def warmup(self) -> None:
+        """Get ready before anything is timed (beside an untimed short run)."""
+
     def describe(self) -> dict:
         return {"name": self.name, "lossless": self.lossless, "max_draft_tokens": self.max_draft}
 
@@ -82,6 +85,9 @@ class EngineMethod(Method):
         self.params = params
         self.max_draft = self.engine.block_size - 1
         self.device = self.engine.target.device
+
+    def warmup(self) -> None:
+        self.engine.warmup(1)  # as `flashdraft serve` does: every width's kernels run and the policy's costs are timed
 
     def run(self, prompt_ids, max_new_tokens):
         params = SamplingParams(**{**self.params.__dict__, "max_new_tokens": max_new_tokens})

@@ -155,6 +155,7 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
     if cfg.warmup:
         first = next(iter(encoded.values()))[0]
         for m in methods:
+            m.warmup()
             m.run(first, min(8, cfg.max_new_tokens))
 
     total = sum(len(v) for v in encoded.values()) * len(methods)
