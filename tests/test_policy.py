@@ -9,8 +9,8 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN,
-                                      PRIOR_SMOOTHING, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth, CostModel, Curve,
-                                      CycleTiming, Goodput, initial_prior, width_choices)
+                                      PRIOR_SMOOTHING, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth, CostModel,
+                                      Curve, CycleTiming, Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -265,8 +265,9 @@ def test_a_row_accepting_every_draft_of_a_narrow_width_is_offered_the_block_agai
     survival apart, censored at the width, kept the early failures' values past 8 and the row at width 8 for good:
     the demo at batch 1 ran at 1.9-2.1x plain decoding against 2.5x for the full block.)"""
     costs = CostModel()
-    for _ in range(1 + SETTLED):  # batch 1 on CPU: a one-token step 3 ms, a verify of w tokens 3 ms + 0.1 ms per extra token,
-        for w in (1, 2, 4, 8, 16):  # a draft of p positions 1.5 ms + 0.05 ms per position
+    # batch 1 on CPU: a one-token step 3 ms, a verify of w tokens 3 ms + 0.1 ms per extra token, a draft of p
+    for _ in range(1 + SETTLED):  # positions 1.5 ms + 0.05 ms per position
+        for w in (1, 2, 4, 8, 16):
             costs.record(CycleTiming(w, 0 if w == 1 else w, 0.0 if w == 1 else 1.5e-3 + 0.05e-3 * w,
                                      3e-3 + 0.1e-3 * (w - 1) + (0.0 if w == 1 else 1.5e-3 + 0.05e-3 * w)))
     policy = AdaptiveWidth(16, costs, ragged=True, drafts_to_width=True)
@@ -431,7 +432,7 @@ def test_one_cold_timing_does_not_keep_a_row_from_drafting():
     """The first kept timing of a block cycle is cold (on a GPU the first rejection's rollback launches kernels
     not loaded yet; on a CPU the OS preempts the process): 200 ms against ~1 ms. Priced by that one timing,
     drafting looked 200 one-token steps dear, every probe was declined, and the size was not timed again for
-    STALE_AFTER timings: the shipped pair at batch 1 took 0 drafting cycles in 5 x 128 tokens after it. A probe that
+    STALE_AFTER timings: the shipped pair at batch 1 took 0 drafting cycles in 1,016 tokens after it. A probe that
     such a size declines drafts anyway, until the size is timed SETTLED times (their median)."""
     policy = AdaptiveWidth(16, CostModel(), ragged=True)
     rows = [policy.new_row()]
@@ -440,7 +441,7 @@ def test_one_cold_timing_does_not_keep_a_row_from_drafting():
     def timing(widths):
         t = GPU(widths)
         if widths[0] > 1:
-            drafting_cycles.append(len(drafting_cycles))
+            drafting_cycles.append(widths)
             if len(drafting_cycles) == 2:  # the first of a size is not kept; the second is the cold one
                 return CycleTiming(t.verified_tokens, t.drafted_tokens, t.draft_s, t.total_s + 0.2)
         return t

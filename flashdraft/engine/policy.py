@@ -79,7 +79,7 @@ COST_WINDOW = 9  # a cost bucket is the median of its last timings: a cycle the 
 # a probe the cost model declines on a cycle size timed fewer than SETTLED times (after its untimed first) drafts
 # anyway, so one cold timing cannot keep a row from drafting: priced by one slow timing (200 ms against ~1 ms), a
 # block cycle looked 200 one-token steps dear, every probe was declined and the size was never timed again (the
-# shipped pair at batch 1: 0 drafting cycles in 5 x 128 tokens after it). On an H100 the shipped pair in bf16 never
+# shipped pair at batch 1: 0 drafting cycles in 1,016 tokens after it). On an H100 the shipped pair in bf16 never
 # drafted in 1,016 tokens at batch 1 (0.39x plain decoding); a cold timing (the first launch of a CUDA kernel loads
 # it) is the lead. From SETTLED timings a bucket is their median, which one outlier does not move
 SETTLED = 3
