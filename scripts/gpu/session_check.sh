@@ -33,8 +33,8 @@ run_stage() {
         tests/test_compile.py::test_cuda_graphs_lossless_while_rows_come_and_go_in_place ;;
     flex_training) stage $1 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_train_cli.py::test_flex_training_on_gpu_matches_sdpa ;;
-    demo_fp32) stage $1 60 python3 -m flashdraft.cli demo --device cuda --dtype float32 ;;
-    demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda ;;
+    demo_fp32) stage $1 60 python3 -m flashdraft.cli demo --device cuda --dtype float32 --json "$OUT/$1.json" ;;
+    demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda --json "$OUT/$1.json" ;;
     shapes_eager) stage $1 70 python3 scripts/speed/gpu_shapes.py --modes eager --batch-sizes 1,4,16,32 --tau 6.5 \
         --json "$OUT/$1.json" ;;
     concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,4,16,32 \
