@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # A device-machine session's GPU checks, in stages with their own time limits, so one that fails or runs long
-# leaves the others' results. Logs and JSON go to $OUT (or runs/gpu_check); wheels in .whl (transformers >= 5.23
+# leaves the others' results. Logs and JSON are written to $WORK and, after every stage, packed into one file,
+# $OUT/gpu_check.tar (the device tool returns only a few files from $OUT); wheels in .whl (transformers >= 5.23
 # when the machine's is older) are installed first. STAGES picks and orders them (default: all, in this order):
 #   bash scripts/gpu/session_check.sh                                  # everything (~12 min on an H100)
 #   STAGES="trace_bf16 trace_bf16_1thread concurrency" bash scripts/gpu/session_check.sh
 set -uo pipefail
-OUT="${OUT:-runs/gpu_check}"; mkdir -p "$OUT"
+OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -19,33 +20,34 @@ stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
     local t0=$SECONDS
-    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$WORK/$name.log" 2>&1
     local rc=$?
-    echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+    echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n "${TAIL:-25}" "$WORK/$name.log"
+    tar -cf "$OUT/gpu_check.tar" -C "$WORK" .
 }
 run_stage() {
     case $1 in
-    trace_bf16) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --json "$OUT/$1.json" ;;
+    trace_bf16) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --json "$WORK/$1.json" ;;
     trace_bf16_1thread) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --threads 1 \
-        --json "$OUT/$1.json" ;;
-    trace_fp32) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype float32 --json "$OUT/$1.json" ;;
+        --json "$WORK/$1.json" ;;
+    trace_fp32) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype float32 --json "$WORK/$1.json" ;;
     cuda_graphs) stage $1 120 python3 -m pytest -q -p no:cacheprovider \
         tests/test_compile.py::test_cuda_graphs_lossless_while_rows_come_and_go_in_place ;;
     flex_training) stage $1 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_train_cli.py::test_flex_training_on_gpu_matches_sdpa ;;
-    demo_fp32) stage $1 60 python3 -m flashdraft.cli demo --device cuda --dtype float32 --json "$OUT/$1.json" ;;
-    demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda --json "$OUT/$1.json" ;;
+    demo_fp32) stage $1 60 python3 -m flashdraft.cli demo --device cuda --dtype float32 --json "$WORK/$1.json" ;;
+    demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda --json "$WORK/$1.json" ;;
     shapes_eager) stage $1 70 python3 scripts/speed/gpu_shapes.py --modes eager --batch-sizes 1,4,16,32 --tau 6.5 \
-        --json "$OUT/$1.json" ;;
+        --json "$WORK/$1.json" ;;
     concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,4,16,32 \
-        --policies adaptive,fixed,never --rounds 2 --num-prompts 32 --json "$OUT/$1.json" ;;
+        --policies adaptive,fixed,never --rounds 2 --num-prompts 32 --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
-        --json "$OUT/$1.json" ;;
+        --json "$WORK/$1.json" ;;
     shapes_compiled) stage $1 240 python3 scripts/speed/gpu_shapes.py --modes compiled --batch-sizes 1,16 \
-        --tau 6.5 --iters 10 --json "$OUT/$1.json" ;;
+        --tau 6.5 --iters 10 --json "$WORK/$1.json" ;;
     divergence_bf16) stage $1 240 python3 scripts/lossless/divergence.py --device cuda --dtypes bfloat16 \
-        --num-prompts 32 --json "$OUT/$1.json" ;;
+        --num-prompts 32 --json "$WORK/$1.json" ;;
     *) echo "unknown stage $1 (stages: $ALL)"; return 2 ;;
     esac
 }
