@@ -2,7 +2,11 @@
 # A device-machine session's GPU checks, in stages with their own time limits, so one that fails or runs long
 # leaves the others' results. Logs and JSON are written to $WORK and, after every stage, packed into one file,
 # $OUT/gpu_check.tar (the device tool returns only a few files from $OUT); wheels in .whl (transformers >= 5.23
-# when the machine's is older) are installed first. STAGES picks and orders them (default: all, in this order):
+# when the machine's is older) are installed first; fetch them here and carry `.whl` (git-ignored via
+# .git/info/exclude):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "transformers>=5.23,<6"
+# STAGES picks and orders them (default: all, in this order):
 #   bash scripts/gpu/session_check.sh                                  # everything (~12 min on an H100)
 #   STAGES="trace_bf16 trace_bf16_1thread concurrency" bash scripts/gpu/session_check.sh
 set -uo pipefail
