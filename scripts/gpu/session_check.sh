@@ -7,8 +7,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "transformers>=5.23,<6"
 # STAGES picks and orders them (default: all, in this order):
-#   bash scripts/gpu/session_check.sh                                  # everything (~12 min on an H100)
-#   STAGES="trace_bf16 trace_bf16_1thread concurrency" bash scripts/gpu/session_check.sh
+#   STAGES="trace_bf16 trace_bf16_1thread trace_fp32 demo_bf16" bash scripts/gpu/session_check.sh   # ~4 min
+#   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~25 min, more than one device call runs
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
 if ls .whl/*.whl >/dev/null 2>&1; then
