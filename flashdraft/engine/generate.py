@@ -51,7 +51,7 @@ from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
-from flashdraft.engine.policy import AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
+from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
 from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
@@ -65,7 +65,8 @@ from flashdraft.model.target import TargetModel, validate_pair
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
-PROFILE_CYCLES = 4  # timed cycles of each verify width per row bucket in `warmup` (the first of a size is not kept)
+# timed cycles of each verify width per row bucket in `warmup`: the first of a size is not kept, the rest settle it
+PROFILE_CYCLES = 1 + SETTLED
 CONTEXT_PROFILE_LENGTHS = (16, 64, 256)  # pending context per row timed in `warmup` (the last: PENDING_CONTEXT_LIMIT)
 
 

@@ -331,8 +331,9 @@ class CostModel:
         return np.where(np.asarray(positions) > 0, self.context(positions), 0.0)
 
     def settled(self, verified_tokens: int, drafted_tokens: int) -> bool:
-        """Whether a cycle's target side and draft are priced by settled buckets (the context write is priced
-        optimistically while unmeasured and flat beyond its largest size, so it keeps no draft out for long)."""
+        """Whether a cycle's target side and draft are priced by settled buckets. The context write is not checked:
+        its size follows each row's pending positions, so most of its buckets stay unsettled and every probe
+        would draft."""
         return self.body.settled(verified_tokens) and self.draft.settled(drafted_tokens)
 
     def cycle(self, verified_tokens, drafted_tokens, context_tokens=0):
