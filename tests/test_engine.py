@@ -94,10 +94,12 @@ def test_prompt_tensor_and_reference_signature():
     assert out[0, :3].tolist() == [7, 8, 9] and out[0, 3:].tolist() == greedy_reference(target, [7, 8, 9], 10)
 
 
+@pytest.mark.parametrize("join", ["add", "step"])
 @pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
 @pytest.mark.parametrize("use_drafter", [True, False], ids=["dflash", "oracle"])
-def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
-    """Requests join a running batch between cycles and leave when done; outputs equal each request served alone."""
+def test_continuous_batching_join_leave_cancel(use_drafter, fast_path, join):
+    """Requests join a running batch between cycles (`add`, or `step` with their prompts: on the fast path they
+    ride the cycle's forward) and leave when done; outputs equal each request served alone."""
     target = make_target("mistral")
     prompts = {f"r{i}": [(7 * i + j) % 90 for j in range(3 + 5 * i)] for i in range(10)}
     budgets = {rid: 10 + 4 * i for i, rid in enumerate(prompts)}
@@ -122,12 +124,21 @@ def test_continuous_batching_join_leave_cancel(use_drafter, fast_path):
     arrivals = arrivals[2:]
     cycle = 0
     while batch.rows or arrivals:
+        joining = []
         if arrivals and cycle % 2 == 1:
             rid = arrivals.pop(0)
-            collect(engine.add(batch, [prompts[rid]], SamplingParams(max_new_tokens=budgets[rid]), request_ids=[rid]))
+            if join == "add":
+                collect(engine.add(batch, [prompts[rid]], SamplingParams(max_new_tokens=budgets[rid]),
+                                   request_ids=[rid]))
+            else:
+                joining = [rid]
         if cycle == 3:
             assert engine.cancel(batch, "r1") and all(r.index != "r1" for r in batch.rows)
-        collect(engine.step(batch))
+        if joining:
+            collect(engine.step(batch, [prompts[rid] for rid in joining],
+                                [SamplingParams(max_new_tokens=budgets[rid]) for rid in joining], request_ids=joining))
+        else:
+            collect(engine.step(batch))
         cycle += 1
         if batch.rows:  # holes and finished rows' columns are compacted away: caches stay bounded
             live = max(r.n_cached for r in batch.rows)
@@ -206,3 +217,99 @@ def test_lower_precision_drafter_is_lossless_and_still_drafts_well():
     assert tau(full) > 2.5 and tau(spec) > 0.9 * tau(full), (tau(spec), tau(full))
     assert resolve_draft_dtype("auto", torch.bfloat16, "cuda") == torch.bfloat16
     assert resolve_draft_dtype("float32", torch.bfloat16, "cpu") == torch.float32
+
+
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(self, *args, **kwargs):  # records the prompt groups a ragged forward prefills
+        calls.append(kwargs.get("prompts", args[3] if name == "forward_ragged" and len(args) > 3 else ()))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("use_drafter", [True, False], ids=["dflash", "plain"])
+def test_joining_prompts_ride_the_cycle_forward_and_stay_lossless(monkeypatch, use_drafter):
+    """Requests joining a running batch in `step` are prefilled inside the cycle's one target forward (no prefill
+    forward of their own), greedy and seeded sampled ones alike, and every output is the one the request gets
+    alone: greedy = the target's own greedy decoding, sampled = plain decoding's with the same seed."""
+    from flashdraft.model.fast_target import FastTarget
+
+    target = make_target("qwen3")
+    prompts = [[(11 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_new_tokens=14 + i, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
+              for i in range(6)]
+    plain = SpecEngine(target)
+    alone = [plain.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    for i in range(0, 6, 2):
+        assert alone[i] == greedy_reference(target, prompts[i], params[i].max_new_tokens)
+    engine = SpecEngine(target, make_drafter(target, block_size=4)) if use_drafter else plain
+    prefills = _count_calls(monkeypatch, FastTarget, "prefill")
+    forwards = _count_calls(monkeypatch, FastTarget, "forward_ragged")
+    batch = engine.open_batch()
+    results = {}
+    for ev in engine.add(batch, [prompts[0]], params[0], request_ids=[0]):
+        assert not ev.finished
+    assert len(prefills) == 1
+    engine.step(batch)
+    for first in (1, 3, 5):  # two requests join in one step, then two in another: each step is one forward
+        ids = [first, first + 1] if first < 5 else [5]
+        forwards.clear()
+        events = engine.step(batch, [prompts[i] for i in ids], [params[i] for i in ids], request_ids=ids)
+        assert len(prefills) == 1 and len(forwards) == 1 and len(forwards[0]) == len(ids)
+        assert {ev.index for ev in events if ev.index in ids} == set(ids)  # their first tokens, out of this step
+        assert {r.index for r in batch.rows} >= set(ids)
+        for ev in events:
+            if ev.finished:
+                results[ev.index] = ev.result.token_ids
+    while batch.rows:
+        for ev in engine.step(batch):
+            if ev.finished:
+                results[ev.index] = ev.result.token_ids
+    assert len(prefills) == 1
+    assert [results[i] for i in range(6)] == alone
+
+
+def test_joins_that_cannot_ride_the_cycle_are_prefilled_first(monkeypatch):
+    """An empty batch, exact mode, compiled-like padded forwards aside: a join whose prompts exceed
+    `mixed_prefill_tokens`, or any join with it at 0, gets a prefill of its own, and the outputs are the same."""
+    from flashdraft.model.fast_target import FastTarget
+
+    target = make_target("qwen3")
+    prompts = [[(3 * i + j) % 90 for j in range(6 + 9 * i)] for i in range(3)]
+    expected = [greedy_reference(target, p, 12) for p in prompts]
+    prefills = _count_calls(monkeypatch, FastTarget, "prefill")
+    for limit, exact, rides in ((0, False, False), (10, False, False), (512, True, False), (512, False, True)):
+        engine = SpecEngine(target, make_drafter(target, block_size=4), mixed_prefill_tokens=limit, exact=exact)
+        batch = engine.open_batch()
+        results = {}
+        prefills.clear()
+        engine.step(batch, [prompts[0]], SamplingParams(max_new_tokens=12), request_ids=[0])  # empty: apart
+        assert len(prefills) == 1
+        assert engine.rides_cycle(batch, engine._make_rows(prompts[1:], None)) == rides
+        events = engine.step(batch, prompts[1:], SamplingParams(max_new_tokens=12), request_ids=[1, 2])
+        assert len(prefills) == (1 if rides else 2)
+        while True:
+            for ev in events:
+                if ev.finished:
+                    results[ev.index] = ev.result.token_ids
+            if not batch.rows:
+                break
+            events = engine.step(batch)
+        assert [results[i] for i in range(3)] == expected, (limit, exact)
+
+
+def test_a_bad_joining_request_is_refused_before_anything_runs():
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    batch = engine.open_batch()
+    engine.add(batch, [[1, 2, 3]], SamplingParams(max_new_tokens=8))
+    held = [r.n_cached for r in batch.rows]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.step(batch, [[4, 5], [10 ** 6]], SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.check([[10 ** 6]])
+    assert [r.n_cached for r in batch.rows] == held and batch.kv.num_rows == 1

@@ -87,6 +87,33 @@ def test_scheduler_joins_and_leaves_and_counts(oracle):
     assert _metric(metrics, "num_requests_running") == 0
 
 
+def test_a_bad_request_joining_a_running_batch_is_answered_alone():
+    """New requests ride the running rows' cycle; one the engine refuses (a token outside the vocabulary) gets a
+    400 while the others, joining in the same iteration, finish as they would alone."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    good = {"a": [3, 4, 5], "b": [6, 7], "c": [8, 9, 10, 11]}
+    expected = {rid: greedy_reference(target, p, 40 if rid == "a" else 8) for rid, p in good.items()}
+    sched = Scheduler(engine, max_batch_size=4, max_queue=8)
+    sched.start()
+
+    async def main():
+        first = sched.submit(good["a"], SamplingParams(max_new_tokens=40), "a")
+        while sched.num_running == 0:
+            await asyncio.sleep(0.001)
+        reqs = [first] + [sched.submit(p, SamplingParams(max_new_tokens=8), rid) for rid, p in good.items()
+                          if rid != "a"] + [sched.submit([1, 10 ** 6], SamplingParams(max_new_tokens=8), "bad")]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        sched.stop()
+    for rid, (tokens, _) in zip(good, outcomes):
+        assert tokens == expected[rid], rid
+    assert isinstance(outcomes[-1][1], Failure) and outcomes[-1][1].status == 400
+
+
 def test_stop_cancels_in_flight_and_refuses_new():
     target = make_target("llama")
     engine = SpecEngine(target)

@@ -48,6 +48,11 @@ class EngineConfig:
     # by path probability) for every drafting row; "auto" = the size that maximises the batch's committed tokens
     # per second under the measured verify costs, per cycle. Eager fast path only (elsewhere: the chain)
     tree_budget: int | str = 0
+    # requests that join a live batch through `SpecEngine.step(batch, prompts, ...)` with at most this many prompt
+    # tokens in all ride the cycle's target forward beside the rows' blocks instead of a prefill forward of their
+    # own (eager fast path, not exact, no trees; 0 = always apart). Longer prompts are prefilled apart: a long
+    # prompt is compute-bound anyway, and riding it would stall every running row's cycle for it
+    mixed_prefill_tokens: int = 512
     # with trees: a prompt-lookup branch in every drafting row's tree, the continuation of the latest earlier match
     # of the context's last n <= lookup_ngram tokens (0 = none)
     lookup_ngram: int = 0
@@ -62,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"kv_page_size must be an integer >= 1, got {self.kv_page_size!r}")
         if not (self.tree_budget == "auto" or (integer(self.tree_budget) and 0 <= self.tree_budget <= 512)):
             raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
+        if not integer(self.mixed_prefill_tokens) or self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}")
         if not integer(self.lookup_ngram) or not 0 <= self.lookup_ngram <= 16:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if self.draft_policy not in DRAFT_POLICIES:

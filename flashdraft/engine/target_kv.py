@@ -7,6 +7,8 @@
                                                           fast path, eager: rows of different widths (per group)
     cache.keep(kept_valid)                                after verification: which block slots stay
     cache.move_slots(rows, source, dest)                  fast path: a token tree's accepted path to its positions
+    cache.add_rows(lengths)                               fast path, eager: rows whose prompts the next
+                                                          `forward_ragged` prefills (`prompts=`)
     cache.reserve(lengths)                                row r may write positions < lengths[r] (paged cache:
                                                           pages for them; the batch asks before every cycle)
     cache.select_rows(idx) / cache.merge(other) / cache.num_rows
@@ -143,10 +145,19 @@ class PagedTargetKV:
             logits, features = logits[:n], (features[:n] if features is not None else None)
         return logits, features
 
-    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int):
+    def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int,
+                       prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()):
         """Rows of different widths in one eager forward (`FastTarget.forward_ragged`): groups of (live rows,
-        blocks [g, w], positions [g, w]); (logits, features) per group."""
-        return self.fast.forward_ragged(groups, self.kv, capture)
+        blocks [g, w], positions [g, w]), and `prompts` of rows added by `add_rows` (their last logits only);
+        (logits, features) per group, then per prompt group."""
+        return self.fast.forward_ragged(groups, self.kv, capture, prompts)
+
+    def add_rows(self, lengths: list[int]) -> None:
+        """Fresh rows below the live ones, with pages for `lengths` positions each: rows whose prompts the next
+        `forward_ragged` prefills. Eager only (compiled steps pad rows to buckets)."""
+        self.kv.join_rows(self.live, len(lengths))
+        self.kv.reserve([0] * self.live + lengths)
+        self.live += len(lengths)
 
     def keep(self, kept_valid: torch.Tensor) -> None:
         pass  # the next block overwrites the rejected slots

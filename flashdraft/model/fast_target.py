@@ -151,13 +151,18 @@ class FastTarget:
         return (per_token if exact else _call)(self.lm_head, x), features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
-                       capture: bool = True) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                       capture: bool = True, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()
+                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
         packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
         group over its rows' cache slots. A group of token trees (`engine/tree.py`) adds (slots [g, w], mask
         [g, 1, w, key_len]): its tokens' K/V go to those slots and attend as the mask says (context and ancestors),
-        not causally by position. Returns (logits [g, w, V], features [g, w, F] or None) per group."""
+        not causally by position. `prompts`: more groups of the same form, prompts prefilled in the same forward
+        (rows joining a batch), whose logits are their last position's only. Returns (logits [g, w, V] (prompts:
+        [g, 1, V]), features [g, w, F] or None) per group, then per prompt group."""
+        last_only = [False] * len(groups) + [True] * len(prompts)
+        groups = list(groups) + list(prompts)
         sizes = [group[1].numel() for group in groups]
         ids = torch.cat([group[1].reshape(-1) for group in groups])[None]
         positions = torch.cat([group[2].reshape(-1) for group in groups])[None]
@@ -185,10 +190,14 @@ class FastTarget:
             return torch.cat(out)[None]
 
         x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, self.exact, capture)
-        logits = (per_token if self.exact else _call)(self.lm_head, x)[0].split(sizes)
+        hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
+                  for h, group, last in zip(x[0].split(sizes), groups, last_only)]
+        read = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]) if any(last_only) else x[0]
+        logits = (per_token if self.exact else _call)(self.lm_head, read[None])[0].split([h.shape[0] * h.shape[1]
+                                                                                          for h in hidden])
         features = features[0].split(sizes) if features is not None else [None] * len(groups)
-        return [(lg.view(*group[2].shape, -1), f.view(*group[2].shape, -1) if f is not None else None)
-                for lg, f, group in zip(logits, features, groups)]
+        return [(lg.view(*h.shape[:2], -1), f.view(*group[2].shape, -1) if f is not None else None)
+                for lg, f, h, group in zip(logits, features, hidden, groups)]
 
     def _attention(self, i: int, qs, keys, values, positions, mask, exact: bool) -> torch.Tensor:
         """Causal attention of queries [b, q, heads, D] over cached keys/values [b, k, kv_heads, D]; the output

@@ -2,9 +2,11 @@
 
 Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches it. Its loop, per iteration:
 1. cancel  - rows whose clients went away are dropped from the batch (`engine.cancel`), freeing their cache rows;
-2. admit   - waiting requests join the batch (`engine.add`: one prefill for all of them; preempted ones
-             `engine.resume`) while it has free slots (`max_batch_size`), the prefill token budget allows, and (with
-             `kv_cache_positions`, the server's `--kv-cache-memory`) the batch would fit the budget with room to grow;
+2. admit   - waiting requests join the batch while it has free slots (`max_batch_size`), the prefill token
+             budget allows, and (with `kv_cache_positions`, the server's `--kv-cache-memory`) the batch would fit
+             the budget with room to grow: new ones ride step 4's cycle (`engine.step(batch, prompts, ...)`: their
+             prompts go through the same target forward as the running rows' blocks) or, into an empty batch,
+             `engine.add` (one prefill for all of them); preempted ones `engine.resume`;
 3. preempt - (with a budget) while the batch's next cycle would take more than the budget, the running request
              that arrived last is preempted (`engine.preempt`) and goes back to the head of the queue;
 4. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
@@ -271,23 +273,42 @@ class Scheduler:
         resumed, new = [r for r in admit if r.preempted is not None], [r for r in admit if r.preempted is None]
         if resumed:
             self._resume(resumed)
-        if new:
+        if new and not self._batch.rows:  # nothing to ride with: one prefill for them first
             self._admit(new)
-        self.num_running = len(self._batch.rows)  # admitted rows run from now (their first tokens are out)
+            new = []
+        self.num_running = len(self._batch.rows) + len(new)  # admitted rows run from now
         self._preempt_to_fit()
         if self._batch.rows:
-            try:
-                events = self.engine.step(self._batch)
-            except Exception:
-                log.exception("engine step failed; failing the batch")
-                self._fail_running(500, "internal error while generating")
-                events = []
-            self.cycles += 1
-            self._deliver(events)
+            self._step(new)
         self.num_running = len(self._batch.rows)
         self.held_positions = self.positions([row.n_cached for row in self._batch.rows])
         self._gauges()
         return True
+
+    def _step(self, joining: list[Request]) -> None:
+        """One cycle of the batch, with the requests `joining` taken into it (`SpecEngine.step`). If the engine
+        refuses one of them (`SpecEngine.check`: a bad prompt), they are admitted apart (`_admit` answers the
+        culprit) and the cycle runs without them."""
+        if joining:
+            try:
+                self.engine.check([r.prompt for r in joining], [r.params for r in joining])
+            except ValueError:
+                self._admit(joining)
+                joining = []
+        self._running.update((r.rid, r) for r in joining)  # from here on a failure fails them too
+        try:
+            if joining:
+                events = self.engine.step(self._batch, [r.prompt for r in joining], [r.params for r in joining],
+                                          request_ids=[r.rid for r in joining])
+                self._started(joining)
+            else:
+                events = self.engine.step(self._batch)
+        except Exception:
+            log.exception("engine step failed; failing the batch")
+            self._fail_running(500, "internal error while generating")
+            events = []
+        self.cycles += 1
+        self._deliver(events)
 
     def _resume(self, reqs: list[Request]) -> None:
         """Preempted requests back into the batch (their prompt and output prefilled again)."""
@@ -319,13 +340,17 @@ class Scheduler:
             return
         for r in reqs:
             self._running[r.rid] = r
-            if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(r.prompt))
+        self._started(reqs)
+        self._deliver(events)
+
+    def _started(self, reqs: list[Request]) -> None:
+        """Requests now in the batch: their prompt tokens counted, their rows' statistics attached."""
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sum(len(r.prompt) for r in reqs))
         for row in self._batch.rows:
             req = self._running.get(row.index)
             if req is not None and req.stats is None:
                 req.stats = row.stats
-        self._deliver(events)
 
     def _deliver(self, events: list[StreamEvent]) -> None:
         now = time.perf_counter()

@@ -5,13 +5,13 @@
         [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
-scheduler does (requests join with one `SpecEngine.add`, one prefill for all that join, as soon as others leave;
-every live request advances with `SpecEngine.step`), on the shipped pair, one torch thread, wall time from the
-first `add` to the last request's end. Every engine is warmed up for the cell's concurrency first
-(`SpecEngine.warmup`), as the server does. Equal-length greedy requests leave plain decoding's rows in step, so
-they leave together and their successors share one prefill, where drafting rows finish apart and join one by one:
-the joins are timed as the server has them. Engines: plain decoding (no drafter), then DFlash under each draft
-policy asked for:
+scheduler does (requests join as soon as others leave, all that join in one `SpecEngine.step`: their prompts
+ride the running rows' cycle, or in an empty batch are prefilled first; every live request advances with
+`SpecEngine.step`), on the shipped pair, one torch thread, wall time from the first request to the last one's
+end. Every engine is warmed up for the cell's concurrency first (`SpecEngine.warmup`), as the server does.
+Equal-length greedy requests leave plain decoding's rows in step, so they leave together and their successors
+join together, where drafting rows finish apart and join one by one: the joins are timed as the server has them.
+Engines: plain decoding (no drafter), then DFlash under each draft policy asked for:
 - `adaptive`: the engine's default policy;
 - `fixed`: every row verifies the full block every cycle;
 - `never`: the drafting engine with a policy that never drafts, i.e. what DFlash costs where it gains nothing
@@ -19,6 +19,9 @@ policy asked for:
   bookkeeping, without its plans): the floor an ideal policy would reach at loads where drafting does not pay.
 - `--compare-draft DIR`: one more engine, the default policy with another drafter for the same target (e.g. the
   shipped drafter with a reduced draft vocabulary), column `compare`.
+- `--apart`: plain decoding and the default policy with every join prefilled in a forward of its own
+  (`mixed_prefill_tokens=0`, as before joins rode the cycle), columns `plain_apart` and `adaptive_apart` (also as
+  a ratio to each other).
 - `--variant NAME:CONSTANT=VALUE,...` (repeatable): one more engine, the default policy with constants of
   `flashdraft/engine/policy.py` set to those values while it is built, warmed up and runs (restored after),
   column NAME, e.g. `--variant share01:JUDGEMENT_SHARE=0.01`. Policy changes move served ratios less than a
@@ -104,11 +107,12 @@ class NeverDraft:
         pass
 
 
-def build_engine(target, tokenizer, drafter, policy: str | None) -> SpecEngine:
+def build_engine(target, tokenizer, drafter, policy: str | None, mixed_prefill_tokens: int = 512) -> SpecEngine:
     if policy is None:
-        return SpecEngine(target, None, tokenizer)
+        return SpecEngine(target, None, tokenizer, mixed_prefill_tokens=mixed_prefill_tokens)
     engine = SpecEngine(target, drafter, tokenizer, EngineConfig(draft_policy="fixed" if policy == "fixed"
-                                                                  else "adaptive"))
+                                                                  else "adaptive",
+                                                                  mixed_prefill_tokens=mixed_prefill_tokens))
     if policy == "never":
         open_batch = engine._new_batch
 
@@ -132,11 +136,13 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
     started = time.perf_counter()
     while queue or batch.rows:
         joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
-        if joining:  # one prefill for all that join, as the server admits them
-            params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                                     seed=i if temperature > 0 else None) for i, _ in joining]
-            engine.add(batch, [prompt for _, prompt in joining], params, request_ids=[i for i, _ in joining])
-        for event in engine.step(batch):
+        # all that join in one call, as the server admits them: their prompts ride the running rows' cycle
+        # (`SpecEngine.step`), or, in an empty batch or where the engine cannot mix them in, one prefill first
+        params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                 seed=i if temperature > 0 else None) for i, _ in joining]
+        events = engine.step(batch, [prompt for _, prompt in joining], params,
+                             request_ids=[i for i, _ in joining]) if joining else engine.step(batch)
+        for event in events:
             if event.finished:
                 tokens += len(event.result.token_ids)
                 lengths = event.result.stats.acceptance_lengths
@@ -160,6 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--compare-draft", default=None, help="another drafter, run with the default policy")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:CONSTANT=VALUE[,...]: the default policy with flashdraft.engine.policy constants set")
+    p.add_argument("--apart", action="store_true",
+                   help="two more engines whose joining prompts are prefilled apart (mixed_prefill_tokens=0): "
+                        "plain decoding (`plain_apart`) and the default policy (`adaptive_apart`)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -176,7 +185,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, args.device)
     other = load_pair(None, args.compare_draft, args.device)[2] if args.compare_draft else None
-    columns = policies + (["compare"] if other is not None else []) + list(variants)
+    columns = (policies + (["compare"] if other is not None else []) + list(variants)
+               + (["plain_apart", "adaptive_apart"] if args.apart else []))
     rows = []
     print(f"| set | conc | {' | '.join(columns)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
     print("|---|---|" + "---|" * len(columns))
@@ -188,6 +198,10 @@ def main(argv=None) -> int:
                        **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
             if other is not None:
                 engines["compare"] = build_engine(target, tokenizer, other, "adaptive")
+            if args.apart:
+                engines["plain_apart"] = build_engine(target, tokenizer, drafter, None, mixed_prefill_tokens=0)
+                engines["adaptive_apart"] = build_engine(target, tokenizer, drafter, "adaptive",
+                                                         mixed_prefill_tokens=0)
             for variant, values in variants.items():  # built under its constants: some are read at construction
                 with policy_constants(values):
                     engines[variant] = build_engine(target, tokenizer, drafter, "adaptive")
@@ -219,6 +233,10 @@ def main(argv=None) -> int:
                              "tau": round(tau, 2),
                              "first_cycles": [round(sum(c) / len(c), 2) if c else None for c in first_cycles]}
                 shown.append(f"{n / seconds / plain:.2f}x ({tau:.2f})")
+            if args.apart:  # joins prefilled apart on both sides: DFlash against plain decoding as before
+                cell["adaptive_apart"]["ratio_vs_plain_apart"] = round(
+                    cell["adaptive_apart"]["tok_s"] / cell["plain_apart"]["tok_s"], 3)
+                shown.append(f"apart: {cell['adaptive_apart']['ratio_vs_plain_apart']:.2f}x")
             rows.append(cell)
             print(f"| {name} | {concurrency} | " + " | ".join(shown) + " |", flush=True)
     if args.json:
