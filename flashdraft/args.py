@@ -273,8 +273,14 @@ def engine_config(args, plain: bool = False):
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
                           pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
-                          tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0))
+                          tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
+                          mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
+
+
+def _given(args, name: str, default):
+    value = getattr(args, name, None)
+    return default if value is None else value
 
 
 def engine_from_args(args, target, drafter, tokenizer, plain: bool = False):

@@ -185,6 +185,9 @@ def test_cli_parser_and_argument_errors():
     bad = parser.parse_args(["serve", "--max-batch-size", "0"])
     with pytest.raises(ValueError, match="--max-batch-size must be >= 1"):
         run_serve(bad)
+    assert parser.parse_args(["serve", "--mixed-prefill-tokens", "0"]).mixed_prefill_tokens == 0
+    with pytest.raises(SystemExit):  # argparse: one line on stderr, exit 2
+        parser.parse_args(["serve", "--mixed-prefill-tokens", "-1"])
     both = parser.parse_args(["serve", "--no-draft", "--draft", "x", "--target", "y"])
     with pytest.raises(ValueError, match="contradict"):
         from flashdraft.serve.cli import build_engine

@@ -62,6 +62,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
                    help="prompt tokens prefilled per scheduler step when requests join (default 8192)")
+    p.add_argument("--mixed-prefill-tokens", type=int_at_least(0), default=None,
+                   help="requests joining a running batch with at most this many prompt tokens in all are prefilled "
+                        "inside the running rows' next cycle (one target forward), longer ones in a prefill of their "
+                        "own; 0 = always apart (default 512; eager fast path, not with --exact or --tree-budget)")
     p.add_argument("--kv-cache-memory", type=memory_budget_arg, default=None,
                    help="memory for the target's and drafter's KV caches: GiB (24 or 24GiB), or a percentage of the "
                         "device's memory for the whole server (90%%: less what the weights already use; CPU: of "

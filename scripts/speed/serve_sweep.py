@@ -11,7 +11,8 @@ Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-arg
 only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
 with its own flags, run in the same interleaved rounds (e.g. `--serve-args="--tree-budget auto" --compare-args=""`:
 trees and the chain side by side against the same plain decoding). `--control` adds a second `--no-draft` server
-to the rounds: plain decoding against itself shows how far a ratio moves on this machine with nothing changed
+(with `--control-args`, if given) to the rounds: plain decoding against itself shows how far a ratio moves on
+this machine with nothing changed
 (on the 2-core benchmark machine single rounds of plain against plain ranged 0.82-1.25x at 4-32 requests).
 
 What this script does not know about: how the servers decode (it only starts them and speaks HTTP).
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--control", action="store_true",
                    help="a second plain-decoding server in the same rounds: its ratio to the first is this "
                         "machine's noise at each cell, the band a DFlash ratio must be read against")
+    p.add_argument("--control-args", default="",
+                   help="extra flags for the --control server (e.g. \"--mixed-prefill-tokens 0\": plain decoding "
+                        "as it ran before joins rode the cycle, to read --compare-args' server against)")
     p.add_argument("--pin", action="store_true",
                    help="servers on the first CPU, this client on the others (Linux): the client's HTTP and "
                         "tokenizer work no longer lands on the core a server computes on (on the 2-core benchmark "
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
         if args.compare_args is not None:
             urls["compare"] = start("compare", shlex.split(args.compare_args))
         if args.control:
-            urls["control"] = start("control", ["--no-draft"])
+            urls["control"] = start("control", ["--no-draft", *shlex.split(args.control_args)])
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
         if not args.no_busy:
             plan += [(s, t, 1, True) for t in temperatures for s in sets]
