@@ -74,9 +74,9 @@ def test_growing_caches_keep_one_graph_per_bucket(qwen3, monkeypatch):
     capacities = set()
     step = engine.step
 
-    def recording(batch):
+    def recording(batch, *joining, **named):
         capacities.add(batch.kv.kv.capacity)
-        return step(batch)
+        return step(batch, *joining, **named)
 
     engine.step = recording
     params = SamplingParams(max_new_tokens=MAX_NEW)

@@ -417,9 +417,9 @@ def slow(engine: SpecEngine, delay: float) -> SpecEngine:
     """Make every cycle take at least `delay` s, so a long request is reliably still running when tested."""
     step = engine.step
 
-    def slow_step(batch):
+    def slow_step(batch, *joining, **named):
         time.sleep(delay)
-        return step(batch)
+        return step(batch, *joining, **named)
 
     engine.step = slow_step
     return engine

@@ -32,9 +32,10 @@ def _record_rows(engine: SpecEngine) -> list[int]:
     seen: list[int] = []
     step = engine.step
 
-    def recording(batch):
+    def recording(batch, *joining, **named):
+        out = step(batch, *joining, **named)
         seen.append(len(batch.rows))
-        return step(batch)
+        return out
 
     engine.step = recording
     return seen
@@ -84,9 +85,9 @@ def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
     held, rows = [], []
     step = engine.step
 
-    def recording(batch):
+    def recording(batch, *joining, **named):  # after the step: rows joining ride its cycle
+        out = step(batch, *joining, **named)
         rows.append(len(batch.rows))
-        out = step(batch)
         held.append(batch_kv_bytes(batch))
         return out
 
@@ -117,7 +118,7 @@ def test_queue_bound_still_answers_429_with_a_budget():
     sched = Scheduler(engine, max_batch_size=1, max_queue=2, kv_cache_positions=100)
     gate = threading.Event()
     step = engine.step
-    engine.step = lambda batch: (gate.wait(30), step(batch))[1]
+    engine.step = lambda batch, *joining, **named: (gate.wait(30), step(batch, *joining, **named))[1]
     sched.start()
     loop = asyncio.new_event_loop()
     try:

@@ -119,11 +119,11 @@ def test_stop_cancels_in_flight_and_refuses_new():
     engine = SpecEngine(target)
     step = engine.step
 
-    def slow_step(batch):
+    def slow_step(batch, *joining, **named):
         import time
 
         time.sleep(0.01)
-        return step(batch)
+        return step(batch, *joining, **named)
 
     engine.step = slow_step
     sched = Scheduler(engine, max_batch_size=1, max_queue=4)
