@@ -1,7 +1,7 @@
 """The draft policy on a simulated machine: throughput against plain decoding, deterministic, in seconds.
 
     python scripts/speed/policy_sim.py [--seeds 3] [--cycles 3000] [--concurrency 1,4,16,32] [--whole-blocks]
-        [--early 1.0]
+        [--early 1.0] [--refill 0.24,0.12,0.1,0.06]
 
 Served comparisons (`serve_sweep.py`) are the truth but take half an hour and move 5-10 % between runs on a shared
 CPU, which hides most policy changes. This drives `AdaptiveWidth` (the engine's default policy, unchanged) through a
@@ -24,6 +24,8 @@ continuous batch on a machine model instead:
   their estimates accept less than the estimates said); with `--early E`, a request's acceptance starts at E x p
   and reaches p over its first 16 output tokens (the shipped pair's first drafts accept far less than its later
   ones: its first cycle's mean acceptance length is 2.6 against 5.9 over whole held-out requests; ~0.7 fits);
+- with `--refill F1,F2,..`, the i-th one-token cycle after a drafting cycle costs Fi steps more (the caches and
+  clock refilling for the target: the shipped pair at 4 rows measured 0.24, 0.12, 0.1, 0.06 steps; `policy.Refill`);
 - plain decoding: the same machine and requests with every width 1.
 It prints tokens/s of the policy / tokens/s of plain decoding, the mean over seeds, per concurrency and set.
 
@@ -52,7 +54,7 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
              step_s: float = 2.5e-3, per_token_s: float = 0.08e-3, draft_row_s: float = 1.0e-3,
              request_tokens: int = 64, block_size: int = 16, switch: float = 0.0,
              context_token_s: float = 0.01e-3, drafts_to_width: bool = True, draft_fixed_s: float = 0.5e-3,
-             early: float = 1.0, early_tokens: int = 16) -> float:
+             early: float = 1.0, early_tokens: int = 16, refill: tuple[float, ...] = ()) -> float:
     """Committed tokens per simulated second of `concurrency` rows under the policy (or plain decoding)."""
     rng = np.random.default_rng(seed)
     policy = AdaptiveWidth(block_size, CostModel(), ragged=True, priors=AcceptancePriors(block_size),
@@ -65,6 +67,7 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
 
     rows = [new_request() for _ in range(concurrency)]
     seconds = tokens = 0.0
+    since = len(refill)  # one-token cycles since the last drafting cycle
     for _ in range(cycles):
         widths = [1] * len(rows) if plain else policy.widths([r["state"] for r in rows], [r["pending"] for r in rows])
         accepted = []
@@ -84,6 +87,9 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
         draft_s = (draft_fixed_s + draft_row_s / block_size * drafted) * noise if drafted else 0.0
         context_s = context_token_s * context * noise
         total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s + context_s
+        if not drafting and since < len(refill):  # the caches refill for the target after a drafting cycle
+            total_s += refill[since] * step_s
+        since = 0 if drafting else since + 1
         if not plain:
             policy.observe([r["state"] for r in rows], widths, accepted,
                            CycleTiming(verified, drafted, draft_s, total_s, context, context_s))
@@ -99,11 +105,11 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
 
 
 def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000, drafts_to_width: bool = True,
-          early: float = 1.0) -> float:
+          early: float = 1.0, refill: tuple[float, ...] = ()) -> float:
     """Mean over seeds of the policy's throughput / plain decoding's, on the set `name`."""
     p, switch = SETS[name], BURSTY.get(name, 0.0)
     return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch, drafts_to_width=drafts_to_width,
-                                   early=early)
+                                   early=early, refill=refill)
                           / simulate(concurrency, p, s, cycles, True, switch=switch) for s in range(seeds)]))
 
 
@@ -116,7 +122,13 @@ def main(argv=None) -> int:
                     help="every draft fills the whole block (compiled drafting graphs); widths 1 and the block")
     ap.add_argument("--early", type=float, default=1.0,
                     help="a request's acceptance at its first token, as a share of its own (1: flat)")
+    ap.add_argument("--refill", default="",
+                    help="comma-separated extra steps the one-token cycles after a drafting cycle cost (none)")
     args = ap.parse_args(argv)
+    try:
+        refill = tuple(float(x) for x in args.refill.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--refill: comma-separated numbers, got {args.refill!r}")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.seeds < 1 or args.cycles < 10 or not levels or min(levels) < 1 or not 0.0 <= args.early <= 1.0:
         ap.error("--seeds >= 1, --cycles >= 10, --concurrency: positive integers, --early in [0, 1]")
@@ -124,7 +136,7 @@ def main(argv=None) -> int:
     print("| concurrency | " + " | ".join(SETS) + " |")
     print("|---|" + "---|" * len(SETS))
     for c in levels:
-        cells = (ratio(c, name, args.seeds, args.cycles, not args.whole_blocks, args.early) for name in SETS)
+        cells = (ratio(c, name, args.seeds, args.cycles, not args.whole_blocks, args.early, refill) for name in SETS)
         print(f"| {c} | " + " | ".join(f"{cell:.3f}" for cell in cells) + " |")
     return 0
 
