@@ -7,7 +7,8 @@ One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycl
                    for the rows that draft (and takes in every row's newly committed features);
 2. target forward  the target runs once over the rows' blocks with its KV cache (`target_kv.py`), capturing the
                    tapped layers' features: each row its own width on the eager fast path (ragged: the tokens
-                   packed, attention per width), padded to the widest elsewhere;
+                   packed, attention per width; the prompts of requests joining in this `step` ride along),
+                   padded to the widest elsewhere;
 3. verify          the shared verifier (`verify.py`) returns per row the accepted count a < w and the next token;
 4. commit          tokens `d_1..d_a, next` are appended; block slots `0..a` stay in the target cache, the rest are
                    rolled back (a no-op on the paged fast path, a crop plus masked holes on the generic path);
@@ -905,7 +906,7 @@ class SpecEngine:
             if features is not None:
                 self._feature_spec = (features.shape[-1], features.dtype, features.device)
                 r.pending = PendingContext()
-                r.pending.add(features[0], 0)
+                r.pending.add(features[0].clone(), 0)  # not a view that holds the whole cycle's features
             r.n_cached = len(r.prompt)
             r.bonus = token
             r.stats.time_to_first_token = now - r.started
