@@ -503,15 +503,13 @@ class AdaptiveWidth:
             if probe is None:
                 return plan.tolist()
             plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]))
-            if plan[probe] == 1 and self._unsettled(n):
-                plan[probe] = self.block_size
+            self._explore(plan, probe, n)
             if plan[probe] == 1:
                 self._declined(rows[probe])
                 return plan.tolist()
         else:
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
-            if probe is not None and plan[probe] == 1 and self._unsettled(n):
-                plan[probe if self.ragged else slice(None)] = self.block_size
+            self._explore(plan, probe, n)
         for r, w in zip(rows, plan):
             r.planned = True
             if r.probing and w == 1:
@@ -529,6 +527,12 @@ class AdaptiveWidth:
             if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i])) > 1:
                 return True
         return False
+
+    def _explore(self, plan: np.ndarray, probe: int | None, n: int) -> None:
+        """A probe the plan declined drafts the block anyway (every row, where rows share one width) while the
+        cycle it needs is priced by an unsettled size (`_unsettled`)."""
+        if probe is not None and plan[probe] == 1 and self._unsettled(n):
+            plan[probe if self.ragged else slice(None)] = self.block_size
 
     def _unsettled(self, n: int) -> bool:
         """Whether a probe drafting the block (beside n - 1 one-token steps; padded: every row drafting) is priced by
