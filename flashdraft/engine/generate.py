@@ -510,9 +510,10 @@ class SpecEngine:
         self._make_rows(prompts, params)
 
     def rides_cycle(self, batch: "Batch", rows: Sequence) -> bool:
-        """Whether requests joining `batch` in `step` ride its cycle's target forward: there are rows to ride
-        with, the cycle is one ragged forward (eager fast path, no trees), not exact (batch-invariant prefill runs
-        each prompt alone), and the prompts hold at most `mixed_prefill_tokens` tokens in all."""
+        """Whether requests joining `batch` in `step` (anything with a `prompt`) ride its cycle's target forward:
+        there are rows to ride with, the cycle is one ragged forward (eager fast path, no trees), not exact
+        (batch-invariant prefill runs each prompt alone), and the prompts hold at most `mixed_prefill_tokens` tokens
+        in all."""
         return (bool(batch.rows) and self.ragged and not self.exact and not self.tree_budget
                 and sum(len(r.prompt) for r in rows) <= self.config.mixed_prefill_tokens)
 

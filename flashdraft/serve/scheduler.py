@@ -5,8 +5,10 @@ Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches
 2. admit   - waiting requests join the batch while it has free slots (`max_batch_size`), the prefill token
              budget allows, and (with `kv_cache_positions`, the server's `--kv-cache-memory`) the batch would fit
              the budget with room to grow: new ones ride step 4's cycle (`engine.step(batch, prompts, ...)`: their
-             prompts go through the same target forward as the running rows' blocks) or, into an empty batch,
-             `engine.add` (one prefill for all of them); preempted ones `engine.resume`;
+             prompts go through the same target forward as the running rows' blocks) or, where they cannot
+             (`engine.rides_cycle`: an empty batch, prompts past `--mixed-prefill-tokens`, exact mode, compiled
+             steps, trees), `engine.add` (one prefill for all of them, first tokens out at once); preempted ones
+             `engine.resume`;
 3. preempt - (with a budget) while the batch's next cycle would take more than the budget, the running request
              that arrived last is preempted (`engine.preempt`) and goes back to the head of the queue;
 4. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
@@ -273,7 +275,7 @@ class Scheduler:
         resumed, new = [r for r in admit if r.preempted is not None], [r for r in admit if r.preempted is None]
         if resumed:
             self._resume(resumed)
-        if new and not self._batch.rows:  # nothing to ride with: one prefill for them first
+        if new and not self.engine.rides_cycle(self._batch, new):  # prefilled apart now, first tokens out at once
             self._admit(new)
             new = []
         self.num_running = len(self._batch.rows) + len(new)  # admitted rows run from now
