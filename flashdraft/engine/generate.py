@@ -601,30 +601,41 @@ class SpecEngine:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
             return self._prefilled_batch(rows, kv, features, lengths)
-        noise = self._noise(rows, [1] * len(rows))
-        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
-                              torch.stack(noise) if noise is not None else None)
-        now = time.perf_counter()
-        batch = self._prefilled_batch(rows, kv, features, lengths)
-        for r, token in zip(rows, first.tolist()):
-            r.n_cached = len(r.prompt)
-            r.bonus = token
+        for r in rows:
             r.started = start
-            r.stats.time_to_first_token = now - start
-            self._append(r, [token])
+        self._first_tokens(rows, logits)
+        batch = self._prefilled_batch(rows, kv, features, lengths)
         self._drop_finished(batch)
         return batch
 
     def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, lengths: list[int]) -> Batch:
         batch = self._new_batch(rows=list(rows), kv=kv)
         batch.grow(lengths)
-        if features is not None:  # the prompts' context waits for each row's first draft (long ones: written now)
-            self._feature_spec = (features.values.shape[-1], features.values.dtype, features.values.device)
-            for r, values, valid in zip(rows, features.values, features.valid):
-                r.pending = PendingContext()  # a resumed row's drafter context is rebuilt from its prefill
-                r.pending.add(values[valid], 0)  # a prompt's valid slots are its positions 0 .. n - 1
-            self._write_long_pending(batch)
+        if features is not None:  # a prompt's valid slots are its positions 0 .. n - 1
+            self._pend_prompts(batch, rows, [values[valid] for values, valid in zip(features.values, features.valid)])
         return batch
+
+    def _first_tokens(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:
+        """New rows' first tokens, sampled from their prompts' last logits [n, V]: each row's bonus and its first
+        output token."""
+        noise = self._noise(rows, [1] * len(rows))
+        first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
+                              torch.stack(noise) if noise is not None else None)
+        now = time.perf_counter()
+        for r, token in zip(rows, first.tolist()):
+            r.n_cached = len(r.prompt)
+            r.bonus = token
+            r.stats.time_to_first_token = now - r.started
+            self._append(r, [token])
+
+    def _pend_prompts(self, batch: Batch, rows: Sequence[_Row], values: list[torch.Tensor]) -> None:
+        """Each new row's prompt features [n, F] (positions 0 .. n - 1) wait for its first draft; long ones are
+        written now. A resumed row's drafter context is rebuilt the same way, from its prefill."""
+        self._feature_spec = (values[0].shape[-1], values[0].dtype, values[0].device)
+        for r, row_values in zip(rows, values):
+            r.pending = PendingContext()
+            r.pending.add(row_values, 0)
+        self._write_long_pending(batch)
 
     def _write_long_pending(self, batch: Batch) -> None:
         """Rows whose pending context reached `PENDING_CONTEXT_LIMIT` positions write it to the drafter now (compiled
@@ -897,23 +908,11 @@ class SpecEngine:
     def _join(self, batch: Batch, rows: Sequence[_Row], state, outputs) -> None:
         """Rows whose prompts rode this cycle's forward join the batch below the others, as `_prefill` leaves
         new rows: first token sampled, the prompt's features pending for the drafter (long ones written now)."""
-        noise = self._noise(rows, [1] * len(rows))
-        first = sample_tokens(torch.cat([logits[:, -1] for logits, _ in outputs]), [r.params for r in rows],
-                              [r.generator for r in rows], torch.stack(noise) if noise is not None else None)
+        self._first_tokens(rows, torch.cat([logits[:, -1] for logits, _ in outputs]))
         batch.proposer_state.merge(state, len(batch.rows), len(rows))
         batch.rows = batch.rows + list(rows)
-        now = time.perf_counter()
-        for r, (_, features), token in zip(rows, outputs, first.tolist()):
-            if features is not None:
-                self._feature_spec = (features.shape[-1], features.dtype, features.device)
-                r.pending = PendingContext()
-                r.pending.add(features[0].clone(), 0)  # not a view that holds the whole cycle's features
-            r.n_cached = len(r.prompt)
-            r.bonus = token
-            r.stats.time_to_first_token = now - r.started
-            self._append(r, [token])
-        if self._feature_spec is not None:
-            self._write_long_pending(batch)
+        if outputs[0][1] is not None:  # copies: a view would hold the whole cycle's features
+            self._pend_prompts(batch, rows, [features[0].clone() for _, features in outputs])
 
     def _verify(self, rows, groups, logits, block, drafting, draft_probs, noise) -> tuple[list[int], list[int]]:
         """The shared verifier over each width group: per row the accepted drafts and the next token."""
