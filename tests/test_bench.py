@@ -178,6 +178,7 @@ def test_server_mode_sweep_against_live_servers(pair, tmp_path, capsys):
     d1 = res["servers"]["dflash"]["levels"][0]
     assert d1["acceptance_source"] == "metrics" and d1["num_drafts"] > 0
     assert abs(d1["tau"] - (1 + d1["num_accepted_tokens"] / d1["num_drafts"])) < 1e-3
+    assert 0 < d1["drafting_share"] <= 1  # of the rows' cycles, those that drafted (the rest: one-token steps)
     assert len(d1["per_position_acceptance"]) == 3 and sum(d1["acceptance_histogram"]) == d1["num_drafts"]
     total = sum(lv["num_drafts"] for lv in res["servers"]["dflash"]["levels"])
     assert 0 < total < served  # the warm-up request is not counted in any level

@@ -1,5 +1,6 @@
 """scripts/speed/serve_sweep.py's bookkeeping without servers: a cell's ratio is of throughputs summed over the
-rounds, each round's own ratio and the mean tau are kept, and the table prints the rounds' range."""
+rounds, each round's own ratio, the mean tau and the mean share of drafting cycles are kept, and the table prints
+the rounds' range and the shares."""
 
 import importlib.util
 from pathlib import Path
@@ -18,23 +19,27 @@ def sweep():
 
 
 def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_path):
-    rounds = iter([  # (tokens, seconds, tau) per server, round by round
-        {"dflash": (100, 1.0, 4.0), "ar": (100, 2.0, None), "compare": (100, 4.0, 2.0), "control": (100, 2.5, None)},
-        {"dflash": (100, 2.0, 6.0), "ar": (100, 1.0, None), "compare": (100, 1.0, 3.0), "control": (100, 0.5, None)},
+    rounds = iter([  # (tokens, seconds, tau, share of drafting cycles) per server, round by round
+        {"dflash": (100, 1.0, 4.0, 0.5), "ar": (100, 2.0, None, None), "compare": (100, 4.0, 2.0, 0.0),
+         "control": (100, 2.5, None, None)},
+        {"dflash": (100, 2.0, 6.0, 0.25), "ar": (100, 1.0, None, None), "compare": (100, 1.0, 3.0, 0.0),
+         "control": (100, 0.5, None, None)},
     ])
 
     def fake_run_servers(specs, prompts, levels, **kwargs):
         this = next(rounds)
         names = [s.split("=")[0] for s in specs]
         return {"servers": {n: {"levels": [{"errors": 0, "output_tokens": this[n][0], "wall_s": this[n][1],
-                                            "tau": this[n][2], "mismatches": 0 if this[n][2] else None}]}
+                                            "tau": this[n][2], "mismatches": 0 if this[n][2] else None,
+                                            "drafting_share": this[n][3]}]}
                             for n in names}}
 
     monkeypatch.setattr(sweep, "run_servers", fake_run_servers)
     urls = {"dflash": "d", "ar": "a", "compare": "c", "control": "p"}
     out = sweep.cell(urls, ["p"], 4, 0.0, 8, 2)
     assert out["ratio"] == 1.0 and out["round_ratios"] == [2.0, 0.5]  # 200 / 3 s against 200 / 3 s
-    assert out["tau"] == 5.0 and out["mismatches"] == 0
+    assert out["tau"] == 5.0 and out["mismatches"] == 0 and out["drafting_share"] == 0.375
+    assert out["compare_drafting_share"] == 0.0 and out["control_drafting_share"] is None
     assert out["compare_ratio"] == pytest.approx(0.6) and out["compare_round_ratios"] == [0.5, 1.0]
     assert out["compare_tau"] == 2.5 and out["ar_tok_s"] == pytest.approx(66.7)
     assert out["control_ratio"] == 1.0 and out["control_round_ratios"] == [0.8, 2.0] and out["control_tau"] is None
@@ -43,4 +48,5 @@ def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_p
     table = (tmp_path / "table.md").read_text()
     assert "| held-out | 0 | 1.00x (0.50-2.00) |" in table and "0.60x (0.50-1.00)" in table
     assert "noise floor" in table and "1.00x (0.80-2.00)" in table
+    assert "| held-out | 0 | 38 % |" in table  # the drafting server's share of cycles that drafted
     assert (tmp_path / "ratio.png").stat().st_size > 1000

@@ -37,7 +37,8 @@ from flashdraft.bench.metrics import from_counters, percentile
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)(\s+\d+)?$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
-             "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos"}
+             "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos",
+             "spec_decode_num_one_token_steps": "one_token_steps"}
 
 
 def free_port() -> int:
@@ -255,6 +256,10 @@ def level_summary(concurrency: int, recs: list[dict], wall: float, delta: dict |
         "tpot_ms": round(1000 * statistics.fmean(tpot), 3) if tpot else None,
         "latency_s": round(statistics.fmean(r["latency_s"] for r in ok), 4) if ok else None,
     }
+    if delta is not None and (delta.get("drafts") or delta.get("one_token_steps")):
+        # of the rows' cycles, the share that drafted: whether the draft policy drafted at this load at all
+        drafts = delta.get("drafts", 0)
+        out["drafting_share"] = round(drafts / (drafts + delta.get("one_token_steps", 0)), 4)
     if delta is not None and delta.get("drafts"):
         out.update(from_counters(delta), acceptance_source="metrics")
         out["spec_counters"] = {k: v for k, v in delta.items() if k != "per_pos"} | {

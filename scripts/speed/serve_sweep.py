@@ -87,20 +87,24 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
             tokens[name] += level["output_tokens"]
             seconds[name] += level["wall_s"]
             per_round[name].append((level["output_tokens"] / level["wall_s"], level.get("tau"),
-                                    level.get("mismatches")))
+                                    level.get("mismatches"), level.get("drafting_share")))
     tps = {name: tokens[name] / seconds[name] for name in urls}
     out = {"ar_tok_s": round(tps["ar"], 1)}
     for name in urls:
         if name == "ar":
             continue
         prefix = "" if name == "dflash" else f"{name}_"
-        taus = [t for _, t, _ in per_round[name] if t is not None]
-        mismatches = [m for _, _, m in per_round[name] if m is not None]
+        taus = [t for _, t, _, _ in per_round[name] if t is not None]
+        mismatches = [m for _, _, m, _ in per_round[name] if m is not None]
+        shares = [d for *_, d in per_round[name] if d is not None]
         out.update({f"{name}_tok_s": round(tps[name], 1), prefix + "ratio": round(tps[name] / tps["ar"], 3),
-                    prefix + "round_ratios": [round(x / a, 3) for (x, _, _), (a, _, _) in
+                    prefix + "round_ratios": [round(x / a, 3) for (x, *_), (a, *_) in
                                               zip(per_round[name], per_round["ar"])],
                     prefix + "tau": round(sum(taus) / len(taus), 4) if taus else None,
-                    prefix + "mismatches": sum(mismatches) if mismatches else None})
+                    prefix + "mismatches": sum(mismatches) if mismatches else None,
+                    # the share of the rows' cycles that drafted (from the server's counters): 0 means the policy
+                    # stepped one token at a time, so the cell's ratio is the drafting server's overhead and noise
+                    prefix + "drafting_share": round(sum(shares) / len(shares), 3) if shares else None})
     return out
 
 
@@ -170,14 +174,17 @@ def main(argv=None) -> int:
             compared += f"; control {row['control_ratio']:.2f}x" if "control_ratio" in row else ""
             print(f"[{i}/{len(plan)}] {s:13s} T={t:g} conc={c:3d}{' busy' if busy else '     '} "
                   f"ratio {row['ratio']:.2f}x (dflash {row['dflash_tok_s']:.0f} / plain {row['ar_tok_s']:.0f} tok/s, "
-                  f"tau {row.get('tau')}){compared} [{time.time() - started:.0f} s]", flush=True)
+                  f"tau {row.get('tau')}, drafting {row.get('drafting_share')}){compared} [{time.time() - started:.0f} s]", flush=True)
             (out / "results.json").write_text(json.dumps({"argv": sys.argv, "cells": cells}, indent=1))
     write_table(cells, concurrencies, temperatures, sets, out)
     return 0
 
 
 def ratio_text(cell: dict, key: str) -> str:
-    """"0.93x (0.88-0.99)": the cell's ratio and the range of its rounds' own ratios."""
+    """"0.93x (0.88-0.99)": the cell's ratio and the range of its rounds' own ratios; a share of drafting cycles
+    as "45 %"."""
+    if key.endswith("drafting_share"):
+        return "" if cell.get(key) is None else f"{100 * cell[key]:.0f} %"
     rounds = cell.get(key.replace("ratio", "round_ratios"), [])
     spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
     return f"{cell[key]:.2f}x{spread}"
@@ -186,10 +193,11 @@ def ratio_text(cell: dict, key: str) -> str:
 def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
     lines = []
     for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)"),
-                       ("control_ratio", "control: a second plain-decoding server (--control), the noise floor,")):
-        if not any(key in c for c in cells):
+                       ("control_ratio", "control: a second plain-decoding server (--control), the noise floor,"),
+                       ("drafting_share", "dflash: share of the rows' cycles that drafted (server counters), not")):
+        if not any(c.get(key) is not None for c in cells):
             continue
-        lines += [f"{title} / plain decoding", "",
+        lines += [f"{title} / plain decoding" if "ratio" in key else f"{title} one-token steps", "",
                   "| set | temperature | " + " | ".join(f"conc {c}" for c in concurrencies) + " | batch 1, busy core |",
                   "|---|---|" + "---|" * (len(concurrencies) + 1)]
         for s in sets:
