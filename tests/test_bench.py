@@ -16,7 +16,7 @@ from flashdraft.bench.cli import build_parser, main, run_bench
 from flashdraft.bench.datasets import DatasetUnavailable, Prompt, load_prompts
 from flashdraft.bench.methods import EngineMethod, Method, RunOutput
 from flashdraft.bench.metrics import from_counters
-from flashdraft.bench.server import counter_delta, parse_servers, parse_spec_metrics
+from flashdraft.bench.server import counter_delta, level_summary, parse_servers, parse_spec_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bench_server import MiniServer  # noqa: E402
@@ -259,6 +259,13 @@ vllm:num_requests_running{model_name="m"} 0.0
     assert parse_spec_metrics("spec_decode_num_drafts_total 3\nspec_decode_num_accepted_tokens 4\n") == \
         {"drafts": 3.0, "accepted": 4.0}
     assert parse_servers(["ar=http://h:1/v1/", "http://x:2"]) == [("ar", "http://h:1"), ("server2", "http://x:2")]
+    # our server also counts one-token steps: a level reports the share of the rows' cycles that drafted
+    ours = parse_spec_metrics(text + "spec_decode_num_one_token_steps_total 40\n")
+    before = {"drafts": 2.0, "one_token_steps": 4.0}
+    assert counter_delta(before, ours)["one_token_steps"] == 36.0
+    assert level_summary(4, [], 1.0, counter_delta(before, ours))["drafting_share"] == pytest.approx(10 / 46, 1e-3)
+    assert level_summary(4, [], 1.0, {"drafts": 0.0, "one_token_steps": 9.0})["drafting_share"] == 0.0
+    assert "drafting_share" not in level_summary(4, [], 1.0, None)
 
 
 def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):

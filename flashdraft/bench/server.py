@@ -116,7 +116,8 @@ def counter_delta(before: dict | None, after: dict | None) -> dict | None:
     if not after:
         return None
     before = before or {}
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("drafts", "draft_tokens", "accepted")}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0)
+             for k in ("drafts", "draft_tokens", "accepted", "one_token_steps")}
     pa, pb = after.get("per_pos", {}), before.get("per_pos", {})
     delta["per_pos"] = {p: pa[p] - pb.get(p, 0.0) for p in pa}
     return delta
