@@ -78,6 +78,38 @@ def test_statistics_are_consistent():
         assert d["tau"] == round(s.tau, 4) and len(d["per_position_acceptance"]) == 7
 
 
+def test_the_cycle_trace_accounts_for_every_committed_token():
+    """`SpecEngine.cycle_trace` gets one record per decode cycle: the requests in the batch, each one's verify width
+    and drafts accepted, the requests that joined in it. Per request, the cycles' acceptance lengths (accepted + 1)
+    after its first token cover its output, and all but its last cycle's fall short of it; rides are counted."""
+    target = make_target("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [7, 3], [2, 8, 1, 5]]
+    refs = [p + greedy_reference(target, p, 30) for p in prompts]
+    engine = SpecEngine(target, block_size=8, proposer=OracleProposer(refs, corrupt=0.5, seed=3))
+    records = []
+    engine.cycle_trace = records.append
+    batch, outputs = engine.open_batch(), {}
+    list(engine.add(batch, prompts[:2], SamplingParams(max_new_tokens=30), request_ids=[0, 1]))
+    engine.step(batch)
+    events = engine.step(batch, prompts[2:], SamplingParams(max_new_tokens=30), request_ids=[2, 3])  # they ride
+    while True:
+        outputs.update({ev.index: ev.result.token_ids for ev in events if ev.finished})
+        if not batch.rows:
+            break
+        events = engine.step(batch)
+    assert [outputs[i] for i in range(4)] == [greedy_reference(target, p, 30) for p in prompts]
+    assert [r["joined"] for r in records].count(2) == 1 and sum(r["joined"] for r in records) == 2
+    assert any(max(r["widths"]) > 1 for r in records) and any(r["ms"] > 0 for r in records)
+    cycles = {i: [] for i in range(4)}
+    for r in records:
+        assert len(r["requests"]) == len(r["widths"]) == len(r["accepted"])
+        for req, width, accepted in zip(r["requests"], r["widths"], r["accepted"]):
+            assert 0 <= accepted <= width - 1
+            cycles[req].append(accepted + 1)
+    for req, lengths in cycles.items():
+        assert 1 + sum(lengths) >= 30 > 1 + sum(lengths[:-1])
+
+
 def test_block_size_one_is_plain_decoding():
     target = make_target("qwen2")
     engine = SpecEngine(target, make_drafter(target), block_size=1)

@@ -195,6 +195,22 @@ def test_cli_parser_and_argument_errors():
         build_engine(both)
 
 
+def test_cycle_trace_file_is_appended_and_a_bad_path_is_one_error(tmp_path):
+    from flashdraft.serve.cli import open_cycle_trace
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve"]).cycle_trace is None and open_cycle_trace(None) is None
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"ms": 1}\n')
+    with open_cycle_trace(str(path)) as trace:  # appended to, not truncated
+        trace.write('{"ms": 2}\n')
+    assert path.read_text() == '{"ms": 1}\n{"ms": 2}\n'
+    bad = parser.parse_args(["serve", "--no-draft", "--cycle-trace", str(tmp_path / "missing" / "trace.jsonl")])
+    with pytest.raises(ValueError, match="--cycle-trace .*missing.*cannot write it"):
+        run_serve(bad)  # before anything loads
+
+
 def test_serve_target_without_draft_is_refused_not_silently_plain():
     from flashdraft.serve.cli import build_engine
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -320,6 +320,9 @@ class SpecEngine:
         self.tree_costs = CostModel()  # "auto": what tree cycles cost (their machinery included), by tokens verified
         self._feature_spec = None  # (width, dtype, device) of the target features the drafter reads
         self.profiler = CycleProfiler(config.profile)
+        # called with a dict after every decode cycle (`_trace`): what the draft policy chose and what it gave, for
+        # a server's `--cycle-trace` (None: nothing is built)
+        self.cycle_trace: Callable[[dict], None] | None = None
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
         self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
 
@@ -700,9 +703,21 @@ class SpecEngine:
                     self.tree_costs.record(timing)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted,
                                  None if (auto_shape and trees) or joining else timing)
+            if self.cycle_trace is not None:
+                self._trace(rows, widths, accepted, len(joining), trees, timing)
         elif profile and not trees:
             self.costs.record(timing)
         self._drop_finished(batch)
+
+    def _trace(self, rows: list[_Row], widths: list[int], accepted: list[int], joined: int, trees: bool,
+               timing: CycleTiming) -> None:
+        """One cycle's record for `cycle_trace`: per row its request id, verify width (1: a one-token step) and
+        drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees, and
+        its time in ms (the draft's and the pending context write's apart)."""
+        self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
+                          "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
+                          "ms": round(1000 * timing.total_s, 3), "draft_ms": round(1000 * timing.draft_s, 3),
+                          "context_ms": round(1000 * timing.context_s, 3)})
 
     def _clock(self) -> float:
         """Now, after the device's queued work (the policy's cost model times the draft apart)."""

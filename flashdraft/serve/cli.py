@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -87,6 +88,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-bytes", type=int_at_least(1), default=None,
                    help="longest prompt text (UTF-8 bytes) tokenized; longer ones are a 400 before tokenizing "
                         "(default: max-model-len x the longest vocabulary entry, which no fitting prompt exceeds)")
+    p.add_argument("--cycle-trace", default=None, metavar="PATH",
+                   help="append one JSON line per decode cycle to PATH: the requests in the batch, each one's verify "
+                        "width (1: a one-token step) and drafts accepted, requests that joined, the cycle's ms "
+                        "(what the draft policy chose under your traffic; default: off)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -145,6 +150,16 @@ def build_engine(args):
     return engine, name
 
 
+def open_cycle_trace(path: str | None):
+    """The `--cycle-trace` file, opened for appending (line-buffered: a line per cycle as it ends), or None."""
+    if path is None:
+        return None
+    try:
+        return open(path, "a", buffering=1)
+    except OSError as e:
+        raise ValueError(f"--cycle-trace {path}: cannot write it ({e.strerror or e})") from None
+
+
 def uvicorn_server(app, drain_timeout: float, **config):
     """A uvicorn.Server for `app` (a `create_app` app) that drains the app before uvicorn's own shutdown: SIGTERM
     -> /health 503, new requests 503, in-flight ones get `drain_timeout` s, then each remaining stream gets an
@@ -177,7 +192,10 @@ def run_serve(args) -> int:
         print(f"flashdraft serve needs the serve extra: pip install 'flashdraft[serve]' ({e})", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trace = open_cycle_trace(args.cycle_trace)
     engine, name = build_engine(args)
+    if trace is not None:
+        engine.cycle_trace = lambda record: trace.write(json.dumps(record, default=str) + "\n")
     config = ServeConfig(model_name=name, max_model_len=args.max_model_len, max_batch_size=args.max_batch_size,
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                          api_key=api_key, drain_timeout=args.drain_timeout, threads=args.threads,
