@@ -1,0 +1,43 @@
+"""Read a `flashdraft serve --cycle-trace` file written during `serve_sweep.py` and summarise it round by round
+(a round: cycles with no gap over GAP seconds between them; the sweep's other servers run in the gaps): cycles,
+the largest batch, the drafting cycles (rows, rows drafting, tokens committed, ms) against one-token cycles, and
+the committed tokens per ms of each kind.
+
+    python docs/bench/served_load_s42/trace_rounds.py TRACE.jsonl [GAP=0.5]
+"""
+import json
+import statistics
+import sys
+
+records = [json.loads(line) for line in open(sys.argv[1])]
+gap = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+rounds, current = [], []
+for r in records:
+    if current and r["time"] - current[-1]["time"] - r["ms"] / 1000 > gap:
+        rounds.append(current)
+        current = []
+    current.append(r)
+rounds.append(current)
+
+
+def committed(r):
+    return len(r["widths"]) + sum(r["accepted"])
+
+
+for i, cycles in enumerate(rounds):
+    drafting = [r for r in cycles if max(r["widths"]) > 1]
+    plain = [r for r in cycles if max(r["widths"]) == 1]
+    rows = max(len(r["widths"]) for r in cycles)
+
+    def rate(group):
+        return sum(committed(r) for r in group) / max(1e-9, sum(r["ms"] for r in group))
+    line = (f"round {i}: {len(cycles)} cycles, up to {rows} rows, {sum(r['ms'] for r in cycles) / 1000:.2f} s; "
+            f"one-token cycles {len(plain)} ({rate(plain):.2f} tok/ms"
+            f"{', median ms at most rows ' + format(statistics.median([r['ms'] for r in plain if len(r['widths']) == rows]), '.2f') if any(len(r['widths']) == rows for r in plain) else ''}); "
+            f"drafting cycles {len(drafting)}")
+    if drafting:
+        line += (f" ({rate(drafting):.2f} tok/ms; rows drafting per cycle "
+                 f"{statistics.mean(sum(w > 1 for w in r['widths']) for r in drafting):.1f}, widths "
+                 f"{sorted({w for r in drafting for w in r['widths'] if w > 1})}, "
+                 f"{sum(r['ms'] for r in drafting) / 1000:.2f} s, joined in them {sum(r['joined'] for r in drafting)})")
+    print(line)
