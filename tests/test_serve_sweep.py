@@ -50,3 +50,23 @@ def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_p
     assert "noise floor" in table and "1.00x (0.80-2.00)" in table
     assert "| held-out | 0 | 38 % |" in table  # the drafting server's share of cycles that drafted
     assert (tmp_path / "ratio.png").stat().st_size > 1000
+
+
+def test_the_compare_server_can_run_from_another_checkout(sweep, monkeypatch, tmp_path):
+    """`--compare-checkout DIR`: that server's `flashdraft serve` runs in DIR, so `-m` imports DIR's flashdraft."""
+    import contextlib
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_local_server(args, log, name, cwd=None, cpus=None):
+        calls.append((args, name, cwd))
+        yield "http://127.0.0.1:1", None
+
+    monkeypatch.setattr(sweep, "local_server", fake_local_server)
+    with sweep.server("compare", ["--block-size", "8"], 1, 4, tmp_path, checkout=str(tmp_path / "before")) as url:
+        assert url == "http://127.0.0.1:1"
+    with sweep.server("dflash", [], 1, 4, tmp_path):
+        pass
+    assert calls[0][2] == str(tmp_path / "before") and calls[0][0][-2:] == ["--block-size", "8"]
+    assert calls[1][2] is None

@@ -10,7 +10,8 @@ level by level; the ratio is DFlash's output tokens per second over plain decodi
 Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-args` go to the drafting server
 only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
 with its own flags, run in the same interleaved rounds (e.g. `--serve-args="--tree-budget auto" --compare-args=""`:
-trees and the chain side by side against the same plain decoding). `--control` adds a second `--no-draft` server
+trees and the chain side by side against the same plain decoding); `--compare-checkout DIR` runs that server from
+another checkout (`git worktree add /tmp/before HEAD~1`: a code change against the code before it, in one run). `--control` adds a second `--no-draft` server
 (with `--control-args`, if given) to the rounds: plain decoding against itself shows how far a ratio moves on
 this machine with nothing changed
 (on the 2-core benchmark machine single rounds of plain against plain ranged 0.82-1.25x at 4-32 requests).
@@ -37,11 +38,14 @@ SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
 
 
 @contextlib.contextmanager
-def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path, cpus: set[int] | None = None):
-    """A `flashdraft serve` process on a free port (on `cpus` only, when given); yields its base URL."""
+def server(name: str, extra: list[str], threads: int, max_batch: int, log_dir: Path, cpus: set[int] | None = None,
+           checkout: str | None = None):
+    """A `flashdraft serve` process on a free port (on `cpus` only, when given; the flashdraft of `checkout`, when
+    given); yields its base URL."""
     args = ["--threads", str(threads), "--max-batch-size", str(max_batch), "--max-queue", str(4 * max_batch),
             "--log-level", "warning", *extra]
-    with open(log_dir / f"{name}.log", "w") as log, local_server(args, log, f"{name} server", cpus=cpus) as (url, _):
+    with open(log_dir / f"{name}.log", "w") as log, local_server(args, log, f"{name} server", cwd=checkout,
+                                                                cpus=cpus) as (url, _):
         yield url
 
 
@@ -121,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-args", default="", help="extra flags for the drafting server")
     p.add_argument("--compare-args", default=None,
                    help="a second drafting server with these flags (e.g. the default, \"\"), in the same rounds")
+    p.add_argument("--compare-checkout", default=None, metavar="DIR",
+                   help="run the second drafting server from another checkout of flashdraft (e.g. a `git worktree` "
+                        "of the commit before a change), with --compare-args' flags if given: code A/B in one run")
     p.add_argument("--control", action="store_true",
                    help="a second plain-decoding server in the same rounds: its ratio to the first is this "
                         "machine's noise at each cell, the band a DFlash ratio must be read against")
@@ -156,8 +163,10 @@ def main(argv=None) -> int:
             return servers.enter_context(server(name, extra, args.threads, max_batch, out, server_cpus))
 
         urls = {"dflash": start("dflash", shlex.split(args.serve_args)), "ar": start("ar", ["--no-draft"])}
-        if args.compare_args is not None:
-            urls["compare"] = start("compare", shlex.split(args.compare_args))
+        if args.compare_args is not None or args.compare_checkout:
+            urls["compare"] = servers.enter_context(server("compare", shlex.split(args.compare_args or ""),
+                                                           args.threads, max_batch, out, server_cpus,
+                                                           args.compare_checkout))
         if args.control:
             urls["control"] = start("control", ["--no-draft", *shlex.split(args.control_args)])
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
