@@ -11,10 +11,10 @@ Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-arg
 only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
 with its own flags, run in the same interleaved rounds (e.g. `--serve-args="--tree-budget auto" --compare-args=""`:
 trees and the chain side by side against the same plain decoding); `--compare-checkout DIR` runs that server from
-another checkout (`git worktree add /tmp/before HEAD~1`: a code change against the code before it, in one run). `--control` adds a second `--no-draft` server
-(with `--control-args`, if given) to the rounds: plain decoding against itself shows how far a ratio moves on
-this machine with nothing changed
-(on the 2-core benchmark machine single rounds of plain against plain ranged 0.82-1.25x at 4-32 requests).
+another checkout (`git worktree add /tmp/before HEAD~1`: a code change against the code before it, in one run).
+`--control` adds a second `--no-draft` server (with `--control-args`, if given) to the rounds: plain decoding
+against itself shows how far a ratio moves on this machine with nothing changed (on the 2-core benchmark machine
+single rounds of plain against plain ranged 0.82-1.25x at 4-32 requests).
 
 What this script does not know about: how the servers decode (it only starts them and speaks HTTP).
 """
@@ -159,14 +159,12 @@ def main(argv=None) -> int:
     max_batch = max(concurrencies)
     cells = []
     with contextlib.ExitStack() as servers:
-        def start(name, extra):
-            return servers.enter_context(server(name, extra, args.threads, max_batch, out, server_cpus))
+        def start(name, extra, checkout=None):
+            return servers.enter_context(server(name, extra, args.threads, max_batch, out, server_cpus, checkout))
 
         urls = {"dflash": start("dflash", shlex.split(args.serve_args)), "ar": start("ar", ["--no-draft"])}
         if args.compare_args is not None or args.compare_checkout:
-            urls["compare"] = servers.enter_context(server("compare", shlex.split(args.compare_args or ""),
-                                                           args.threads, max_batch, out, server_cpus,
-                                                           args.compare_checkout))
+            urls["compare"] = start("compare", shlex.split(args.compare_args or ""), args.compare_checkout)
         if args.control:
             urls["control"] = start("control", ["--no-draft", *shlex.split(args.control_args)])
         plan = [(s, t, c, False) for t in temperatures for s in sets for c in concurrencies]
@@ -183,7 +181,8 @@ def main(argv=None) -> int:
             compared += f"; control {row['control_ratio']:.2f}x" if "control_ratio" in row else ""
             print(f"[{i}/{len(plan)}] {s:13s} T={t:g} conc={c:3d}{' busy' if busy else '     '} "
                   f"ratio {row['ratio']:.2f}x (dflash {row['dflash_tok_s']:.0f} / plain {row['ar_tok_s']:.0f} tok/s, "
-                  f"tau {row.get('tau')}, drafting {row.get('drafting_share')}){compared} [{time.time() - started:.0f} s]", flush=True)
+                  f"tau {row.get('tau')}, drafting {row.get('drafting_share')}){compared} "
+                  f"[{time.time() - started:.0f} s]", flush=True)
             (out / "results.json").write_text(json.dumps({"argv": sys.argv, "cells": cells}, indent=1))
     write_table(cells, concurrencies, temperatures, sets, out)
     return 0
@@ -201,12 +200,15 @@ def ratio_text(cell: dict, key: str) -> str:
 
 def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
     lines = []
-    for key, title in (("ratio", "dflash (--serve-args)"), ("compare_ratio", "compare (--compare-args)"),
-                       ("control_ratio", "control: a second plain-decoding server (--control), the noise floor,"),
-                       ("drafting_share", "dflash: share of the rows' cycles that drafted (server counters), not")):
+    for key, title in (("ratio", "dflash (--serve-args) / plain decoding"),
+                       ("compare_ratio", "compare (--compare-args) / plain decoding"),
+                       ("control_ratio", "control: a second plain-decoding server (--control), the noise floor, / "
+                                         "plain decoding"),
+                       ("drafting_share", "dflash: share of the rows' cycles that drafted (server counters), not "
+                                          "one-token steps")):
         if not any(c.get(key) is not None for c in cells):
             continue
-        lines += [f"{title} / plain decoding" if "ratio" in key else f"{title} one-token steps", "",
+        lines += [title, "",
                   "| set | temperature | " + " | ".join(f"conc {c}" for c in concurrencies) + " | batch 1, busy core |",
                   "|---|---|" + "---|" * (len(concurrencies) + 1)]
         for s in sets:

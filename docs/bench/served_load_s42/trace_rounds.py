@@ -38,9 +38,10 @@ for i, cycles in enumerate(rounds):
 
     def rate(group):
         return sum(committed(r) for r in group) / max(1e-9, sum(r["ms"] for r in group))
+    full = [r["ms"] for r in plain if len(r["widths"]) == rows]
     line = (f"round {i}: {len(cycles)} cycles, up to {rows} rows, {sum(r['ms'] for r in cycles) / 1000:.2f} s; "
             f"one-token cycles {len(plain)} ({rate(plain):.2f} tok/ms"
-            f"{', median ms at most rows ' + format(statistics.median([r['ms'] for r in plain if len(r['widths']) == rows]), '.2f') if any(len(r['widths']) == rows for r in plain) else ''}); "
+            f"{f', median ms at most rows {statistics.median(full):.2f}' if full else ''}); "
             f"drafting cycles {len(drafting)}")
     if drafting:
         line += (f" ({rate(drafting):.2f} tok/ms; rows drafting per cycle "
