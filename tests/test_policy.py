@@ -10,7 +10,7 @@ from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN,
                                       PRIOR_SMOOTHING, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth, CostModel,
-                                      Curve, CycleTiming, Goodput, initial_prior, width_choices)
+                                      Curve, CycleTiming, FixedWidth, Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -83,6 +83,24 @@ def test_rows_of_one_batch_get_their_own_widths():
     rows = [policy.new_row() for _ in range(8)]
     history = run(policy, rows, lambda i, c, w: 14 if i < 2 else 0, CPU, MIN_HOLD + 60)
     assert all(h[:2] == [16, 16] and h[2:] == [1] * 6 for h in history[-10:])
+
+
+def test_the_policy_says_how_it_decided():
+    """`decision` (read by the cycle trace): "unmeasured" before any cycle was timed, "plan" when the models chose,
+    "held" while the goodput check holds a load where drafting lost, "kept" while a plan of one-token steps stands."""
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    rows = [policy.new_row() for _ in range(8)]
+    policy.widths(rows)
+    assert policy.decision == "unmeasured"
+    decisions = []
+    for c in range(MIN_HOLD // 2):
+        widths = policy.widths(rows)
+        decisions.append(policy.decision)
+        policy.observe(rows, widths, [0] * len(rows), CPU(widths))  # every draft fails
+    assert set(decisions) <= {"unmeasured", "unmeasured load", "plan", "held", "kept", "probe"}
+    assert "held" in decisions[decisions.index("plan"):]  # the models chose to draft, lost, and the load is held
+    assert decisions[-1] == "held"
+    assert FixedWidth(16).decision == "fixed"
 
 
 def test_rows_that_come_due_together_are_probed_one_at_a_time():

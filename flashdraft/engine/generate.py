@@ -704,18 +704,21 @@ class SpecEngine:
             batch.policy.observe([r.acceptance for r in rows], widths, accepted,
                                  None if (auto_shape and trees) or joining else timing)
             if self.cycle_trace is not None:
-                self._trace(rows, widths, accepted, len(joining), trees, timing)
+                self._trace(rows, widths, accepted, len(joining), trees, timing,
+                            getattr(batch.policy, "decision", None))
         elif profile and not trees:
             self.costs.record(timing)
         self._drop_finished(batch)
 
     def _trace(self, rows: list[_Row], widths: list[int], accepted: list[int], joined: int, trees: bool,
-               timing: CycleTiming) -> None:
+               timing: CycleTiming, decision: str | None) -> None:
         """One cycle's record for `cycle_trace`: per row its request id, verify width (1: a one-token step) and
-        drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees, and
-        its time in ms (the draft's and the pending context write's apart)."""
+        drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees, how
+        the draft policy decided (`AdaptiveWidth.decision`: e.g. "held" while the goodput check holds the load at
+        one-token steps), and its time in ms (the draft's and the pending context write's apart)."""
         self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
                           "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
+                          "decision": decision,
                           "ms": round(1000 * timing.total_s, 3), "draft_ms": round(1000 * timing.draft_s, 3),
                           "context_ms": round(1000 * timing.context_s, 3)})
 

@@ -428,6 +428,8 @@ class FixedWidth:
     def new_row(self, sampled: bool = False) -> None:
         return None
 
+    decision = "fixed"
+
     def widths(self, rows: list, pending: list[int] | None = None) -> list[int]:
         return [self.block_size] * len(rows)
 
@@ -455,6 +457,11 @@ class AdaptiveWidth:
         # a plan of one-token steps only is kept for REPLAN_PLAIN_EVERY cycles while the batch stays in its row
         # bucket: rows that join meanwhile are judged alone (`_newcomers_draft`), rows that leave change nothing
         self._plain_cycles_left, self._plain_bucket = 0, 0
+        # how the last `widths` decided, for a cycle trace: "plan" (the cost and acceptance models chose), "kept"
+        # (a plan of one-token steps still stands), "probe" (it stands but for a probed row, which drafts), "held"
+        # (the goodput check holds this load at one-token steps: drafting lately gave less), "unmeasured" /
+        # "unmeasured load" (no cycle timed yet / none of this many rows)
+        self.decision: str | None = None
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         return RowAcceptance(self.priors[sampled].copy(), sampled,
@@ -483,19 +490,23 @@ class AdaptiveWidth:
             r = rows[probe]
             r.judged, r.acceptance, r.probing = r.acceptance, initial_prior(self.block_size), True
         if not self.costs.body.points:  # nothing measured yet: draft, then judge
+            self.decision = "unmeasured"
             return [self.block_size] * n
         if not self.costs.body.known(n):  # a one-token step of this many rows was never measured
+            self.decision = "unmeasured load"
             return [1] * n
         kept = self._plain_cycles_left > 0 and bucket(n) == self._plain_bucket
         joined = [i for i, r in enumerate(rows) if not r.planned] if kept else []
         if kept:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
             if probe is None and not joined:
+                self.decision = "held" if self.costs.goodput.hold.get(bucket(n), 0) else "kept"
                 return [1] * n
         plan = np.ones(n, dtype=np.int64)
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
-            pass  # every row steps (a probe among them is declined below)
+            self.decision = "held"  # every row steps (a probe among them is declined below)
         elif kept and self.ragged and not self._newcomers_draft(rows, joined, n, pending):
+            self.decision = "kept"
             # the plan kept stands for the rows that joined (a full plan costs ~5 % of a 16-row step, and with
             # 64-token requests at 16 rows a row joins every ~2 cycles); a probe drafts if drafting it alone pays
             for i in joined:
@@ -507,7 +518,9 @@ class AdaptiveWidth:
             if plan[probe] == 1:
                 self._declined(rows[probe])
                 return plan.tolist()
+            self.decision = "probe"  # the kept plan stands but for the probed row, which drafts
         else:
+            self.decision = "plan"
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
             self._explore(plan, probe, n)
         for r, w in zip(rows, plan):

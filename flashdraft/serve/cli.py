@@ -90,8 +90,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: max-model-len x the longest vocabulary entry, which no fitting prompt exceeds)")
     p.add_argument("--cycle-trace", default=None, metavar="PATH",
                    help="append one JSON line per decode cycle to PATH: the requests in the batch, each one's verify "
-                        "width (1: a one-token step) and drafts accepted, requests that joined, the cycle's ms "
-                        "(what the draft policy chose under your traffic; default: off)")
+                        "width (1: a one-token step) and drafts accepted, requests that joined, how the draft policy "
+                        "decided (plan / held / kept / probe / unmeasured), the cycle's ms (default: off)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
