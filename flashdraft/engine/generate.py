@@ -718,8 +718,8 @@ class SpecEngine:
         one-token steps), and its time in ms (the draft's and the pending context write's apart)."""
         self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
                           "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
-                          "decision": decision,
-                          "ms": round(1000 * timing.total_s, 3), "draft_ms": round(1000 * timing.draft_s, 3),
+                          "decision": decision, "ms": round(1000 * timing.total_s, 3),
+                          "draft_ms": round(1000 * timing.draft_s, 3),
                           "context_ms": round(1000 * timing.context_s, 3)})
 
     def _clock(self) -> float:

@@ -421,14 +421,14 @@ class FixedWidth:
     """Every row verifies the full block every cycle. The cycle costs are still measured (when given a cost model):
     token trees size themselves by them (`tree_budget="auto"`)."""
 
+    decision = "fixed"  # how every cycle's widths are decided (a cycle trace reads it)
+
     def __init__(self, block_size: int, costs: CostModel | None = None):
         self.block_size = block_size
         self.costs = costs
 
     def new_row(self, sampled: bool = False) -> None:
         return None
-
-    decision = "fixed"
 
     def widths(self, rows: list, pending: list[int] | None = None) -> list[int]:
         return [self.block_size] * len(rows)
