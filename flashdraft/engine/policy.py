@@ -266,7 +266,12 @@ class Goodput:
             smaller = [k for k in self.lost if k < key]  # only loses more with load), held first if drafting lost
             if smaller and self.lost[max(smaller)]:
                 self.lost[key], self.hold[key] = True, MIN_HOLD
-        return self.hold.get(key, 0) == 0
+        return not self.holding(rows)
+
+    def holding(self, rows: int) -> bool:
+        """Whether this load is held at one-token steps now (read-only: `allows` also starts a new load's hold);
+        below GOODPUT_ROWS rows never."""
+        return rows >= GOODPUT_ROWS and self.hold.get(bucket(rows), 0) > 0
 
     def record(self, rows: int, committed: int, seconds: float, drafting: bool, plain_s: float | None) -> None:
         """One cycle of `rows` rows that committed `committed` tokens in `seconds`; `plain_s`: what the cost model
@@ -500,7 +505,7 @@ class AdaptiveWidth:
         if kept:
             self._plain_cycles_left -= 1  # nothing it judged has changed since it chose one-token steps
             if probe is None and not joined:
-                self.decision = "held" if self.costs.goodput.hold.get(bucket(n), 0) else "kept"
+                self.decision = "held" if self.costs.goodput.holding(n) else "kept"
                 return [1] * n
         plan = np.ones(n, dtype=np.int64)
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately

@@ -25,7 +25,7 @@ continuous batch on a machine model instead:
   and reaches p over its first 16 output tokens (the shipped pair's first drafts accept far less than its later
   ones: its first cycle's mean acceptance length is 2.6 against 5.9 over whole held-out requests; ~0.7 fits);
 - with `--refill F1,F2,..`, the i-th one-token cycle after a drafting cycle costs Fi steps more (the caches and
-  clock refilling for the target: the shipped pair at 4 rows measured 0.24, 0.12, 0.1, 0.06 steps; `policy.Refill`);
+  clock refilling for the target: the shipped pair at 4 rows measured 0.24, 0.12, 0.1, 0.06 steps);
 - plain decoding: the same machine and requests with every width 1.
 It prints tokens/s of the policy / tokens/s of plain decoding, the mean over seeds, per concurrency and set.
 
