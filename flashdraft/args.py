@@ -214,6 +214,10 @@ def add_device_args(p) -> None:
     p.add_argument("--lookup-ngram", type=int_in(0, 16), default=0,
                    help="with --tree-budget: add a prompt-lookup branch to every tree, the continuation of the "
                         "latest earlier match of the context's last N tokens (0 = none, default)")
+    p.add_argument("--lookup-splice", type=int_in(0, 8), default=4,
+                   help="continue a row's chain of drafts by prompt lookup where the context's last N or more tokens "
+                        "occurred before and what followed starts with the drafter's first draft (repeats the "
+                        "drafter starts and loses; no model call; default 4, 0 = off)")
 
 
 def tree_budget_arg(value: str):
@@ -274,6 +278,7 @@ def engine_config(args, plain: bool = False):
                           pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
+                          lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),
                           mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
 

@@ -104,6 +104,20 @@ def test_tree_methods_side_by_side(pair, tmp_path):
     assert res["losslessness"]["passed"]
 
 
+def test_the_drafters_chain_beside_the_spliced_one(pair, tmp_path):
+    """`dflash-drafter` is the engine without the prompt-lookup splice, beside `dflash` (with a 1-token minimum,
+    so this tiny pair's repeats splice): both equal plain decoding, and the results say which configuration ran."""
+    out = tmp_path / "out"
+    assert main(_args(pair, out, "--strict", "--methods", "dflash-drafter,dflash", "--lookup-splice", "1",
+                      "--draft-policy", "fixed")) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in res["methods"]] == ["ar", "dflash-drafter", "dflash"]
+    assert [m["engine"]["lookup_splice"] for m in res["methods"][1:]] == [0, 1]
+    m = res["datasets"]["prompts"]["methods"]
+    assert all(m[name]["mismatches"] == 0 for name in m)
+    assert res["losslessness"]["passed"]
+
+
 class WrongMethod(Method):
     """Plain decoding that flips one token of every other prompt: a lossless method with a bug."""
 

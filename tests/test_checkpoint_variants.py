@@ -105,7 +105,7 @@ def generation_matches_remote(drafter, target, tmp_path, prompt=(3, 14, 15, 92, 
     export = drafter.save_pretrained(tmp_path / "gen", dtype=torch.float64)
     theirs = remote.DFlashDraftModel.from_pretrained(str(export), dtype=torch.float64).eval()
     res = theirs.spec_generate(target, torch.tensor([list(prompt)]), n, return_stats=True)
-    engine = SpecEngine(target, drafter, draft_policy="fixed")  # every cycle drafts, as their loop does
+    engine = SpecEngine(target, drafter, draft_policy="fixed", lookup_splice=0)  # their loop: the drafter's chain
     ours = engine.generate([list(prompt)], SamplingParams(max_new_tokens=n))[0]
     assert ours.token_ids == res.output_ids[0, len(prompt):].tolist() == greedy_reference(target, list(prompt), n)
     assert ours.stats.acceptance_lengths[:-1] == res.acceptance_lengths[:-1]

@@ -62,7 +62,8 @@ def test_drafted_blocks_equal_transformers_dflash(monkeypatch):
         return drafts, probs
 
     monkeypatch.setattr(DFlashProposer, "propose", record_ours)
-    engine = SpecEngine(target, drafter, draft_policy="fixed")  # every cycle drafts, as transformers' loop does
+    # every cycle drafts the drafter's own chain, as transformers' loop does (no prompt-lookup splice)
+    engine = SpecEngine(target, drafter, draft_policy="fixed", lookup_splice=0)
     result = engine.generate([prompt], SamplingParams(max_new_tokens=30))[0]
     assert hf_out == result.token_ids == greedy_reference(target, prompt, 30)
     n = min(len(theirs), len(ours))

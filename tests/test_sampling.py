@@ -22,7 +22,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import flashdraft.engine.generate as engine_module
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
-from flashdraft.engine import NoRowState, Verdict, target_probs, verify
+from flashdraft.engine import EngineConfig, NoRowState, Verdict, target_probs, verify
 
 VOCAB, MASK, N_TOKENS, N_SAMPLES = 8, 7, 3, 12000
 N_LONG, N_LONG_SAMPLES = 10, 2000  # per-position checks: this many tokens for the first this many generations
@@ -163,9 +163,11 @@ SETTINGS = [
 # the default sampler (counter-based noise shared by drafter and target) and rejection sampling
 # "dflash" runs the default (adaptive) draft policy; "-mixed" forces rows of one batch to different widths every
 # cycle (one-token steps among them: a ragged verify); "-fixed" verifies the whole block every cycle
+# "-splice1": the chain continued by prompt lookup from a 1-token match on (`lookup.py`; the default engine splices
+# from 4-token matches, rare in 10 tokens), so that most drafting cycles splice
 CASES = [("dflash", 0), ("dflash-mixed", 1), ("dflash-fixed", 2), ("dflash-generic-path-mixed", 2), ("soft", 0),
          ("soft-mixed", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-mixed-rejection", 2),
-         ("soft-mixed-rejection", 1), ("ar-rejection", 0)]
+         ("soft-mixed-rejection", 1), ("ar-rejection", 0), ("dflash-splice1", 0), ("dflash-splice1-rejection", 0)]
 
 
 class MixedWidths:
@@ -187,6 +189,18 @@ class MixedWidths:
         pass
 
 
+def count_splices(engine):
+    """A counter of the engine's spliced chains from now on (read through the returned callable)."""
+    count, splice_lookups = [0], engine._splice_lookups
+
+    def counting(rows, drafting, block):
+        before = sum(r.stats.lookup_splices for r in rows)
+        splice_lookups(rows, drafting, block)
+        count[0] += sum(r.stats.lookup_splices for r in rows) - before
+    engine._splice_lookups = counting
+    return lambda: count[0]
+
+
 @pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting, monkeypatch):
     params = SETTINGS[setting]
@@ -195,13 +209,17 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
         monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, *a, **k: MixedWidths(block_size))
     if method.startswith("dflash"):
         engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None, sampler=sampler,
-                            draft_policy="fixed" if "-fixed" in method else "adaptive")
+                            draft_policy="fixed" if "-fixed" in method else "adaptive",
+                            lookup_splice=1 if "-splice1" in method else EngineConfig.lookup_splice)
     elif method.startswith("soft"):
         engine = SpecEngine(target, block_size=3, proposer=SoftProposer(), sampler=sampler)
     else:
         engine = SpecEngine(target, sampler=sampler)
     exact = exact_distribution(target, params)
+    splices = count_splices(engine) if "-splice1" in method else None
     counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
+    if splices is not None:
+        assert splices() > 100, f"{method}: only {splices()} cycles spliced"  # the path under test ran
     p_value, tv = fit(exact, counts)
     tv_floor = null_total_variation(exact, N_SAMPLES)
     assert p_value > P_MIN and tv < 1.5 * tv_floor + 0.01, (

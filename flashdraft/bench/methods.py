@@ -7,6 +7,8 @@
 - `dflash-chain`  the same without token trees (`--tree-budget 0`, no lookup branch): what trees are measured against.
 - `dflash-tree`   the same trees without the prompt-lookup branch (`--lookup-ngram 0`): with `dflash` run with
                   `--lookup-ngram N`, the drafter's tree alone beside the mix.
+- `dflash-drafter` the same without the prompt-lookup splice of chains (`--lookup-splice 0`): the drafter's own
+                  chain, what the splice is measured against.
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -25,17 +27,17 @@ What this module does not know about: prompts, aggregation, output (see `offline
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
-LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash", "hf-assisted",
-                    "prompt-lookup")
+LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "hf-dflash",
+                    "hf-assisted", "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
-DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "hf-dflash")  # they need a drafter
-ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree")  # variants for side-by-side comparisons
+DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "hf-dflash")  # need one
+ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter")  # side-by-side variants
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ON_REQUEST_METHODS)
 
 
@@ -85,6 +87,9 @@ class EngineMethod(Method):
         self.params = params
         self.max_draft = self.engine.block_size - 1
         self.device = self.engine.target.device
+
+    def describe(self) -> dict:
+        return {**super().describe(), "engine": asdict(self.engine.config)}  # which configuration ran
 
     def warmup(self) -> None:
         self.engine.warmup(1)  # as `flashdraft serve` does: every width's kernels run and the policy's costs are timed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashdraft.engine.lookup import MAX_NGRAM
 from flashdraft.engine.policy import DRAFT_POLICIES
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE
 
@@ -56,6 +57,10 @@ class EngineConfig:
     # with trees: a prompt-lookup branch in every drafting row's tree, the continuation of the latest earlier match
     # of the context's last n <= lookup_ngram tokens (0 = none)
     lookup_ngram: int = 0
+    # chains: where the context's last n >= lookup_splice tokens occurred before and what followed them starts with
+    # the drafter's first draft, that continuation replaces the rest of the row's drafts (`lookup.py`: prompt
+    # lookup for the repeats a drafter starts and then loses; no model call). 0 = the drafter's chain alone
+    lookup_splice: int = 4
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -71,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}")
         if not integer(self.lookup_ngram) or not 0 <= self.lookup_ngram <= 16:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
+        if not integer(self.lookup_splice) or not 0 <= self.lookup_splice <= MAX_NGRAM:
+            raise ValueError(f"lookup_splice must be an integer in [0, {MAX_NGRAM}], got {self.lookup_splice!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

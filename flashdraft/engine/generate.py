@@ -50,6 +50,7 @@ from flashdraft.engine.batch import (Batch, Features, PendingContext, RowBuckets
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, random_seed
 from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
@@ -83,6 +84,7 @@ class RequestStats:
     verify_widths: list[int] = field(default_factory=list)  # tokens verified by each drafting cycle (bonus included)
     # positions the drafter filled in each drafting cycle (bonus included): the cycle's widest width, or the block
     draft_lengths: list[int] = field(default_factory=list)
+    lookup_splices: int = 0  # drafting cycles whose chain was continued by prompt lookup (`lookup.py`)
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
@@ -146,6 +148,7 @@ class RequestStats:
             "plain_steps": self.plain_steps,
             "verify_widths": list(self.verify_widths),
             "drafted_tokens": self.drafted_tokens,
+            "lookup_splices": self.lookup_splices,
             "proposed_tokens": self.proposed_tokens,
             "verified_tokens": self.verified_tokens,
             "acceptance_histogram": self.histogram,
@@ -194,6 +197,7 @@ class _Row:
     noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
     pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
+    lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice`
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -293,6 +297,8 @@ class SpecEngine:
         self.ragged = self.fast is not None and self.block_step is None
         # token trees (`tree.py`): the eager fast path verifies them; elsewhere rows verify the chain
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
+        # prompt lookup continuing drafters' chains (`lookup.py`): min n-gram length, 0 = off (and without drafts)
+        self.lookup_splice = config.lookup_splice if self.block_size > 1 else 0
         # an eager drafter drafts only as far as the widest row verifies (bonus + w - 1 masked positions, not the
         # whole block): a block of 4 costs a third of one of 16 at 16 rows on CPU, for 1-3 % fewer accepted drafts
         # than the first 3 of a full block's. Then narrower blocks are worth offering (`policy.width_choices`); where
@@ -585,7 +591,8 @@ class SpecEngine:
             if p.seed is not None and self.config.sampler == "rejection":
                 gen = torch.Generator(device=self.target.device).manual_seed(int(p.seed))
             rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt)),
-                             noise_seed=int(p.seed) if p.seed is not None else random_seed()))
+                             noise_seed=int(p.seed) if p.seed is not None else random_seed(),
+                             lookup=NgramIndex(self.lookup_splice) if self.lookup_splice else None))
         return rows
 
     def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
@@ -779,7 +786,21 @@ class SpecEngine:
             block[:, 1:] = drafts[:, :width - 1]
         else:
             block[inp.draft_rows, 1:] = drafts[:, :width - 1]
+        if self.lookup_splice and draft_probs is None and width > 2:  # drafts with a q keep the drafter's tokens
+            self._splice_lookups(rows, drafting, block)
         return block, positions, draft_probs, context
+
+    def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> None:
+        """Drafting rows whose context's last tokens occurred before: their chain continued by what followed, where
+        that starts with the drafter's first draft (`lookup.py`)."""
+        chains = block[drafting, 1:].tolist()
+        for i, drafts in zip(drafting, chains):
+            r = rows[i]
+            r.lookup.extend(r.prompt, r.output)
+            spliced = splice(drafts, r.lookup.continuation(len(drafts)))
+            if spliced is not None:
+                block[i, 1:] = torch.tensor(spliced, dtype=block.dtype)
+                r.stats.lookup_splices += 1
 
     def _proposal_input(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None,
                         draft_width: int) -> ProposalInput:

@@ -126,7 +126,8 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
     DFlashProposer.propose = record
     results = []
     try:
-        engine = SpecEngine(target, drafter, draft_policy="fixed")  # cycle by cycle, as their loop drafts
+        # cycle by cycle the drafter's own chain, as their loop drafts (no prompt-lookup splice)
+        engine = SpecEngine(target, drafter, draft_policy="fixed", lookup_splice=0)
         for prompt in prompts:
             drafts.clear()
             res = engine.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]

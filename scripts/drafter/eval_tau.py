@@ -2,7 +2,7 @@
 
     python scripts/drafter/eval_tau.py [--draft DIR] [--target DIR] [--num 32] [--lengths prompt,256,1024,1800]
                                        [--temperature 0] [--sampler gumbel|rejection]
-                                       [--threads 1] [--out runs/eval_tau/NAME]
+                                       [--lookup-splice N] [--threads 1] [--out runs/eval_tau/NAME]
                                        [--draft-vocab-size N --vocab-data data/default_pair/regen_mix]
     python scripts/drafter/eval_tau.py --compare BEFORE/results.json AFTER/results.json
 
@@ -15,7 +15,8 @@ Sets (each cut deterministically, seed 0):
 Lengths 256 / 1024 / 1800: contexts of that many tokens starting at a line start of a random file, ending mid-line
 (`mid-line`) or right after a newline (`newline`); the target's window is 2048, so 1800 + 128 new tokens fit.
 
-Every prompt runs alone (batch 1), block 16, the fixed draft policy (every cycle verifies the whole block), greedy
+Every prompt runs alone (batch 1), block 16, the fixed draft policy (every cycle verifies the whole block), the
+engine's prompt-lookup splice (`--lookup-splice`, default the engine's; 0 measures the drafter's chain alone), greedy
 or at `--temperature` with seed = the prompt's index in its cell (so two drafters see the same noise), up to
 `--max-new-tokens` (stopping at eos); tau of a prompt = its mean acceptance length over cycles. Per (set, ending,
 length) cell: min / p10 / median / mean over prompts, and the pooled tau (all cycles of the cell). Only tau is measured, not time, so a busy machine does not change the figures.
@@ -264,6 +265,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
+    ap.add_argument("--lookup-splice", type=int, default=None, choices=range(0, 9), metavar="N",
+                    help="the engine's prompt-lookup splice of chains (`lookup.py`; default: the engine's, 4; 0 = "
+                         "the drafter's chain alone)")
     ap.add_argument("--label", default=None, help="name of the drafter in the table and plot")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "eval_tau" / "default")
     ap.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"), default=None,
@@ -295,8 +299,13 @@ def main(argv=None) -> int:
                                                               if args.draft_vocab_size else "")
     label += f", T = {args.temperature:g} ({args.sampler})" if args.temperature > 0 else ", greedy"
     cells = build_cells(tokenizer, args.num, lengths)
+    if args.lookup_splice is None:
+        args.lookup_splice = EngineConfig.lookup_splice
     engine = SpecEngine(target, drafter, tokenizer, EngineConfig(block_size=args.block_size, draft_policy="fixed",
-                                                                         sampler=args.sampler))
+                                                                 sampler=args.sampler,
+                                                                 lookup_splice=args.lookup_splice))
+    if args.lookup_splice:
+        label += f", lookup splice {args.lookup_splice}"
     if args.dflash2_race:
         if not hasattr(engine.proposer, "sampled_race"):
             ap.error("--dflash2-race needs a DFlash2 drafter")
@@ -310,7 +319,8 @@ def main(argv=None) -> int:
         {"label": label, "draft": args.draft, "target": args.target, "num": args.num, "lengths": lengths,
          "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
          "temperature": args.temperature, "sampler": args.sampler, "dflash2_race": args.dflash2_race,
-         "draft_vocab_size": args.draft_vocab_size, "wall_s": round(time.perf_counter() - t0, 1),
+         "draft_vocab_size": args.draft_vocab_size, "lookup_splice": args.lookup_splice,
+         "wall_s": round(time.perf_counter() - t0, 1),
          "cells": results}, indent=1))
     (args.out / "results.md").write_text(table)
     plot(results, lengths, label, args.out / "tau.png")

@@ -136,7 +136,8 @@ def main(argv=None) -> int:
         ap.error(f"--sizes must lie in [1, {vocab}]")
     counts = response_counts(args.vocab_data, tokenizer, vocab)
     drafters = {n: drafter if n == vocab else restrict_vocab(drafter, target, counts, n) for n in sizes}
-    config = EngineConfig(block_size=16, draft_policy="fixed")  # every cycle drafts: tau of the drafter alone
+    # every cycle drafts, without the prompt-lookup splice: tau of the drafter alone
+    config = EngineConfig(block_size=16, draft_policy="fixed", lookup_splice=0)
     engines = {n: SpecEngine(target, d, tokenizer, config) for n, d in drafters.items()}
     batches = [int(b) for b in args.rows.split(",")]
     if min(batches) < 1:

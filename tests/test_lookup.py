@@ -1,0 +1,127 @@
+"""Prompt lookup continuing the drafter's chain (`engine/lookup.py`, `SpecEngine(lookup_splice=N)`): what it copies,
+that it engages where the target repeats itself, and that the output stays the target's.
+
+- `NgramIndex.continuation` against a brute-force reading of its definition on random token streams over a small
+  alphabet (many repeats), fed in chunks as a row's output grows; `splice`.
+- The engine on the shipped pair, out-of-domain prompts (the target loops on several): greedy output equals the
+  target's own `generate(do_sample=False)` with the splice on, splices happen, and the batch accepts more drafts
+  than with the drafter's chain alone; with a 1-token minimum (splices nearly every cycle) seeded temperature-1
+  output is plain decoding's with the same seed.
+- Configuration: out-of-range values raise with the option's name; the CLI flag reaches the engine.
+
+The sampling chi-square tests run with the splice (tests/test_sampling.py: the default engine, and cases with a
+1-token minimum under both samplers). What this file does not cover: speed (BENCHMARKS.md).
+"""
+
+import random
+
+import pytest
+import torch
+
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.engine import EngineConfig
+from flashdraft.engine.lookup import MAX_NGRAM, RECENT, NgramIndex, splice
+from flashdraft.loading import load_pair
+
+torch.set_num_threads(1)
+
+
+def brute_force(tokens, n, length):
+    """The definition: among the last RECENT earlier occurrences of the last n tokens (each leaving a token to
+    continue with), the one matching the most tokens before it (up to MAX_NGRAM in all), the latest of equals."""
+    last = len(tokens) - 1
+    if last < n:
+        return []
+    suffix = tokens[last - n + 1:]
+    ends = [e for e in range(n - 1, last) if tokens[e - n + 1:e + 1] == suffix][-RECENT:]
+    best, best_matched = None, 0
+    for e in reversed(ends):
+        matched = n
+        while matched < MAX_NGRAM and e - matched >= 0 and tokens[e - matched] == tokens[last - matched]:
+            matched += 1
+        if matched > best_matched:
+            best, best_matched = e, matched
+    return [] if best is None else tokens[best + 1:best + 1 + length]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_continuation_is_its_definition_as_a_row_grows(seed):
+    rng = random.Random(seed)
+    n = 1 + seed % 4
+    alphabet = 2 + seed % 3  # few symbols: n-grams recur, matches of every length occur
+    prompt = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 30))]
+    output: list[int] = []
+    index = NgramIndex(n)
+    checked = found = 0
+    while len(output) < 200:
+        output += [rng.randrange(alphabet) for _ in range(rng.randrange(1, 6))]  # a cycle commits 1-5 tokens
+        index.extend(prompt, output)
+        got = index.continuation(15)
+        assert got == brute_force(prompt + output, n, 15)
+        checked, found = checked + 1, found + bool(got)
+    assert index.tokens == prompt + output
+    assert found > checked // 4  # the comparison covered matches, not only misses
+
+
+def test_splice_takes_the_copy_only_where_it_starts_with_the_first_draft():
+    assert splice([5, 6, 7, 8], [5, 9, 9]) == [5, 9, 9, 8]
+    assert splice([5, 6, 7], [5, 6, 7, 8, 9]) is None  # the same drafts: nothing to splice
+    assert splice([5, 6, 7], [4, 6, 7]) is None
+    assert splice([5, 6, 7], []) is None
+    assert splice([5, 6], [5, 1, 2, 3]) == [5, 1]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, tokenizer, drafter = load_pair(None, None, "cpu")
+    prompts = [tokenizer.encode(p.text) for p in load_prompts("ood-code", 8)]
+    return target, tokenizer, drafter, prompts
+
+
+def test_greedy_with_splices_is_the_targets_output_and_accepts_more(pair):
+    target, tokenizer, drafter, prompts = pair
+    params = SamplingParams(max_new_tokens=64)
+    runs = {}
+    for minimum in (0, 4):
+        engine = SpecEngine(target, drafter, tokenizer, draft_policy="fixed", lookup_splice=minimum)
+        with torch.inference_mode():
+            runs[minimum] = engine.generate(prompts, params)
+    for p, with_splice, without in zip(prompts, runs[4], runs[0]):
+        reference = target.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)[0, len(p):].tolist()
+        assert with_splice.token_ids == reference[:len(with_splice.token_ids)] == without.token_ids
+    assert sum(r.stats.lookup_splices for r in runs[4]) >= 8
+    assert sum(r.stats.lookup_splices for r in runs[0]) == 0
+    accepted = {m: sum(r.stats.num_accepted_tokens for r in out) for m, out in runs.items()}
+    assert accepted[4] > accepted[0] * 1.1, accepted
+
+
+def test_seeded_sampling_with_splices_is_plain_decodings(pair):
+    """With a 1-token minimum nearly every drafting cycle splices; under the default sampler the seeded text is
+    still plain decoding's with that seed (rejection sampling draws differ with the drafts: its distribution is
+    checked by the chi-square cases of tests/test_sampling.py)."""
+    target, tokenizer, drafter, prompts = pair
+    params = [SamplingParams(max_new_tokens=64, temperature=1.0, seed=i) for i in range(len(prompts))]
+    spliced = SpecEngine(target, drafter, tokenizer, draft_policy="fixed", lookup_splice=1)
+    with torch.inference_mode():
+        out = spliced.generate(prompts, params)
+        plain = SpecEngine(target, None, tokenizer).generate(prompts, params)
+    assert sum(r.stats.lookup_splices for r in out) >= 3
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+
+
+@pytest.mark.parametrize("value", [-1, 9, True, 2.5])
+def test_out_of_range_lookup_splice_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="lookup_splice"):
+        EngineConfig(lookup_splice=value)
+
+
+def test_the_flag_reaches_the_engine():
+    from flashdraft.args import engine_config
+    from flashdraft.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--lookup-splice", "0"])
+    assert engine_config(args).lookup_splice == 0
+    assert engine_config(build_parser().parse_args(["demo"])).lookup_splice == EngineConfig.lookup_splice
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--lookup-splice", "9"])
