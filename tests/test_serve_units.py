@@ -75,6 +75,7 @@ def test_scheduler_joins_and_leaves_and_counts(oracle):
     assert _metric(metrics, "spec_decode_num_proposed_tokens_total") == sum(s.proposed_tokens for s in stats)
     assert all(s.drafted_tokens <= s.proposed_tokens <= k * s.num_drafts for s in stats)
     assert _metric(metrics, "spec_decode_num_one_token_steps_total") == sum(s.plain_steps for s in stats)
+    assert _metric(metrics, "spec_decode_num_lookup_splices_total") == sum(s.lookup_splices for s in stats)
     assert _metric(metrics, "spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
     for pos in range(k):
         want = sum(sum(a > pos + 1 for a in s.acceptance_lengths) for s in stats)
@@ -146,8 +147,9 @@ def test_stop_cancels_in_flight_and_refuses_new():
 
 def test_metrics_count_drafts_by_position():
     m = Metrics("x")
-    m.count_drafts([1, 3, 5, 2], [5, 4, 5, 2], block_size=5, one_token_steps=3)
+    m.count_drafts([1, 3, 5, 2], [5, 4, 5, 2], block_size=5, one_token_steps=3, lookup_splices=2)
     assert _metric(m, "spec_decode_num_drafts_total") == 4
+    assert _metric(m, "spec_decode_num_lookup_splices_total") == 2
     assert _metric(m, "spec_decode_num_draft_tokens_total") == 4 + 3 + 4 + 1  # the verified drafts
     assert _metric(m, "spec_decode_num_proposed_tokens_total") == 16  # block_size - 1 per drafting cycle
     assert _metric(m, "spec_decode_num_one_token_steps_total") == 3

@@ -4,7 +4,8 @@ One cycle for a batch of rows (`SpecEngine._cycle`; docs/design.md, 'Decode cycl
 0. plan            the draft policy (`policy.py`) gives each row a verify width w: the bonus + w - 1 drafts, or
                    w = 1, a one-token step without a draft;
 1. propose         the drafting method fills `[bonus, d_1 .. d_k]` at positions `n .. n+k` (k = block_size - 1)
-                   for the rows that draft (and takes in every row's newly committed features);
+                   for the rows that draft (and takes in every row's newly committed features); where a row's
+                   context repeats, prompt lookup continues its chain (`lookup.py`);
 2. target forward  the target runs once over the rows' blocks with its KV cache (`target_kv.py`), capturing the
                    tapped layers' features: each row its own width on the eager fast path (ragged: the tokens
                    packed, attention per width; the prompts of requests joining in this `step` ride along),

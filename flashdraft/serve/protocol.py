@@ -381,7 +381,8 @@ def _shown(value: Any) -> str:
 
 def dflash_stats(stats, block_size: int) -> dict:
     """The acceptance statistics carried by every response (vLLM's counting: drafts, draft/accepted tokens), and
-    what the draft policy chose: the width verified by each drafting cycle, the one-token steps."""
+    what the draft policy chose: the width verified by each drafting cycle, the one-token steps; and the drafting
+    cycles whose chain prompt lookup continued (`lookup_splice`)."""
     k = max(0, block_size - 1)
     drafts = stats.num_drafts if k else 0
     return {
@@ -390,6 +391,7 @@ def dflash_stats(stats, block_size: int) -> dict:
         "draft_tokens": stats.drafted_tokens if k else 0,
         "verify_widths": list(stats.verify_widths) if k else [],
         "one_token_steps": stats.plain_steps if k else 0,
+        "lookup_splices": stats.lookup_splices if k else 0,
         "accepted_tokens": stats.num_accepted_tokens if k else 0,
         "acceptance_histogram": stats.histogram if k else [],
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance] if k else [],
@@ -441,6 +443,7 @@ _STATS = {"type": "object",
                          "draft_tokens": {"type": "integer", "minimum": 0},
                          "verify_widths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
                          "one_token_steps": {"type": "integer", "minimum": 0},
+                         "lookup_splices": {"type": "integer", "minimum": 0},
                          "accepted_tokens": {"type": "integer", "minimum": 0},
                          "acceptance_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                          "per_position_acceptance": {"type": "array", "items": {"type": "number"}},

@@ -82,6 +82,7 @@ class Request:
     preempted: object = None  # the engine's state of this request while it waits preempted (`engine.resume`)
     counted_cycles: int = 0  # drafting cycles already added to the spec-decode counters
     counted_steps: int = 0  # one-token steps already added
+    counted_splices: int = 0  # chains continued by prompt lookup already added
 
 
 class Scheduler:
@@ -381,8 +382,10 @@ class Scheduler:
         if self.engine.block_size > 1:
             self.metrics.count_drafts(stats.acceptance_lengths[req.counted_cycles:],
                                       stats.verify_widths[req.counted_cycles:], self.engine.block_size,
-                                      stats.plain_steps - req.counted_steps, stats.draft_lengths[req.counted_cycles:])
+                                      stats.plain_steps - req.counted_steps, stats.draft_lengths[req.counted_cycles:],
+                                      stats.lookup_splices - req.counted_splices)
         req.counted_cycles, req.counted_steps = len(stats.acceptance_lengths), stats.plain_steps
+        req.counted_splices = stats.lookup_splices
 
     def _count_finish(self, req: Request, reason: str, output_tokens: int) -> None:
         if self.metrics is not None:
