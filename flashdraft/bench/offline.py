@@ -68,17 +68,17 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     methods: list[Method] = []
     notes = []
     names = ["ar"] + [n for n in names if n != "ar"]
+    engine_variants = {"dflash": cfg.engine, "dflash-fixed": replace(cfg.engine, draft_policy="fixed"),
+                       "dflash-chain": replace(cfg.engine, tree_budget=0, lookup_ngram=0),
+                       "dflash-tree": replace(cfg.engine, lookup_ngram=0),
+                       "dflash-drafter": replace(cfg.engine, lookup_splice=0)}
     for name in names:
         if name == "ar":
             methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))
-        elif name in ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter"):
+        elif name in engine_variants:
             if drafter is None:
                 raise ValueError(f"method {name} needs a drafter (--draft)")
-            config = {"dflash": cfg.engine, "dflash-fixed": replace(cfg.engine, draft_policy="fixed"),
-                      "dflash-chain": replace(cfg.engine, tree_budget=0, lookup_ngram=0),
-                      "dflash-tree": replace(cfg.engine, lookup_ngram=0),
-                      "dflash-drafter": replace(cfg.engine, lookup_splice=0)}[name]
-            methods.append(EngineMethod(name, target, drafter, tokenizer, params, config))
+            methods.append(EngineMethod(name, target, drafter, tokenizer, params, engine_variants[name]))
         elif name == "hf-dflash":
             from flashdraft.model.hf_export import transformers_dflash_available
 
