@@ -9,7 +9,8 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN,
-                                      PRIOR_SMOOTHING, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth, CostModel,
+                                      PRIOR_SMOOTHING, REFRESH_AFTER, SETTLED, STALE_AFTER, AcceptancePriors,
+                                      AdaptiveWidth, CostModel,
                                       Curve, CycleTiming, FixedWidth, Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
@@ -466,6 +467,25 @@ def test_one_cold_timing_does_not_keep_a_row_from_drafting():
 
     history = run(policy, rows, lambda i, c, w: 12, timing, 80)
     assert sum(h == [1] for h in history) <= 2 * MIN_PLAIN_RUN + 8 and all(h == [16] for h in history[-40:])
+
+
+def test_a_block_priced_in_a_bad_moment_is_timed_again():
+    """A served engine's warm-up timed the block cycle while two other servers warmed up beside it: 3x its later
+    price. Rows accepting every draft then verified width 8 for STALE_AFTER timings (the whole served benchmark at
+    batch 1). Now a drafting row that would gain from the block verifies it once the block's price is REFRESH_AFTER
+    timings old, and that timing replaces the old ones: at its true price the block stays. (On the code before,
+    width 8 throughout.)"""
+    policy = AdaptiveWidth(16, CostModel(), ragged=True, drafts_to_width=True)
+    rows = [policy.new_row()]
+    for width in policy.drafting_widths.tolist() + [1]:  # warm-up: every width timed 4 times, the block dear
+        for _ in range(4):
+            t = CPU([width])
+            policy.costs.record(t if width < 16 else
+                                CycleTiming(t.verified_tokens, t.drafted_tokens, 3 * t.draft_s, 3 * t.total_s))
+    history = run(policy, rows, lambda i, c, w: w - 1, CPU, 3 * REFRESH_AFTER)  # every draft accepted
+    narrower = [c for c, h in enumerate(history) if 1 < h[0] < 16]
+    assert len(narrower) >= 10  # the bad price did keep the row at a narrower width for a while
+    assert narrower[-1] <= REFRESH_AFTER + 4 and all(h == [16] for h in history[REFRESH_AFTER + 5:])
 
 
 def test_a_cost_bucket_not_measured_for_long_is_forgotten():

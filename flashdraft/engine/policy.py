@@ -96,6 +96,12 @@ OPTIMISTIC_ACCEPTANCE = 0.9  # per position, the prior before any draft was seen
 # (an unmeasured size is priced optimistically), which at 256 cost a 16-row batch of plain steps ~7 % of its
 # throughput every ~1 s on CPU; at 2048 a bad timing still cannot keep a width out for more than seconds
 STALE_AFTER = 2048
+# a row drafting at a narrower width than the block, which would gain from the block, verifies the block once
+# when the price of that wider cycle was last timed this many timings ago: a price set in a bad moment (a served
+# engine's warm-up timed while two other servers warmed up beside it, 3x the block's later price) otherwise kept
+# every row at width 8 until it went stale, STALE_AFTER timings: a whole served benchmark at batch 1, where a
+# block cycle then cost what a width-8 one did
+REFRESH_AFTER = 128
 # cycles an all-one-token-step plan is kept while the batch stays in its row bucket (costs drift slowly; a probe and
 # a row that joins are judged alone against it, each as if drafting beside one-token steps). 16 rather than 4: at batch 1 a plan costs ~5 % of a one-token step on CPU, and fewer replans on noisy
 # timings drafted less where it lost (policy_sim.py at 1 row: mixed 1.09x -> 1.18x, bursty 1.73x -> 1.78x)
@@ -174,6 +180,8 @@ class Curve:
             self.seen.add(key)
             return
         window = self.window.setdefault(key, deque(maxlen=COST_WINDOW))
+        if self.timings - self.measured_at.get(key, self.timings) > REFRESH_AFTER:
+            window.clear()  # timed again after a long while (`REFRESH_AFTER`): what it cost then is not current
         window.append((size, seconds))
         self.points[key] = (median([x for x, _ in window]), median([y for _, y in window]))
         self.measured_at[key] = self.timings
@@ -184,6 +192,12 @@ class Curve:
 
     def known(self, size: int) -> bool:
         return bucket(size) in self.points
+
+    def age(self, size: int) -> int:
+        """Timings of this curve since `size`'s bucket was last measured (0 if it never was: an unmeasured size is
+        priced optimistically, so the plan tries it anyway)."""
+        at = self.measured_at.get(bucket(size))
+        return 0 if at is None else self.timings - at
 
     def settled(self, size: int) -> bool:
         """Timed often enough that one cold timing cannot set its price."""
@@ -464,7 +478,8 @@ class AdaptiveWidth:
         self._plain_cycles_left, self._plain_bucket = 0, 0
         # how the last `widths` decided, for a cycle trace: "plan" (the cost and acceptance models chose), "kept"
         # (a plan of one-token steps still stands), "probe" (it stands but for a probed row, which drafts), "held"
-        # (the goodput check holds this load at one-token steps: drafting lately gave less), "unmeasured" /
+        # (the goodput check holds this load at one-token steps: drafting lately gave less), "refresh" (a plan or
+        # probe whose drafting row verifies the block to re-time its price, `_refresh`), "unmeasured" /
         # "unmeasured load" (no cycle timed yet / none of this many rows)
         self.decision: str | None = None
 
@@ -524,10 +539,14 @@ class AdaptiveWidth:
                 self._declined(rows[probe])
                 return plan.tolist()
             self.decision = "probe"  # the kept plan stands but for the probed row, which drafts
+            if self._refresh(plan, rows):
+                self.decision = "refresh"
         else:
             self.decision = "plan"
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
             self._explore(plan, probe, n)
+            if self._refresh(plan, rows):
+                self.decision = "refresh"
         for r, w in zip(rows, plan):
             r.planned = True
             if r.probing and w == 1:
@@ -551,6 +570,31 @@ class AdaptiveWidth:
         cycle it needs is priced by an unsettled size (`_unsettled`)."""
         if probe is not None and plan[probe] == 1 and self._unsettled(n):
             plan[probe if self.ragged else slice(None)] = self.block_size
+
+    def _refresh(self, plan: np.ndarray, rows: list[RowAcceptance]) -> bool:
+        """Re-time the block's price when it is old (`REFRESH_AFTER`): the drafting row of the plan that would gain
+        most from verifying the block instead of its narrower width (at least one token) verifies the block (with
+        rows padded to one width, every drafting row). Returns whether it did."""
+        block = self.block_size
+        narrower = [i for i, w in enumerate(plan.tolist()) if 1 < w < block]
+        if not narrower:
+            return False
+        column = {w: j for j, w in enumerate(self.drafting_widths.tolist())}
+        extra = {i: rows[i].gains(self.drafting_widths) for i in narrower}
+        extra = {i: g[-1] - g[column[int(plan[i])]] for i, g in extra.items()}
+        i = max(narrower, key=extra.get)
+        if extra[i] < 1.0:
+            return False
+        drafting = int((plan > 1).sum())
+        verified = int(plan.sum()) - int(plan[i]) + block if self.ragged else len(plan) * block
+        if max(self.costs.body.age(verified), self.costs.draft.age(drafting * int(self.draft_lengths[-1]))) \
+                <= REFRESH_AFTER:
+            return False
+        if self.ragged:
+            plan[i] = block
+        else:
+            plan[plan > 1] = block
+        return True
 
     def _unsettled(self, n: int) -> bool:
         """Whether a probe drafting the block (beside n - 1 one-token steps; padded: every row drafting) is priced by
