@@ -100,7 +100,8 @@ def test_the_cycle_trace_accounts_for_every_committed_token():
     assert [outputs[i] for i in range(4)] == [greedy_reference(target, p, 30) for p in prompts]
     assert [r["joined"] for r in records].count(2) == 1 and sum(r["joined"] for r in records) == 2
     assert any(max(r["widths"]) > 1 for r in records) and any(r["ms"] > 0 for r in records)
-    assert {r["decision"] for r in records} <= {"plan", "kept", "probe", "held", "unmeasured", "unmeasured load"}
+    assert {r["decision"] for r in records} <= {"plan", "kept", "probe", "held", "refresh", "unmeasured",
+                                                 "unmeasured load"}
     cycles = {i: [] for i in range(4)}
     for r in records:
         assert len(r["requests"]) == len(r["widths"]) == len(r["accepted"])

@@ -33,16 +33,16 @@ def brute_force(tokens, n, length):
     last = len(tokens) - 1
     if last < n:
         return []
-    suffix = tokens[last - n + 1:]
-    ends = [e for e in range(n - 1, last) if tokens[e - n + 1:e + 1] == suffix][-RECENT:]
-    best, best_matched = None, 0
-    for e in reversed(ends):
-        matched = n
-        while matched < MAX_NGRAM and e - matched >= 0 and tokens[e - matched] == tokens[last - matched]:
-            matched += 1
-        if matched > best_matched:
-            best, best_matched = e, matched
-    return [] if best is None else tokens[best + 1:best + 1 + length]
+
+    def ends_like_the_context(e, m):  # the m tokens ending at e are the context's last m
+        return e - m + 1 >= 0 and tokens[e - m + 1:e + 1] == tokens[last - m + 1:]
+
+    ends = [e for e in range(n - 1, last) if ends_like_the_context(e, n)][-RECENT:]
+    if not ends:
+        return []
+    # the longest match, then the latest: max over (match length, end)
+    best = max(ends, key=lambda e: (max(m for m in range(n, MAX_NGRAM + 1) if ends_like_the_context(e, m)), e))
+    return tokens[best + 1:best + 1 + length]
 
 
 @pytest.mark.parametrize("seed", range(6))

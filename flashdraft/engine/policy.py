@@ -580,10 +580,14 @@ class AdaptiveWidth:
         if not narrower:
             return False
         column = {w: j for j, w in enumerate(self.drafting_widths.tolist())}
-        extra = {i: rows[i].gains(self.drafting_widths) for i in narrower}
-        extra = {i: g[-1] - g[column[int(plan[i])]] for i, g in extra.items()}
-        i = max(narrower, key=extra.get)
-        if extra[i] < 1.0:
+
+        def extra(i: int) -> float:  # expected drafts accepted at the block beyond those at the row's width
+            gains = rows[i].gains(self.drafting_widths)
+            return float(gains[-1] - gains[column[int(plan[i])]])
+
+        gained = {i: extra(i) for i in narrower}
+        i = max(narrower, key=gained.get)
+        if gained[i] < 1.0:
             return False
         drafting = int((plan > 1).sum())
         verified = int(plan.sum()) - int(plan[i]) + block if self.ragged else len(plan) * block
