@@ -218,6 +218,11 @@ def add_device_args(p) -> None:
                    help="continue a row's chain of drafts by prompt lookup where the context's last N or more tokens "
                         "occurred before and what followed starts with the drafter's first draft (repeats the "
                         "drafter starts and loses; no model call; default 4, 0 = off)")
+    p.add_argument("--lookup-steps", type=int_in(0, 8), default=4,
+                   help="greedy rows the adaptive policy leaves at one-token steps verify prompt lookup's "
+                        "continuation where the context's last N or more tokens occurred before, as far as its "
+                        "measured acceptance pays for the wider verify (no model call; eager fast path; default 4, "
+                        "0 = off)")
 
 
 def tree_budget_arg(value: str):
@@ -279,6 +284,7 @@ def engine_config(args, plain: bool = False):
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
                           lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),
+                          lookup_steps=getattr(args, "lookup_steps", EngineConfig.lookup_steps),
                           mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
 

@@ -7,7 +7,10 @@ that it engages where the target repeats itself, and that the output stays the t
   target's own `generate(do_sample=False)` with the splice on, splices happen, and the batch accepts more drafts
   than with the drafter's chain alone; with a 1-token minimum (splices nearly every cycle) seeded temperature-1
   output is plain decoding's with the same seed.
-- Configuration: out-of-range values raise with the option's name; the CLI flag reaches the engine.
+- One-token steps that verify the continuation (`lookup_steps`): with every row held at one-token steps, greedy
+  output equals the target's own `generate` and needs fewer cycles than without; sampled rows never take them;
+  a lookup row in a width group beside drafts that carry a q is verified with a one-hot q.
+- Configuration: out-of-range values raise with the option's name; the CLI flags reach the engine.
 
 The sampling chi-square tests run with the splice (tests/test_sampling.py: the default engine, and cases with a
 1-token minimum under both samplers). What this file does not cover: speed (BENCHMARKS.md).
@@ -22,14 +25,16 @@ from flashdraft import SamplingParams, SpecEngine
 from flashdraft.bench.datasets import load_prompts
 from flashdraft.engine import EngineConfig
 from flashdraft.engine.lookup import MAX_NGRAM, RECENT, NgramIndex, splice
+from flashdraft.engine.policy import AdaptiveWidth
 from flashdraft.loading import load_pair
 
 torch.set_num_threads(1)
 
 
-def brute_force(tokens, n, length):
+def brute_force(tokens, n, length, min_match=0):
     """The definition: among the last RECENT earlier occurrences of the last n tokens (each leaving a token to
-    continue with), the one matching the most tokens before it (up to MAX_NGRAM in all), the latest of equals."""
+    continue with), the one matching the most tokens before it (up to MAX_NGRAM in all), the latest of equals;
+    nothing if that match is shorter than `min_match`."""
     last = len(tokens) - 1
     if last < n:
         return []
@@ -41,8 +46,9 @@ def brute_force(tokens, n, length):
     if not ends:
         return []
     # the longest match, then the latest: max over (match length, end)
-    best = max(ends, key=lambda e: (max(m for m in range(n, MAX_NGRAM + 1) if ends_like_the_context(e, m)), e))
-    return tokens[best + 1:best + 1 + length]
+    matched = {e: max(m for m in range(n, MAX_NGRAM + 1) if ends_like_the_context(e, m)) for e in ends}
+    best = max(ends, key=lambda e: (matched[e], e))
+    return tokens[best + 1:best + 1 + length] if matched[best] >= min_match else []
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -59,6 +65,7 @@ def test_continuation_is_its_definition_as_a_row_grows(seed):
         index.extend(prompt, output)
         got = index.continuation(15)
         assert got == brute_force(prompt + output, n, 15)
+        assert index.continuation(15, n + 2) == brute_force(prompt + output, n, 15, n + 2)
         checked, found = checked + 1, found + bool(got)
     assert index.tokens == prompt + output
     assert found > checked // 4  # the comparison covered matches, not only misses
@@ -125,3 +132,104 @@ def test_the_flag_reaches_the_engine():
     assert engine_config(build_parser().parse_args(["demo"])).lookup_splice == EngineConfig.lookup_splice
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--lookup-splice", "9"])
+
+
+class StepsOnly(AdaptiveWidth):
+    """The default policy with every row held at one-token steps: what is left to verify are lookup continuations,
+    priced by the policy's own `lookup_widths` on the engine's measured costs."""
+
+    def widths(self, rows, pending=None):
+        self.decision = "held"
+        return [1] * len(rows)
+
+
+def steps_only(engine: SpecEngine) -> SpecEngine:
+    open_batch = engine._new_batch
+
+    def batch_held_at_one_token_steps(**fields):
+        batch = open_batch(**fields)
+        batch.policy = StepsOnly(engine.block_size, engine.costs, engine.ragged, engine.acceptance_priors)
+        return batch
+
+    engine._new_batch = batch_held_at_one_token_steps
+    return engine
+
+
+def test_one_token_steps_verify_the_continuation_and_keep_the_targets_output(pair):
+    """At batch 1 a verified token costs a small share of a step on CPU, so rows held at one-token steps verify
+    what followed the earlier occurrence wherever the target repeats (the out-of-domain answers loop)."""
+    target, tokenizer, drafter, prompts = pair
+    params = SamplingParams(max_new_tokens=64)
+    runs = {}
+    for minimum in (0, 4):
+        engine = steps_only(SpecEngine(target, drafter, tokenizer, lookup_steps=minimum))
+        with torch.inference_mode():
+            engine.warmup(1)
+            runs[minimum] = [engine.generate([p], params)[0] for p in prompts]
+    for p, with_lookups, without in zip(prompts, runs[4], runs[0]):
+        reference = target.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)[0, len(p):].tolist()
+        assert with_lookups.token_ids == reference[:len(with_lookups.token_ids)] == without.token_ids
+    stats = [r.stats for r in runs[4]]
+    assert all(r.stats.lookup_steps == 0 and r.stats.num_drafts == 0 for r in runs[0])
+    assert sum(s.num_drafts for s in stats) == 0 and sum(s.lookup_steps for s in stats) >= 8
+    accepted = sum(s.lookup_accepted for s in stats)
+    assert accepted >= 32 and accepted <= sum(s.lookup_drafts for s in stats)
+    # every committed token came from a step: one per step, plus the continuations' accepted tokens
+    for r in runs[4]:
+        s = r.stats
+        assert s.plain_steps + s.lookup_steps + s.lookup_accepted + 1 == len(r.token_ids)  # + the prefill's
+    cycles = {m: sum(r.stats.plain_steps + r.stats.lookup_steps for r in out) for m, out in runs.items()}
+    assert cycles[4] < 0.8 * cycles[0], cycles
+
+
+def test_sampled_rows_take_no_lookup_steps(pair):
+    target, tokenizer, drafter, prompts = pair
+    params = [SamplingParams(max_new_tokens=48, temperature=1.0, seed=i) for i in range(4)]
+    engine = steps_only(SpecEngine(target, drafter, tokenizer))
+    with torch.inference_mode():
+        engine.warmup(1)
+        out = engine.generate(prompts[:4], params)
+        plain = SpecEngine(target, None, tokenizer).generate(prompts[:4], params)
+    assert sum(r.stats.lookup_steps for r in out) == 0
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+
+
+def test_a_lookup_row_beside_drafts_with_a_q_is_verified_one_hot():
+    """Rejection-sampled DFlash2 drafts carry their q; a greedy row verifying a lookup continuation of the same
+    width in the same group has none, and is verified as an argmax draft is."""
+    from types import SimpleNamespace
+
+    from tiny import make_drafter, make_target
+
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=8))
+    vocab = target.config.vocab_size
+    logits = torch.randn(2, 4, vocab, generator=torch.Generator().manual_seed(0))
+    argmax = logits.argmax(-1)
+    block = torch.zeros(2, 4, dtype=torch.long)
+    block[0, 1:] = torch.tensor([1, 2, 3])  # the sampled row's drafts
+    block[1, 1:] = argmax[1, :3]
+    block[1, 3] = (argmax[1, 2] + 1) % vocab  # the lookup row's third token is not the target's
+    q = torch.zeros(1, 7, vocab)
+    q[0, torch.arange(3), block[0, 1:]] = 1.0
+    rows = [SimpleNamespace(params=SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(1)),
+            SimpleNamespace(params=SamplingParams(), generator=None)]
+    groups = [(4, torch.tensor([0, 1]))]
+    accepted, next_tokens = engine._verify(rows, groups, [logits], block, [0], q, None)
+    assert accepted[1] == 2 and next_tokens[1] == int(argmax[1, 2])
+
+
+@pytest.mark.parametrize("value", [-1, 9, True, 2.5])
+def test_out_of_range_lookup_steps_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="lookup_steps"):
+        EngineConfig(lookup_steps=value)
+
+
+def test_the_lookup_steps_flag_reaches_the_engine():
+    from flashdraft.args import engine_config
+    from flashdraft.cli import build_parser
+
+    assert engine_config(build_parser().parse_args(["serve", "--lookup-steps", "0"])).lookup_steps == 0
+    assert engine_config(build_parser().parse_args(["bench"])).lookup_steps == EngineConfig.lookup_steps
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--lookup-steps", "9"])

@@ -718,3 +718,57 @@ def test_fixed_policy_always_drafts_the_block():
     assert all(r.stats.plain_steps == 0 and set(r.stats.verify_widths) == {4} for r in results)
     with pytest.raises(ValueError, match="draft_policy"):
         SpecEngine(target, make_drafter(target), draft_policy="sometimes")
+
+
+def test_lookup_continuations_are_verified_as_far_as_their_tokens_pay():
+    """`lookup_widths`: a row at one-token steps verifies the tokens of its lookup continuation whose survival
+    beats what a verified token costs at the rate of one-token steps; its estimates follow what they gave."""
+    cheap = AdaptiveWidth(16, _measured(CPU, rows=1), ragged=True)  # at batch 1 a token costs ~10 % of a step
+    row = cheap.new_row()
+    assert cheap.lookup_widths([row], [12], [1]) == [12]  # the optimistic start: 0.9 ** 12 = 0.28 > 0.1
+    assert cheap.lookup_widths([row], [5], [1]) == [5]  # never more than the continuation holds
+    dear = machine(step_s=1e-3, per_token_s=1e-3, draft_s=1e-3)  # 16 rows where a token costs a row's step
+    loaded = AdaptiveWidth(16, _measured(dear, rows=16), ragged=True)
+    assert loaded.lookup_widths([loaded.new_row()], [12], [1] * 16) == [0]
+    for _ in range(10):  # continuations whose first token keeps failing
+        cheap.observe_lookups([row], [13], [0])
+    assert cheap.lookup_widths([row], [12], [1]) == [0]
+    assert cheap.new_row().lookup[0] < initial_prior(16)[0]  # the engine-wide start learns too, slowly
+    steady = cheap.new_row()
+    for _ in range(10):  # continuations accepted to their fourth token
+        cheap.observe_lookups([steady], [13], [4])
+    assert 4 <= cheap.lookup_widths([steady], [12], [1])[0] < 12
+    unmeasured = AdaptiveWidth(16, CostModel(), ragged=True)
+    assert unmeasured.lookup_widths([unmeasured.new_row()], [12], [1]) == [0]  # no step timed: nothing to price
+
+
+class ScriptedLookups(ScriptedWidths):
+    """Scripted widths; rows at one-token steps verify their whole lookup continuation."""
+
+    def lookup_widths(self, rows, lengths, widths):
+        return list(lengths)
+
+    def observe_lookups(self, rows, widths, accepted):
+        pass
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_lookup_steps_beside_drafting_rows_are_lossless(arch):
+    """One forward verifying drafting rows of several widths, one-token steps and lookup continuations longer
+    than the widest draft: the output is the target's greedy output."""
+    target = make_target(arch)
+    engine = SpecEngine(target, make_drafter(target, block_size=8))
+    prompts = PROMPTS + [[3, 4, 5, 6, 7] * 6, [11, 12] * 10]  # repeats: continuations from the prompt itself
+    expected = [greedy_reference(target, p, 50) for p in prompts]
+    batch = engine.open_batch()
+    batch.policy = ScriptedLookups([2, 1, 4, 1, 1, 8, 1])
+    out = {e.index: e.token_ids for e in engine.add(batch, prompts, SamplingParams(max_new_tokens=50))}
+    stats = {}
+    while batch.rows:
+        for e in engine.step(batch):
+            out[e.index] = out.get(e.index, []) + e.token_ids
+            if e.finished:
+                stats[e.index] = e.result.stats
+    assert [out[i] for i in range(len(prompts))] == expected
+    assert sum(s.lookup_steps for s in stats.values()) >= 10
+    assert sum(s.lookup_drafts for s in stats.values()) > sum(s.lookup_steps for s in stats.values())

@@ -7,8 +7,9 @@
 - `dflash-chain`  the same without token trees (`--tree-budget 0`, no lookup branch): what trees are measured against.
 - `dflash-tree`   the same trees without the prompt-lookup branch (`--lookup-ngram 0`): with `dflash` run with
                   `--lookup-ngram N`, the drafter's tree alone beside the mix.
-- `dflash-drafter` the same without the prompt-lookup splice of chains (`--lookup-splice 0`): the drafter's own
-                  chain, what the splice is measured against.
+- `dflash-drafter` the same without prompt lookup (`--lookup-splice 0 --lookup-steps 0`): the drafter's own
+                  chain, what lookup is measured against.
+- `dflash-no-lookup-steps` the same without lookup continuations at one-token steps (`--lookup-steps 0`).
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -33,11 +34,13 @@ import torch
 
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
-LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "hf-dflash",
-                    "hf-assisted", "prompt-lookup")
+LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter",
+                    "dflash-no-lookup-steps", "hf-dflash", "hf-assisted", "prompt-lookup")
 ALL_METHODS = LOSSLESS_METHODS
-DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "hf-dflash")  # need one
-ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter")  # side-by-side variants
+DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps",
+                   "hf-dflash")  # need one
+# side-by-side variants
+ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ON_REQUEST_METHODS)
 
 
@@ -50,6 +53,8 @@ class RunOutput:
     drafted: list[int] = field(default_factory=list)  # per cycle with drafts: number of draft tokens verified
     text: str | None = None
     one_token_steps: int = 0  # decoding steps without a draft (our engine's draft policy)
+    lookup_steps: int = 0  # steps the policy left without a draft that verified a prompt-lookup continuation
+    lookup_accepted: int = 0  # the continuations' tokens accepted
 
 
 def _sync(device) -> None:
@@ -103,7 +108,8 @@ class EngineMethod(Method):
         lengths = list(res.stats.acceptance_lengths) if self.max_draft else []
         drafted = [w - 1 for w in res.stats.verify_widths] if self.max_draft else []
         return RunOutput(list(res.token_ids), wall, res.stats.time_to_first_token, lengths, drafted, res.text,
-                         res.stats.plain_steps if self.max_draft else 0)
+                         res.stats.plain_steps if self.max_draft else 0,
+                         res.stats.lookup_steps, res.stats.lookup_accepted)
 
     def close(self) -> None:
         self.engine.close()

@@ -71,7 +71,8 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
     engine_variants = {"dflash": cfg.engine, "dflash-fixed": replace(cfg.engine, draft_policy="fixed"),
                        "dflash-chain": replace(cfg.engine, tree_budget=0, lookup_ngram=0),
                        "dflash-tree": replace(cfg.engine, lookup_ngram=0),
-                       "dflash-drafter": replace(cfg.engine, lookup_splice=0)}
+                       "dflash-drafter": replace(cfg.engine, lookup_splice=0, lookup_steps=0),
+                       "dflash-no-lookup-steps": replace(cfg.engine, lookup_steps=0)}
     for name in names:
         if name == "ar":
             methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))
@@ -183,7 +184,8 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
                        "tau": round(sum(out.acceptance_lengths) / len(out.acceptance_lengths), 4)
                        if out.acceptance_lengths else None,
                        "acceptance_lengths": out.acceptance_lengths, "drafted": out.drafted,
-                       "one_token_steps": out.one_token_steps}
+                       "one_token_steps": out.one_token_steps, "lookup_steps": out.lookup_steps,
+                       "lookup_accepted": out.lookup_accepted}
                 if greedy and m.lossless:
                     first = first_difference(out.token_ids, ref)
                     rec["identical_to_target"] = first is None
@@ -214,7 +216,7 @@ def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
         lengths = [a for r in recs for a in r["acceptance_lengths"]]
         drafted = [d for r in recs for d in r["drafted"]]
         s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft),
-             "one_token_steps": sum(r["one_token_steps"] for r in recs)}
+             **_step_counts(recs)}
         checked = [r for r in recs if "identical_to_target" in r]
         s["mismatches"] = sum(not r["identical_to_target"] for r in checked) if checked else None
         s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_target"]]
@@ -223,6 +225,11 @@ def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
     for s in out.values():
         s["speedup"] = round(s["tokens_per_second"] / base, 3) if base else None
     return out
+
+
+def _step_counts(recs: list[dict]) -> dict:
+    """One-token steps, the steps that verified a prompt-lookup continuation instead and its tokens accepted."""
+    return {k: sum(r[k] for r in recs) for k in ("one_token_steps", "lookup_steps", "lookup_accepted")}
 
 
 def _overall(methods: list[Method], per_dataset: dict) -> dict:
@@ -235,7 +242,7 @@ def _overall(methods: list[Method], per_dataset: dict) -> dict:
         mism = [d["methods"][m.name]["mismatches"] for d in per_dataset.values()]
         out[m.name] = {"lossless": m.lossless, **timing_summary(recs),
                        **acceptance_summary(lengths, drafted, m.max_draft),
-                       "one_token_steps": sum(r["one_token_steps"] for r in recs),
+                       **_step_counts(recs),
                        "mismatches": None if any(x is None for x in mism) else sum(mism),
                        "num_prompts": len(recs)}
     base = out.get("ar", {}).get("tokens_per_second")

@@ -27,8 +27,8 @@ def _lossless_cell(s: dict, rich: bool) -> str:
     return f"[bold red]{text}[/bold red]" if rich else text
 
 
-OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "verify w", "1-token steps", "tok/s", "speedup",
-                   "TTFT ms", "TPOT ms", "greedy = target"]
+OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "verify w", "1-token steps (+ lookup)", "tok/s",
+                   "speedup", "TTFT ms", "TPOT ms", "greedy = target"]
 
 
 def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
@@ -43,10 +43,18 @@ def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
                 s["num_prompts"] = d["num_prompts"]
             width = 1 + s["num_draft_tokens"] / s["num_drafts"] if s.get("num_drafts") else None
             rows.append([label, name, _fmt(s["tau"]), _fmt(s["acceptance_rate"]), _fmt(width, ".1f"),
-                         str(s.get("one_token_steps") or "-"), _fmt(s["tokens_per_second"], ".1f"),
+                         _steps_cell(s), _fmt(s["tokens_per_second"], ".1f"),
                          _fmt(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
                          _fmt(s["ttft_ms"], ".1f"), _fmt(s["tpot_ms"], ".2f"), _lossless_cell(s, rich)])
     return rows
+
+
+def _steps_cell(s: dict) -> str:
+    """One-token steps, and the steps that verified a lookup continuation instead with the tokens it accepted."""
+    steps, lookups = s.get("one_token_steps") or 0, s.get("lookup_steps")
+    if lookups:
+        return f"{steps} + {lookups} ({s.get('lookup_accepted', 0)} accepted)"
+    return str(steps) if steps else "-"
 
 
 SERVER_COLUMNS = ["server", "concurrency", "requests", "tok/s", "speedup", "TTFT ms (p50)", "TPOT ms", "tau",

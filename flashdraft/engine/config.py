@@ -61,6 +61,11 @@ class EngineConfig:
     # the drafter's first draft, that continuation replaces the rest of the row's drafts (`lookup.py`: prompt
     # lookup for the repeats a drafter starts and then loses; no model call). 0 = the drafter's chain alone
     lookup_splice: int = 4
+    # greedy rows the adaptive policy leaves at one-token steps: where the context's last n >= lookup_steps tokens
+    # occurred before, the row verifies what followed them instead, as far as the policy's price for each further
+    # token pays (`AdaptiveWidth.lookup_widths`: the row's own lookup acceptance against the cost per verified
+    # token). Ragged verification only (the eager fast path). 0 = off
+    lookup_steps: int = 4
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -78,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if not integer(self.lookup_splice) or not 0 <= self.lookup_splice <= MAX_NGRAM:
             raise ValueError(f"lookup_splice must be an integer in [0, {MAX_NGRAM}], got {self.lookup_splice!r}")
+        if not integer(self.lookup_steps) or not 0 <= self.lookup_steps <= MAX_NGRAM:
+            raise ValueError(f"lookup_steps must be an integer in [0, {MAX_NGRAM}], got {self.lookup_steps!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

@@ -86,6 +86,11 @@ class RequestStats:
     # positions the drafter filled in each drafting cycle (bonus included): the cycle's widest width, or the block
     draft_lengths: list[int] = field(default_factory=list)
     lookup_splices: int = 0  # drafting cycles whose chain was continued by prompt lookup (`lookup.py`)
+    # one-token steps that verified a prompt-lookup continuation instead (`lookup_steps`): how many, the continuation
+    # tokens they verified and those accepted. Not in the acceptance figures, which are the drafter's
+    lookup_steps: int = 0
+    lookup_drafts: int = 0
+    lookup_accepted: int = 0
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
@@ -115,8 +120,9 @@ class RequestStats:
 
     @property
     def verified_tokens(self) -> int:
-        """Tokens through the target's decoding forwards: drafting cycles' widths plus one-token steps."""
-        return sum(self.verify_widths) + self.plain_steps
+        """Tokens through the target's decoding forwards: drafting cycles' widths, one-token steps and the lookup
+        continuations verified beside them."""
+        return sum(self.verify_widths) + self.plain_steps + self.lookup_steps + self.lookup_drafts
 
     @property
     def histogram(self) -> list[int]:
@@ -150,6 +156,9 @@ class RequestStats:
             "verify_widths": list(self.verify_widths),
             "drafted_tokens": self.drafted_tokens,
             "lookup_splices": self.lookup_splices,
+            "lookup_steps": self.lookup_steps,
+            "lookup_drafts": self.lookup_drafts,
+            "lookup_accepted": self.lookup_accepted,
             "proposed_tokens": self.proposed_tokens,
             "verified_tokens": self.verified_tokens,
             "acceptance_histogram": self.histogram,
@@ -198,7 +207,7 @@ class _Row:
     noise_seed: int = 0  # counter-based sampling noise (`noise.py`): the request's seed, or a random one
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
     pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
-    lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice`
+    lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice` and `lookup_steps`
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -300,6 +309,9 @@ class SpecEngine:
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
         # prompt lookup continuing drafters' chains (`lookup.py`): min n-gram length, 0 = off (and without drafts)
         self.lookup_splice = config.lookup_splice if self.block_size > 1 else 0
+        # greedy rows at one-token steps verifying prompt lookup's continuation (`AdaptiveWidth.lookup_widths`): min
+        # n-gram length, 0 = off. Rows verify their own widths only on the ragged path
+        self.lookup_steps = config.lookup_steps if self.block_size > 1 and self.ragged else 0
         # an eager drafter drafts only as far as the widest row verifies (bonus + w - 1 masked positions, not the
         # whole block): a block of 4 costs a third of one of 16 at 16 rows on CPU, for 1-3 % fewer accepted drafts
         # than the first 3 of a full block's. Then narrower blocks are worth offering (`policy.width_choices`); where
@@ -593,7 +605,8 @@ class SpecEngine:
                 gen = torch.Generator(device=self.target.device).manual_seed(int(p.seed))
             rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt)),
                              noise_seed=int(p.seed) if p.seed is not None else random_seed(),
-                             lookup=NgramIndex(self.lookup_splice) if self.lookup_splice else None))
+                             lookup=NgramIndex(min(n for n in (self.lookup_splice, self.lookup_steps) if n))
+                             if self.lookup_splice or self.lookup_steps else None))
         return rows
 
     def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
@@ -679,24 +692,27 @@ class SpecEngine:
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
+        # rows at one-token steps that verify a prompt-lookup continuation instead: {row: continuation}
+        copies = {} if trees or forced_width is not None else self._lookup_copies(batch, widths)
+        verified = [1 + len(copies[i]) if i in copies else w for i, w in enumerate(widths)] if copies else widths
         # sampled rows' counter-based noise at the output positions their draft and verify cover
-        noise = self._noise(rows, [draft_width if w > 1 else 1 for w in widths])
+        noise = self._noise(rows, [draft_width if w > 1 else v for w, v in zip(widths, verified)])
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
         else:
-            block, positions, draft_probs, context = self._propose(batch, drafting, max(widths), draft_width, noise)
+            block, positions, draft_probs, context = self._propose(batch, drafting, max(verified), draft_width,
+                                                                   noise, copies)
             drafted_at = self._clock()
             prof.mark("draft")
-            groups = width_groups(widths, block.device)
+            groups = width_groups(verified, block.device)
             seated = self._seat(batch, joining) if joining else None
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
                                                                     seated[1] if seated else ())
             prof.mark("target")
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
-            verified = widths
-        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width)
+        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies)
         if joining:
             self._join(batch, joining, seated[0], prompt_outputs)
         prof.mark("commit")
@@ -711,21 +727,26 @@ class SpecEngine:
                     self.tree_costs.record(timing)
             batch.policy.observe([r.acceptance for r in rows], widths, accepted,
                                  None if (auto_shape and trees) or joining else timing)
+            if copies:
+                batch.policy.observe_lookups([rows[i].acceptance for i in copies], [verified[i] for i in copies],
+                                             [accepted[i] for i in copies])
             if self.cycle_trace is not None:
                 self._trace(rows, widths, accepted, len(joining), trees, timing,
-                            getattr(batch.policy, "decision", None))
+                            getattr(batch.policy, "decision", None), [verified[i] for i in copies])
         elif profile and not trees:
             self.costs.record(timing)
         self._drop_finished(batch)
 
     def _trace(self, rows: list[_Row], widths: list[int], accepted: list[int], joined: int, trees: bool,
-               timing: CycleTiming, decision: str | None) -> None:
-        """One cycle's record for `cycle_trace`: per row its request id, verify width (1: a one-token step) and
-        drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees, how
-        the draft policy decided (`AdaptiveWidth.decision`: e.g. "held" while the goodput check holds the load at
-        one-token steps), and its time in ms (the draft's and the pending context write's apart)."""
+               timing: CycleTiming, decision: str | None, lookups: list[int]) -> None:
+        """One cycle's record for `cycle_trace`: per row its request id, the policy's width (1: a one-token step)
+        and drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees,
+        how the draft policy decided (`AdaptiveWidth.decision`: e.g. "held" while the goodput check holds the load
+        at one-token steps), the tokens verified by each one-token step that verified a lookup continuation
+        (`lookup_steps`, in row order), and its time in ms (the draft's and the pending context write's apart)."""
         self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
                           "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
+                          "lookups": lookups,
                           "decision": decision, "ms": round(1000 * timing.total_s, 3),
                           "draft_ms": round(1000 * timing.draft_s, 3),
                           "context_ms": round(1000 * timing.context_s, 3)})
@@ -761,18 +782,25 @@ class SpecEngine:
         return windows
 
     def _propose(self, batch: Batch, drafting: list[int], width: int, draft_width: int,
-                 noise: list[torch.Tensor] | None):
+                 noise: list[torch.Tensor] | None, copies: dict[int, list[int]]):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,
-        then filler that is never verified), and the drafts' distributions (None: one-hot drafts), drafted as a
-        block of `draft_width` >= `width` positions; and (positions, seconds) of the pending context written apart
-        first (eager drafters: the policy prices that write by its size, rows x the longest pending)."""
+        then their lookup continuation in `copies` or filler that is never verified), and the drafts'
+        distributions (None: one-hot drafts), drafted as a block of `draft_width` >= `width` positions; and
+        (positions, seconds) of the pending context written apart first (eager drafters: the policy prices that
+        write by its size, rows x the longest pending)."""
         rows, dev = batch.rows, self.target.device
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
         context = (0, 0.0)
-        if not drafting:
+        if not drafting and not copies:
             return bonus[:, None], positions, None, context
+        block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        block[:, 0] = bonus
+        for i, copy in copies.items():
+            block[i, 1:1 + len(copy)] = torch.tensor(copy, dtype=torch.long)
+        if not drafting:
+            return block, positions, None, context
         inp = self._proposal_input(batch, drafting, noise, draft_width)
         written = inp.new_features
         if written is not None and written.values.shape[1] and not self._compiled_drafts:
@@ -781,15 +809,34 @@ class SpecEngine:
             context = (written.values.shape[0] * written.values.shape[1], self._clock() - write_started)
             inp.new_features = Features(*(t[:, :0] for t in written.astuple()))  # written: nothing left to write
         drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, draft_width)
-        block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        block[:, 0] = bonus
+        drafted = min(width, draft_width) - 1  # a lookup continuation may run past the widest drafting row
         if inp.draft_rows is None:
-            block[:, 1:] = drafts[:, :width - 1]
+            block[:, 1:1 + drafted] = drafts[:, :drafted]
         else:
-            block[inp.draft_rows, 1:] = drafts[:, :width - 1]
-        if self.lookup_splice and draft_probs is None and width > 2:  # drafts with a q keep the drafter's tokens
-            self._splice_lookups(rows, drafting, block)
+            block[inp.draft_rows, 1:1 + drafted] = drafts[:, :drafted]
+        if self.lookup_splice and draft_probs is None and drafted > 1:  # drafts with a q keep the drafter's tokens
+            self._splice_lookups(rows, drafting, block[:, :1 + drafted])
         return block, positions, draft_probs, context
+
+    def _lookup_copies(self, batch: Batch, widths: list[int]) -> dict[int, list[int]]:
+        """Greedy rows the policy left at one-token steps whose context's last `lookup_steps` or more tokens
+        occurred before: the tokens that followed, as many as the policy prices worth verifying
+        (`AdaptiveWidth.lookup_widths`) and the request can still use. {row: continuation}."""
+        price = getattr(batch.policy, "lookup_widths", None)
+        if not self.lookup_steps or price is None:
+            return {}
+        found = {}
+        for i, (r, w) in enumerate(zip(batch.rows, widths)):
+            room = r.params.max_new_tokens - len(r.output) - 1  # drafts past the request's end commit nothing
+            if w == 1 and r.params.greedy and room > 0:
+                r.lookup.extend(r.prompt, r.output)
+                copy = r.lookup.continuation(min(room, self.block_size - 1), self.lookup_steps)
+                if copy:
+                    found[i] = copy
+        if not found:
+            return {}
+        lengths = price([batch.rows[i].acceptance for i in found], [len(c) for c in found.values()], widths)
+        return {i: copy[:n] for (i, copy), n in zip(found.items(), lengths) if n}
 
     def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> None:
         """Drafting rows whose context's last tokens occurred before: their chain continued by what followed, where
@@ -962,7 +1009,12 @@ class SpecEngine:
             members = idx.tolist()
             probs = None
             if draft_probs is not None and w > 1:
-                probs = draft_probs[[draft_row[i] for i in members], :w - 1]
+                if all(i in draft_row for i in members):
+                    probs = draft_probs[[draft_row[i] for i in members], :w - 1]
+                else:  # lookup continuations beside drafts with a q: one-hot, as the verifier reads argmax drafts
+                    probs = torch.stack([draft_probs[draft_row[i], :w - 1] if i in draft_row else
+                                         torch.nn.functional.one_hot(block[i, 1:w], draft_probs.shape[-1])
+                                         .to(draft_probs.dtype) for i in members])
             group_noise = torch.stack([noise[i][:w] for i in members]) if noise is not None else None
             drafts = block[:, 1:w] if len(members) == len(rows) else block.index_select(0, idx)[:, 1:w]
             verdict = verify(group_logits, drafts, [rows[i].params for i in members],
@@ -971,9 +1023,10 @@ class SpecEngine:
                 accepted[i], next_tokens[i] = a, t
         return accepted, next_tokens
 
-    def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens, draft_width: int) -> None:
+    def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens, draft_width: int,
+                      copies: dict[int, list[int]]) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
-        the drafter."""
+        the drafter. `copies`: rows whose one-token step verified a lookup continuation (`_lookup_copies`)."""
         rows, width = batch.rows, block.shape[1]
         kept = torch.tensor(accepted, device=block.device)
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
@@ -985,8 +1038,12 @@ class SpecEngine:
             for r, values, a in zip(rows, kept_features.unbind(0), accepted):
                 r.pending.add(values if a + 1 == longest else values[:a + 1], r.n_cached)
             self._write_long_pending(batch)
-        for r, w, a, nxt, blk in zip(rows, widths, accepted, next_tokens, block.tolist()):
-            if w > 1:
+        for i, (r, w, a, nxt, blk) in enumerate(zip(rows, widths, accepted, next_tokens, block.tolist())):
+            if i in copies:
+                r.stats.lookup_steps += 1
+                r.stats.lookup_drafts += w - 1
+                r.stats.lookup_accepted += a
+            elif w > 1:
                 r.stats.acceptance_lengths.append(a + 1)
                 r.stats.verify_widths.append(w)
                 r.stats.draft_lengths.append(draft_width)

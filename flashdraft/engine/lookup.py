@@ -9,7 +9,9 @@ tokens last ended (updated as tokens are committed, O(1) per token), and `contin
 followed the best earlier match of the context's last n tokens (n >= min_ngram; the longest match, up to
 `MAX_NGRAM`, among the last `RECENT` occurrences; the latest of equals). The engine splices that continuation into
 a drafting row's chain when its first token is the drafter's own first draft (`splice`): the drafter vouches for
-the start of the repeat, the copy supplies the rest. The verifier is unchanged (drafts only steer acceptance).
+the start of the repeat, the copy supplies the rest. Rows the draft policy leaves at one-token steps (the drafter
+failing there) verify the continuation alone where the policy's price for it pays (`lookup_steps`): a loop the
+drafter keeps missing is copied without it. The verifier is unchanged (drafts only steer acceptance).
 
 What this module does not know about: drafters, tensors, the verifier, token trees (their lookup branch is
 `tree.lookup_continuation`).
@@ -42,9 +44,9 @@ class NgramIndex:
             have = len(prompt)
         self.tokens.extend(output[have - len(prompt):])
 
-    def continuation(self, length: int) -> list[int]:
-        """Up to `length` tokens that followed the best earlier match of the last n >= min_ngram tokens ([] if
-        the last min_ngram tokens never occurred before)."""
+    def continuation(self, length: int, min_match: int = 0) -> list[int]:
+        """Up to `length` tokens that followed the best earlier match of the last n >= max(min_ngram, min_match)
+        tokens ([] if they never occurred before)."""
         h, n = self.tokens, self.n
         last = len(h) - 1
         # index the n-grams ending before the last token: an occurrence must leave a token to continue with
@@ -63,7 +65,7 @@ class NgramIndex:
                 matched += 1
             if matched > best_length:
                 best_end, best_length = end, matched
-        return [] if best_end is None else h[best_end + 1:best_end + 1 + length]
+        return [] if best_end is None or best_length < min_match else h[best_end + 1:best_end + 1 + length]
 
 
 def splice(drafts: list[int], copy: list[int]) -> list[int] | None:

@@ -47,6 +47,12 @@ class Metrics:
                                         "Decoding steps of one token without a draft (the draft policy's choice).")
         self._lookup_splices = counter("spec_decode_num_lookup_splices",
                                        "Drafting cycles whose chain prompt lookup continued (--lookup-splice).")
+        self._lookup_steps = counter("spec_decode_num_lookup_steps", "One-token steps that verified a prompt-lookup "
+                                     "continuation (--lookup-steps); not in the drafter's counters.")
+        self._lookup_drafts = counter("spec_decode_num_lookup_draft_tokens",
+                                      "Prompt-lookup tokens verified at one-token steps (--lookup-steps).")
+        self._lookup_accepted = counter("spec_decode_num_lookup_accepted_tokens",
+                                        "Prompt-lookup tokens accepted at one-token steps (--lookup-steps).")
         self._accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted draft tokens by position in the block.", ["position"])
         self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -78,19 +84,24 @@ class Metrics:
         self.ttft = self._ttft.labels(model_name)
         self._block_size = 0
         for c in (self._num_drafts, self._draft_tokens, self._accepted, self._proposed, self._one_token_steps,
-                  self._lookup_splices):
+                  self._lookup_splices, self._lookup_steps, self._lookup_drafts, self._lookup_accepted):
             # present (at zero) from the start
             c.labels(model_name)
 
     def count_drafts(self, acceptance_lengths: list[int], verify_widths: list[int], block_size: int,
-                     one_token_steps: int = 0, draft_lengths: list[int] | None = None, lookup_splices: int = 0) -> None:
+                     one_token_steps: int = 0, draft_lengths: list[int] | None = None, lookup_splices: int = 0,
+                     lookups: tuple[int, int, int] = (0, 0, 0)) -> None:
         """Add verify cycles (acceptance length a: a - 1 drafts accepted, positions 0 .. a - 2; width w: w - 1
         drafts verified; draft length d: d - 1 drafts proposed, the whole block when not given), one-token
-        steps and chains continued by prompt lookup."""
+        steps, chains continued by prompt lookup and `lookups`: (one-token steps that verified a lookup
+        continuation, its tokens verified, accepted)."""
         if one_token_steps:
             self._one_token_steps.labels(self.model_name).inc(one_token_steps)
         if lookup_splices:
             self._lookup_splices.labels(self.model_name).inc(lookup_splices)
+        for counter, value in zip((self._lookup_steps, self._lookup_drafts, self._lookup_accepted), lookups):
+            if value:
+                counter.labels(self.model_name).inc(value)
         if not acceptance_lengths:
             return
         k = block_size - 1

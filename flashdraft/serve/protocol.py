@@ -381,8 +381,9 @@ def _shown(value: Any) -> str:
 
 def dflash_stats(stats, block_size: int) -> dict:
     """The acceptance statistics carried by every response (vLLM's counting: drafts, draft/accepted tokens), and
-    what the draft policy chose: the width verified by each drafting cycle, the one-token steps; and the drafting
-    cycles whose chain prompt lookup continued (`lookup_splice`)."""
+    what the draft policy chose: the width verified by each drafting cycle, the one-token steps; the drafting
+    cycles whose chain prompt lookup continued (`lookup_splice`), and the one-token steps that verified a lookup
+    continuation with its tokens verified and accepted (`lookup_steps`; not in the drafter's figures)."""
     k = max(0, block_size - 1)
     drafts = stats.num_drafts if k else 0
     return {
@@ -392,6 +393,9 @@ def dflash_stats(stats, block_size: int) -> dict:
         "verify_widths": list(stats.verify_widths) if k else [],
         "one_token_steps": stats.plain_steps if k else 0,
         "lookup_splices": stats.lookup_splices if k else 0,
+        "lookup_steps": stats.lookup_steps if k else 0,
+        "lookup_draft_tokens": stats.lookup_drafts if k else 0,
+        "lookup_accepted_tokens": stats.lookup_accepted if k else 0,
         "accepted_tokens": stats.num_accepted_tokens if k else 0,
         "acceptance_histogram": stats.histogram if k else [],
         "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance] if k else [],
@@ -444,6 +448,9 @@ _STATS = {"type": "object",
                          "verify_widths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
                          "one_token_steps": {"type": "integer", "minimum": 0},
                          "lookup_splices": {"type": "integer", "minimum": 0},
+                         "lookup_steps": {"type": "integer", "minimum": 0},
+                         "lookup_draft_tokens": {"type": "integer", "minimum": 0},
+                         "lookup_accepted_tokens": {"type": "integer", "minimum": 0},
                          "accepted_tokens": {"type": "integer", "minimum": 0},
                          "acceptance_histogram": {"type": "array", "items": {"type": "integer", "minimum": 0}},
                          "per_position_acceptance": {"type": "array", "items": {"type": "number"}},

@@ -83,6 +83,7 @@ class Request:
     counted_cycles: int = 0  # drafting cycles already added to the spec-decode counters
     counted_steps: int = 0  # one-token steps already added
     counted_splices: int = 0  # chains continued by prompt lookup already added
+    counted_lookups: tuple[int, int, int] = (0, 0, 0)  # lookup steps, their tokens verified and accepted, added
 
 
 class Scheduler:
@@ -379,13 +380,15 @@ class Scheduler:
         if self.metrics is None or req.stats is None:
             return
         stats = req.stats
+        lookups = (stats.lookup_steps, stats.lookup_drafts, stats.lookup_accepted)
         if self.engine.block_size > 1:
             self.metrics.count_drafts(stats.acceptance_lengths[req.counted_cycles:],
                                       stats.verify_widths[req.counted_cycles:], self.engine.block_size,
                                       stats.plain_steps - req.counted_steps, stats.draft_lengths[req.counted_cycles:],
-                                      stats.lookup_splices - req.counted_splices)
+                                      stats.lookup_splices - req.counted_splices,
+                                      tuple(n - c for n, c in zip(lookups, req.counted_lookups)))
         req.counted_cycles, req.counted_steps = len(stats.acceptance_lengths), stats.plain_steps
-        req.counted_splices = stats.lookup_splices
+        req.counted_splices, req.counted_lookups = stats.lookup_splices, lookups
 
     def _count_finish(self, req: Request, reason: str, output_tokens: int) -> None:
         if self.metrics is not None:
