@@ -772,3 +772,29 @@ def test_lookup_steps_beside_drafting_rows_are_lossless(arch):
     assert [out[i] for i in range(len(prompts))] == expected
     assert sum(s.lookup_steps for s in stats.values()) >= 10
     assert sum(s.lookup_drafts for s in stats.values()) > sum(s.lookup_steps for s in stats.values())
+
+
+def test_drafter_sees_the_positions_committed_by_lookup_steps():
+    """Lookup steps commit several tokens per step; their target features reach the drafter's next call as one-token
+    steps' do: its context cache then matches an engine that prefilled the whole history as its prompt."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    params = SamplingParams(max_new_tokens=60)
+    prompt = PROMPTS[0]  # the target loops a 5-token cycle from its first tokens: continuations from step ~6
+    batch = engine.open_batch()
+    output = [e.token_ids for e in engine.add(batch, [prompt], params)][0]
+    batch.policy = ScriptedLookups([1] * 16 + [4])
+    batch.policy.cycle = -1
+    for _ in range(16):
+        output += engine.step(batch)[0].token_ids
+    stats = batch.rows[0].stats
+    assert stats.lookup_steps > 0 and stats.lookup_accepted > 0 and stats.num_drafts == 0
+    seen = len(prompt) + len(output) - 1  # every committed position but the bonus token
+    output += engine.step(batch)[0].token_ids  # the draft that writes their features
+    assert batch.rows[0].stats.num_drafts == 1
+    reference = engine.open_batch()
+    engine.add(reference, [prompt + output[:seen - len(prompt)]], params)
+    engine.step(reference)
+    for mine, expected in zip(cache_row(batch.proposer_state.kv, 0, seen),
+                              cache_row(reference.proposer_state.kv, 0, seen), strict=True):
+        torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-4)

@@ -91,7 +91,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cycle-trace", default=None, metavar="PATH",
                    help="append one JSON line per decode cycle to PATH: the requests in the batch, each one's verify "
                         "width (1: a one-token step) and drafts accepted, requests that joined, how the draft policy "
-                        "decided (plan / held / kept / probe / refresh / unmeasured), the cycle's ms (default: off)")
+                        "decided (plan / held / kept / probe / refresh / unmeasured), the tokens each lookup step "
+                        "verified, the cycle's ms (default: off)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
