@@ -280,6 +280,12 @@ vllm:num_requests_running{model_name="m"} 0.0
     assert level_summary(4, [], 1.0, counter_delta(before, ours))["drafting_share"] == pytest.approx(10 / 46, 1e-3)
     assert level_summary(4, [], 1.0, {"drafts": 0.0, "one_token_steps": 9.0})["drafting_share"] == 0.0
     assert "drafting_share" not in level_summary(4, [], 1.0, None)
+    # lookup steps are cycles the policy left without a draft: in the share's denominator, and reported
+    ours = parse_spec_metrics(text + "spec_decode_num_one_token_steps_total 40\nspec_decode_num_lookup_steps_total 8\n"
+                              "spec_decode_num_lookup_accepted_tokens_total 30\n")
+    level = level_summary(4, [], 1.0, counter_delta(before, ours))
+    assert level["drafting_share"] == pytest.approx(10 / 54, 1e-3)
+    assert level["lookup_steps"] == 8 and level["lookup_accepted"] == 30
 
 
 def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):

@@ -76,6 +76,9 @@ def test_scheduler_joins_and_leaves_and_counts(oracle):
     assert all(s.drafted_tokens <= s.proposed_tokens <= k * s.num_drafts for s in stats)
     assert _metric(metrics, "spec_decode_num_one_token_steps_total") == sum(s.plain_steps for s in stats)
     assert _metric(metrics, "spec_decode_num_lookup_splices_total") == sum(s.lookup_splices for s in stats)
+    assert _metric(metrics, "spec_decode_num_lookup_steps_total") == sum(s.lookup_steps for s in stats)
+    assert _metric(metrics, "spec_decode_num_lookup_draft_tokens_total") == sum(s.lookup_drafts for s in stats)
+    assert _metric(metrics, "spec_decode_num_lookup_accepted_tokens_total") == sum(s.lookup_accepted for s in stats)
     assert _metric(metrics, "spec_decode_num_accepted_tokens_total") == sum(s.num_accepted_tokens for s in stats)
     for pos in range(k):
         want = sum(sum(a > pos + 1 for a in s.acceptance_lengths) for s in stats)

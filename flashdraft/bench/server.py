@@ -38,7 +38,8 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
              "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos",
-             "spec_decode_num_one_token_steps": "one_token_steps"}
+             "spec_decode_num_one_token_steps": "one_token_steps", "spec_decode_num_lookup_steps": "lookup_steps",
+             "spec_decode_num_lookup_accepted_tokens": "lookup_accepted"}
 
 
 def free_port() -> int:
@@ -117,7 +118,7 @@ def counter_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     before = before or {}
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0)
-             for k in ("drafts", "draft_tokens", "accepted", "one_token_steps")}
+             for k in ("drafts", "draft_tokens", "accepted", "one_token_steps", "lookup_steps", "lookup_accepted")}
     pa, pb = after.get("per_pos", {}), before.get("per_pos", {})
     delta["per_pos"] = {p: pa[p] - pb.get(p, 0.0) for p in pa}
     return delta
@@ -257,10 +258,13 @@ def level_summary(concurrency: int, recs: list[dict], wall: float, delta: dict |
         "tpot_ms": round(1000 * statistics.fmean(tpot), 3) if tpot else None,
         "latency_s": round(statistics.fmean(r["latency_s"] for r in ok), 4) if ok else None,
     }
-    if delta is not None and (delta.get("drafts") or delta.get("one_token_steps")):
-        # of the rows' cycles, the share that drafted: whether the draft policy drafted at this load at all
-        drafts = delta.get("drafts", 0)
-        out["drafting_share"] = round(drafts / (drafts + delta.get("one_token_steps", 0)), 4)
+    if delta is not None and (delta.get("drafts") or delta.get("one_token_steps") or delta.get("lookup_steps")):
+        # of the rows' cycles, the share that drafted: whether the draft policy drafted at this load at all (lookup
+        # steps are cycles the policy left without a draft)
+        drafts, lookups = delta.get("drafts", 0), delta.get("lookup_steps", 0)
+        out["drafting_share"] = round(drafts / (drafts + delta.get("one_token_steps", 0) + lookups), 4)
+        if lookups:
+            out["lookup_steps"], out["lookup_accepted"] = int(lookups), int(delta.get("lookup_accepted", 0))
     if delta is not None and delta.get("drafts"):
         out.update(from_counters(delta), acceptance_source="metrics")
         out["spec_counters"] = {k: v for k, v in delta.items() if k != "per_pos"} | {
