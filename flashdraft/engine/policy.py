@@ -56,6 +56,10 @@ created by `new_row()` and travels with the row.
   (`width_choices`: 1, the powers of two below the block, the block; an engine whose drafts are always whole
   blocks offers 1 and the block). The draft is priced by the positions drafted: the widest drafting row's width
   where the drafter stops there (`drafts_to_width`), else the block.
+  - lookup steps (`lookup_widths`, `observe_lookups`): a greedy row the plan leaves at a one-token step may verify
+    a prompt-lookup continuation the engine found instead; it verifies the tokens whose expected acceptance
+    (`RowAcceptance.lookup`, moving averages like the drafter's, from an engine-wide prior) beats their share of
+    the longer forward at the rate of one-token steps. Such a step is a one-token step for everything else here.
 
 Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
 target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
@@ -711,7 +715,6 @@ class AdaptiveWidth:
                 self._wait(r, MIN_PLAIN_RUN)
             r.plain_steps = 0
             r.update(w, a)
-
 
     # ---- prompt lookup at one-token steps ------------------------------------------------------------------
 
