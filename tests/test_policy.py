@@ -727,7 +727,7 @@ def test_lookup_continuations_are_verified_as_far_as_their_tokens_pay():
     row = cheap.new_row()
     assert cheap.lookup_widths([row], [12], [1]) == [12]  # the optimistic start: 0.9 ** 12 = 0.28 > 0.1
     assert cheap.lookup_widths([row], [5], [1]) == [5]  # never more than the continuation holds
-    dear = machine(step_s=1e-3, per_token_s=1e-3, draft_s=1e-3)  # 16 rows where a token costs a row's step
+    dear = machine(step_s=1e-3, per_token_s=1e-3, draft_s=1e-3)  # 16 rows, a verified token as dear as a row's step
     loaded = AdaptiveWidth(16, _measured(dear, rows=16), ragged=True)
     assert loaded.lookup_widths([loaded.new_row()], [12], [1] * 16) == [0]
     for _ in range(10):  # continuations whose first token keeps failing

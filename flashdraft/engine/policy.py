@@ -723,8 +723,8 @@ class AdaptiveWidth:
         tokens: how many of its tokens to verify (0: none), the number whose expected accepted tokens (the sum
         of their survivals, each the product of the row's lookup acceptances up to it) beat, by the most, what
         the longer target forward costs at the batch's rate of one-token steps. On a CPU at batch 1 a verified
-        token costs ~7 % of a step, so a row verifies nearly the whole copy; at 16 rows it costs about a row's
-        step, so only copies that keep being accepted are verified. No draft is priced: a copy costs no model
+        token costs ~7 % of a step, so a row verifies nearly the whole copy; at 16 rows it costs a large share of
+        a row's step, so only copies that keep being accepted are verified. No draft is priced: a copy costs no model
         call. Each row is priced beside the plan's widths alone (copies are rare enough to be judged apart)."""
         n, total = len(widths), int(sum(widths))
         plain_s = self.costs.cycle(n, 0)
