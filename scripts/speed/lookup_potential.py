@@ -23,16 +23,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
+from flashdraft.bench.reference import first_difference  # noqa: E402
 from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.engine.lookup import NgramIndex  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
 
 
 def accepted_prefix(continuation: list[int], committed: list[int]) -> int:
-    n = 0
-    while n < min(len(continuation), len(committed)) and continuation[n] == committed[n]:
-        n += 1
-    return n
+    """How many of the continuation's tokens the target committed next (their matching prefix)."""
+    first = first_difference(continuation, committed)
+    return len(continuation) if first is None else first
 
 
 @torch.inference_mode()
