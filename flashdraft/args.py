@@ -219,7 +219,7 @@ def add_device_args(p) -> None:
                         "occurred before and what followed starts with the drafter's first draft (repeats the "
                         "drafter starts and loses; no model call; default 4, 0 = off)")
     p.add_argument("--lookup-steps", type=int_in(0, 8), default=4,
-                   help="greedy rows the adaptive policy leaves at one-token steps verify prompt lookup's "
+                   help="rows the adaptive policy leaves at one-token steps verify prompt lookup's "
                         "continuation where the context's last N or more tokens occurred before, as far as its "
                         "measured acceptance pays for the wider verify (no model call; eager fast path; default 4, "
                         "0 = off)")

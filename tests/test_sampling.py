@@ -23,6 +23,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 import flashdraft.engine.generate as engine_module
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
 from flashdraft.engine import EngineConfig, NoRowState, Verdict, target_probs, verify
+from flashdraft.engine.policy import AdaptiveWidth
 
 VOCAB, MASK, N_TOKENS, N_SAMPLES = 8, 7, 3, 12000
 N_LONG, N_LONG_SAMPLES = 10, 2000  # per-position checks: this many tokens for the first this many generations
@@ -165,9 +166,12 @@ SETTINGS = [
 # cycle (one-token steps among them: a ragged verify); "-fixed" verifies the whole block every cycle
 # "-splice1": the chain continued by prompt lookup from a 1-token match on (`lookup.py`; the default engine splices
 # from 4-token matches, rare in 10 tokens), so that most drafting cycles splice
+# "-steps1": every row held at one-token steps that verify the whole prompt-lookup continuation of a 1-token match
+# (`lookup_steps`), so nearly every step verifies copied tokens, one-hot, through the same verifier
 CASES = [("dflash", 0), ("dflash-mixed", 1), ("dflash-fixed", 2), ("dflash-generic-path-mixed", 2), ("soft", 0),
          ("soft-mixed", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-mixed-rejection", 2),
-         ("soft-mixed-rejection", 1), ("ar-rejection", 0), ("dflash-splice1", 0), ("dflash-splice1-rejection", 0)]
+         ("soft-mixed-rejection", 1), ("ar-rejection", 0), ("dflash-splice1", 0), ("dflash-splice1-rejection", 0),
+         ("dflash-steps1", 1), ("dflash-steps1-rejection", 2)]
 
 
 class MixedWidths:
@@ -189,6 +193,28 @@ class MixedWidths:
         pass
 
 
+class LookupEveryStep(AdaptiveWidth):
+    """One-token steps only, each verifying the whole lookup continuation found (no pricing)."""
+
+    def widths(self, rows, pending=None):
+        return [1] * len(rows)
+
+    def lookup_widths(self, rows, lengths, widths):
+        return list(lengths)
+
+
+def count_lookup_steps(engine):
+    """A counter of the engine's one-token steps that verified a lookup continuation, from now on."""
+    count, lookup_copies = [0], engine._lookup_copies
+
+    def counting(batch, widths):
+        copies = lookup_copies(batch, widths)
+        count[0] += len(copies)
+        return copies
+    engine._lookup_copies = counting
+    return lambda: count[0]
+
+
 def count_splices(engine):
     """A counter of the engine's spliced chains from now on (read through the returned callable)."""
     count, splice_lookups = [0], engine._splice_lookups
@@ -207,19 +233,26 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
     sampler = "rejection" if method.endswith("-rejection") else "gumbel"
     if "-mixed" in method:
         monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, *a, **k: MixedWidths(block_size))
+    if "-steps1" in method:
+        monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, costs, ragged, priors, *a, **k:
+                            LookupEveryStep(block_size, costs, ragged, priors))
     if method.startswith("dflash"):
         engine = SpecEngine(target, drafter, fast_path=False if "generic" in method else None, sampler=sampler,
                             draft_policy="fixed" if "-fixed" in method else "adaptive",
-                            lookup_splice=1 if "-splice1" in method else EngineConfig.lookup_splice)
+                            lookup_splice=1 if "-splice1" in method else EngineConfig.lookup_splice,
+                            lookup_steps=1 if "-steps1" in method else EngineConfig.lookup_steps)
     elif method.startswith("soft"):
         engine = SpecEngine(target, block_size=3, proposer=SoftProposer(), sampler=sampler)
     else:
         engine = SpecEngine(target, sampler=sampler)
     exact = exact_distribution(target, params)
     splices = count_splices(engine) if "-splice1" in method else None
+    lookups = count_lookup_steps(engine) if "-steps1" in method else None
     counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)
     if splices is not None:
         assert splices() > 100, f"{method}: only {splices()} cycles spliced"  # the path under test ran
+    if lookups is not None:
+        assert lookups() > 1000, f"{method}: only {lookups()} lookup steps"
     p_value, tv = fit(exact, counts)
     tv_floor = null_total_variation(exact, N_SAMPLES)
     assert p_value > P_MIN and tv < 1.5 * tv_floor + 0.01, (

@@ -123,6 +123,21 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
             engine_concurrency.main(bad)
 
 
+def test_idle_overhead_smoke(tmp_path, capsys):
+    import idle_overhead
+
+    out_json = tmp_path / "idle.json"
+    assert idle_overhead.main(["--batch", "1,2", "--num-prompts", "2", "--max-new-tokens", "4", "--rounds", "2",
+                               "--json", str(out_json)]) == 0
+    cells = json.loads(out_json.read_text())["cells"]
+    assert [c["batch"] for c in cells] == [1, 2]
+    for c in cells:  # both engines generated every token of both rounds
+        assert c["plain"]["tokens"] == c["dflash"]["tokens"] == 2 * 2 * 4 and c["ratio"] > 0
+    assert "batch 2, T = 1.0" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        idle_overhead.main(["--batch", "0"])
+
+
 def test_sampling_cost_smoke(capsys):
     import sampling_cost
 

@@ -61,10 +61,10 @@ class EngineConfig:
     # the drafter's first draft, that continuation replaces the rest of the row's drafts (`lookup.py`: prompt
     # lookup for the repeats a drafter starts and then loses; no model call). 0 = the drafter's chain alone
     lookup_splice: int = 4
-    # greedy rows the adaptive policy leaves at one-token steps: where the context's last n >= lookup_steps tokens
-    # occurred before, the row verifies what followed them instead, as far as the policy's price for each further
-    # token pays (`AdaptiveWidth.lookup_widths`: the row's own lookup acceptance against the cost per verified
-    # token). Ragged verification only (the eager fast path). 0 = off
+    # rows the adaptive policy leaves at one-token steps (greedy and sampled): where the context's last
+    # n >= lookup_steps tokens occurred before, the row verifies what followed them instead, as far as the policy's
+    # price for each further token pays (`AdaptiveWidth.lookup_widths`: the row's own lookup acceptance against the
+    # cost per verified token). Ragged verification only (the eager fast path). 0 = off
     lookup_steps: int = 4
 
     def __post_init__(self):

@@ -309,7 +309,7 @@ class SpecEngine:
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
         # prompt lookup continuing drafters' chains (`lookup.py`): min n-gram length, 0 = off (and without drafts)
         self.lookup_splice = config.lookup_splice if self.block_size > 1 else 0
-        # greedy rows at one-token steps verifying prompt lookup's continuation (`AdaptiveWidth.lookup_widths`): min
+        # rows at one-token steps verifying prompt lookup's continuation (`AdaptiveWidth.lookup_widths`): min
         # n-gram length, 0 = off. Rows verify their own widths only on the ragged path
         self.lookup_steps = config.lookup_steps if self.block_size > 1 and self.ragged else 0
         # an eager drafter drafts only as far as the widest row verifies (bonus + w - 1 masked positions, not the
@@ -819,16 +819,18 @@ class SpecEngine:
         return block, positions, draft_probs, context
 
     def _lookup_copies(self, batch: Batch, widths: list[int]) -> dict[int, list[int]]:
-        """Greedy rows the policy left at one-token steps whose context's last `lookup_steps` or more tokens
-        occurred before: the tokens that followed, as many as the policy prices worth verifying
-        (`AdaptiveWidth.lookup_widths`) and the request can still use. {row: continuation}."""
+        """Rows the policy left at one-token steps whose context's last `lookup_steps` or more tokens occurred
+        before: the tokens that followed, as many as the policy prices worth verifying
+        (`AdaptiveWidth.lookup_widths`) and the request can still use. {row: continuation}. Sampled rows too: the
+        verifier accepts a copied token where it is the target's own sample there (under the noise, its race
+        winner; with rejection sampling, with probability p(token), a one-hot draft)."""
         price = getattr(batch.policy, "lookup_widths", None)
         if not self.lookup_steps or price is None:
             return {}
         found = {}
         for i, (r, w) in enumerate(zip(batch.rows, widths)):
             room = r.params.max_new_tokens - len(r.output) - 1  # drafts past the request's end commit nothing
-            if w == 1 and r.params.greedy and room > 0:
+            if w == 1 and room > 0:
                 r.lookup.extend(r.prompt, r.output)
                 copy = r.lookup.continuation(min(room, self.block_size - 1), self.lookup_steps)
                 if copy:

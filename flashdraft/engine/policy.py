@@ -56,10 +56,11 @@ created by `new_row()` and travels with the row.
   (`width_choices`: 1, the powers of two below the block, the block; an engine whose drafts are always whole
   blocks offers 1 and the block). The draft is priced by the positions drafted: the widest drafting row's width
   where the drafter stops there (`drafts_to_width`), else the block.
-  - lookup steps (`lookup_widths`, `observe_lookups`): a greedy row the plan leaves at a one-token step may verify
+  - lookup steps (`lookup_widths`, `observe_lookups`): a row the plan leaves at a one-token step may verify
     a prompt-lookup continuation the engine found instead; it verifies the tokens whose expected acceptance
-    (`RowAcceptance.lookup`, moving averages like the drafter's, from an engine-wide prior) beats their share of
-    the longer forward at the rate of one-token steps. Such a step is a one-token step for everything else here.
+    (`RowAcceptance.lookup`, moving averages like the drafter's, from an engine-wide prior per kind of row) beats
+    their share of the longer forward at the rate of one-token steps. Such a step is a one-token step for
+    everything else here.
 
 Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
 target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
@@ -408,7 +409,9 @@ class AcceptancePriors:
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
         self.seen = np.zeros(block_size - 1)  # sampled rows' drafts that reached each position
         self.sampled_wait = MIN_PLAIN_RUN
-        self.lookup = initial_prior(block_size)  # prompt-lookup continuations verified at one-token steps
+        # prompt-lookup continuations verified at one-token steps, greedy and sampled rows apart (a sampled row's
+        # continuation survives only where the target's own sample follows the copy)
+        self.lookup = {False: initial_prior(block_size), True: initial_prior(block_size)}
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
@@ -493,7 +496,7 @@ class AdaptiveWidth:
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         return RowAcceptance(self.priors[sampled].copy(), sampled,
                              plain_run=self.priors.sampled_wait if sampled else MIN_PLAIN_RUN, planned=False,
-                             lookup=self.priors.lookup.copy())
+                             lookup=self.priors.lookup[sampled].copy())
 
     def _wait(self, r: RowAcceptance, plain_run: int) -> None:
         r.plain_run = plain_run
@@ -743,7 +746,7 @@ class AdaptiveWidth:
         lookup estimates (the rows' one-token steps themselves are `observe`'s)."""
         for r, w, a in zip(rows, widths, accepted):
             smooth_acceptance(r.lookup, w, a, SMOOTHING)
-            smooth_acceptance(self.priors.lookup, w, a, PRIOR_SMOOTHING)
+            smooth_acceptance(self.priors.lookup[r.sampled], w, a, PRIOR_SMOOTHING)
 
 
 DRAFT_POLICIES = ("adaptive", "fixed")
