@@ -742,6 +742,17 @@ def test_lookup_continuations_are_verified_as_far_as_their_tokens_pay():
     assert unmeasured.lookup_widths([unmeasured.new_row()], [12], [1]) == [0]  # no step timed: nothing to price
 
 
+def test_sampled_rows_lookup_failures_leave_greedy_rows_prior_alone():
+    """A sampled row's copies survive only where the target's sample follows them; what they give teaches the
+    sampled rows' lookup prior, not the greedy rows'."""
+    policy = AdaptiveWidth(16, _measured(CPU, rows=1), ragged=True)
+    sampled = policy.new_row(sampled=True)
+    for _ in range(50):
+        policy.observe_lookups([sampled], [13], [0])
+    assert policy.new_row(sampled=True).lookup[0] < initial_prior(16)[0]
+    np.testing.assert_array_equal(policy.new_row().lookup, initial_prior(16))
+
+
 class ScriptedLookups(ScriptedWidths):
     """Scripted widths; rows at one-token steps verify their whole lookup continuation."""
 
