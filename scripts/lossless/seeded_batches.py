@@ -1,11 +1,12 @@
 """Does a seeded sampled request give the same text alone, in a busy batch, and under plain decoding?
 
-For each held-out prompt of the shipped pair (or --prompts), temperature 1, seed = the prompt's index: plain
+For each held-out prompt of the shipped pair, temperature `--temperature` (1), seed = the prompt's index: plain
 decoding alone (the reference), then DFlash alone and DFlash with the request placed among `--batch - 1` other
 requests (other prompts, other seeds, a greedy one), for each sampler, in the default mode and in exact mode.
-Counts the requests whose text equals the reference, and reports tau per configuration.
+Counts the requests whose text equals the reference, and reports tau per configuration. Low temperatures
+magnify rounding: the race compares p / E, and p = softmax(logits / T) scales a logit's rounding difference by 1 / T.
 
-    python scripts/lossless/seeded_batches.py --json runs/seeded_batches.json
+    python scripts/lossless/seeded_batches.py [--temperature 1] --json runs/seeded_batches.json
 """
 
 from __future__ import annotations
@@ -29,19 +30,23 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=1.0, help="of the seeded request (> 0)")
     p.add_argument("--configs", default="gumbel,rejection,gumbel-exact,rejection-exact",
                    help="comma-separated sampler[-exact] configurations to run")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if not 0 < args.temperature <= 100:
+        p.error("--temperature must be in (0, 100]")
     torch.set_num_threads(args.threads)
     target, tok, drafter = load_pair(None, None, "cpu", "auto", "auto")
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(args.num_prompts)]
     rng = random.Random(0)
 
-    def params(i, temperature=1.0):
+    def params(i, temperature=None):
+        temperature = args.temperature if temperature is None else temperature
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, seed=i)
 
-    results = {"num_prompts": len(prompts), "batch": args.batch, "drafter_dtype": str(drafter.dtype),
+    results = {"num_prompts": len(prompts), "batch": args.batch, "temperature": args.temperature, "drafter_dtype": str(drafter.dtype),
                "target_dtype": str(target.dtype), "configs": {}}
     for name in args.configs.split(","):
         sampler, exact = name.removesuffix("-exact"), name.endswith("-exact")
