@@ -46,7 +46,8 @@ def main(argv=None) -> int:
         temperature = args.temperature if temperature is None else temperature
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature, seed=i)
 
-    results = {"num_prompts": len(prompts), "batch": args.batch, "temperature": args.temperature, "drafter_dtype": str(drafter.dtype),
+    results = {"num_prompts": len(prompts), "batch": args.batch, "temperature": args.temperature,
+               "drafter_dtype": str(drafter.dtype),
                "target_dtype": str(target.dtype), "configs": {}}
     for name in args.configs.split(","):
         sampler, exact = name.removesuffix("-exact"), name.endswith("-exact")
