@@ -249,6 +249,8 @@ def test_server_mode_against_dflash_serve(pair, tmp_path):
     assert lv["tau"] == pytest.approx(1 + lv["num_accepted_tokens"] / lv["num_drafts"], abs=1e-4)
     assert sum(lv["acceptance_histogram"]) == lv["num_drafts"]
     assert levels[0]["output_tokens"] > 0
+    if sys.platform == "linux":  # the process collector reads /proc: work per token beside wall time
+        assert all(lv["server_cpu_s"] > 0 and lv["tok_per_cpu_s"] > 0 for lv in levels)
 
 
 def test_prometheus_counters_and_histogram_from_positions():
@@ -264,7 +266,7 @@ vllm:num_requests_running{model_name="m"} 0.0
 """
     after = parse_spec_metrics(text)
     assert after == {"drafts": 12.0, "draft_tokens": 36.0, "accepted": 15.0, "per_pos": {0: 8.0, 1: 5.0, 2: 2.0}}
-    assert parse_spec_metrics("process_cpu_seconds_total 3.0\n") is None
+    assert parse_spec_metrics("process_virtual_memory_bytes 3.0\n") is None
     s = from_counters(counter_delta(None, after))
     assert s["tau"] == pytest.approx(1 + 15 / 12, abs=1e-4) and s["acceptance_rate"] == pytest.approx(15 / 36, 1e-3)
     assert s["acceptance_histogram"] == [4, 3, 3, 2]  # 12 drafts: 4 with 0 accepted, 3 with 1, 3 with 2, 2 with 3
@@ -286,6 +288,13 @@ vllm:num_requests_running{model_name="m"} 0.0
     level = level_summary(4, [], 1.0, counter_delta(before, ours))
     assert level["drafting_share"] == pytest.approx(10 / 54, 1e-3)
     assert level["lookup_steps"] == 8 and level["lookup_accepted"] == 30
+    # the server's CPU seconds over the level (the process collector's counter): tokens per CPU-second
+    cpu = parse_spec_metrics("# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n")
+    assert cpu == {"cpu_s": 12.5}
+    level = level_summary(4, [{"error": None, "tokens": 40, "ttft_s": 0.1, "latency_s": 1.0}], 2.0,
+                          counter_delta({"cpu_s": 10.5}, cpu))
+    assert level["server_cpu_s"] == 2.0 and level["tok_per_cpu_s"] == 20.0 and level["throughput_tok_s"] == 20.0
+    assert "server_cpu_s" not in level_summary(4, [], 1.0, counter_delta(before, ours))
 
 
 def test_datasets_local_cached_and_offline(pair, tmp_path, monkeypatch):

@@ -19,11 +19,11 @@ def sweep():
 
 
 def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_path):
-    rounds = iter([  # (tokens, seconds, tau, share of drafting cycles) per server, round by round
-        {"dflash": (100, 1.0, 4.0, 0.5), "ar": (100, 2.0, None, None), "compare": (100, 4.0, 2.0, 0.0),
-         "control": (100, 2.5, None, None)},
-        {"dflash": (100, 2.0, 6.0, 0.25), "ar": (100, 1.0, None, None), "compare": (100, 1.0, 3.0, 0.0),
-         "control": (100, 0.5, None, None)},
+    rounds = iter([  # (tokens, seconds, tau, share of drafting cycles, server CPU seconds) per server, by round
+        {"dflash": (100, 1.0, 4.0, 0.5, 0.5), "ar": (100, 2.0, None, None, 1.0), "compare": (100, 4.0, 2.0, 0.0, None),
+         "control": (100, 2.5, None, None, None)},
+        {"dflash": (100, 2.0, 6.0, 0.25, 1.0), "ar": (100, 1.0, None, None, 1.0), "compare": (100, 1.0, 3.0, 0.0, None),
+         "control": (100, 0.5, None, None, None)},
     ])
 
     def fake_run_servers(specs, prompts, levels, **kwargs):
@@ -31,7 +31,8 @@ def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_p
         names = [s.split("=")[0] for s in specs]
         return {"servers": {n: {"levels": [{"errors": 0, "output_tokens": this[n][0], "wall_s": this[n][1],
                                             "tau": this[n][2], "mismatches": 0 if this[n][2] else None,
-                                            "drafting_share": this[n][3]}]}
+                                            "drafting_share": this[n][3], "server_cpu_s": this[n][4],
+                                            "tok_per_cpu_s": this[n][4] and this[n][0] / this[n][4]}]}
                             for n in names}}
 
     monkeypatch.setattr(sweep, "run_servers", fake_run_servers)
@@ -43,12 +44,16 @@ def test_cell_keeps_each_rounds_ratio_and_the_mean_tau(sweep, monkeypatch, tmp_p
     assert out["compare_ratio"] == pytest.approx(0.6) and out["compare_round_ratios"] == [0.5, 1.0]
     assert out["compare_tau"] == 2.5 and out["ar_tok_s"] == pytest.approx(66.7)
     assert out["control_ratio"] == 1.0 and out["control_round_ratios"] == [0.8, 2.0] and out["control_tau"] is None
+    # tokens per CPU-second of each server: 200 / 1.5 s against 200 / 2 s; servers without CPU time get none
+    assert out["cpu_ratio"] == pytest.approx(1.333, abs=1e-3) and out["cpu_round_ratios"] == [2.0, 1.0]
+    assert "compare_cpu_ratio" not in out and "control_cpu_ratio" not in out
     cells = [{"set": "held-out", "temperature": 0.0, "concurrency": 4, "busy_core": False, **out}]
     sweep.write_table(cells, [4], [0.0], ["held-out"], tmp_path)
     table = (tmp_path / "table.md").read_text()
     assert "| held-out | 0 | 1.00x (0.50-2.00) |" in table and "0.60x (0.50-1.00)" in table
     assert "noise floor" in table and "1.00x (0.80-2.00)" in table
     assert "| held-out | 0 | 38 % |" in table  # the drafting server's share of cycles that drafted
+    assert "per CPU-second of each server" in table and "1.33x (1.00-2.00)" in table
     assert (tmp_path / "ratio.png").stat().st_size > 1000
 
 

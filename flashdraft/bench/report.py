@@ -57,8 +57,16 @@ def _steps_cell(s: dict) -> str:
     return str(steps) if steps else "-"
 
 
-SERVER_COLUMNS = ["server", "concurrency", "requests", "tok/s", "speedup", "TTFT ms (p50)", "TPOT ms", "tau",
-                  "accept rate", "greedy = ref"]
+SERVER_COLUMNS = ["server", "concurrency", "requests", "tok/s", "speedup", "tok/CPU-s (speedup)", "TTFT ms (p50)",
+                  "TPOT ms", "tau", "accept rate", "greedy = ref"]
+
+
+def _per_cpu(lv: dict) -> str:
+    """Output tokens per CPU-second of the server (and that speedup), where its /metrics gave its CPU time."""
+    if lv.get("tok_per_cpu_s") is None:
+        return "-"
+    speedup = lv.get("cpu_speedup")
+    return _fmt(lv["tok_per_cpu_s"], ".1f") + (f" ({speedup:.2f}x)" if speedup is not None else "")
 
 
 def server_rows(results: dict, rich: bool = False) -> list[list[str]]:
@@ -75,7 +83,8 @@ def server_rows(results: dict, rich: bool = False) -> list[list[str]]:
             req = f"{lv['num_requests']}" + (f" ({lv['errors']} failed)" if lv["errors"] else "")
             rows.append([name, str(lv["concurrency"]), req, _fmt(lv["throughput_tok_s"], ".1f"),
                          _fmt(lv.get("speedup"), ".2f") + ("x" if lv.get("speedup") is not None else ""),
-                         f"{_fmt(lv['ttft_ms'], '.1f')} ({_fmt(lv['ttft_ms_p50'], '.1f')})", _fmt(lv["tpot_ms"]),
+                         _per_cpu(lv), f"{_fmt(lv['ttft_ms'], '.1f')} ({_fmt(lv['ttft_ms_p50'], '.1f')})",
+                         _fmt(lv["tpot_ms"]),
                          _fmt(lv.get("tau")), _fmt(lv.get("acceptance_rate")), cell])
     return rows
 

@@ -11,6 +11,9 @@ Acceptance comes from the server's Prometheus `/metrics`, read before and after 
 `spec_decode_num_accepted_tokens_per_pos{position}` (any `vllm:`-style prefix, `_total` suffix and extra labels
 are accepted; label sets are summed), so tau = 1 + accepted / drafts over exactly the level's requests. Without
 those counters, the mean of a per-response `flashdraft.tau` field (our server adds it) is used when present.
+Where the server exports `process_cpu_seconds_total` (ours, vLLM's and SGLang's do, on Linux), a level also
+reports the server's CPU seconds and output tokens per CPU-second, and `cpu_speedup` beside `speedup`: what a
+token costs the server in work, which a busy machine moves far less than it moves wall time.
 
 With greedy decoding, outputs are compared with the reference (the `ar` server at the first level, else the same
 server at the first level): the same prompt must give the same text at every concurrency.
@@ -39,7 +42,7 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
              "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos",
              "spec_decode_num_one_token_steps": "one_token_steps", "spec_decode_num_lookup_steps": "lookup_steps",
-             "spec_decode_num_lookup_accepted_tokens": "lookup_accepted"}
+             "spec_decode_num_lookup_accepted_tokens": "lookup_accepted", "process_cpu_seconds": "cpu_s"}
 
 
 def free_port() -> int:
@@ -83,7 +86,8 @@ def local_server(args: list[str], log, name: str = "flashdraft serve", cwd=None,
 
 
 def parse_spec_metrics(text: str) -> dict | None:
-    """The spec-decode counters in a Prometheus exposition text, summed over label sets; None if absent."""
+    """The spec-decode counters (and the process's CPU seconds) in a Prometheus exposition text, summed over label
+    sets; None if absent."""
     out: dict = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -119,6 +123,8 @@ def counter_delta(before: dict | None, after: dict | None) -> dict | None:
     before = before or {}
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0)
              for k in ("drafts", "draft_tokens", "accepted", "one_token_steps", "lookup_steps", "lookup_accepted")}
+    if "cpu_s" in after:
+        delta["cpu_s"] = after["cpu_s"] - before.get("cpu_s", 0.0)
     pa, pb = after.get("per_pos", {}), before.get("per_pos", {})
     delta["per_pos"] = {p: pa[p] - pb.get(p, 0.0) for p in pa}
     return delta
@@ -258,6 +264,9 @@ def level_summary(concurrency: int, recs: list[dict], wall: float, delta: dict |
         "tpot_ms": round(1000 * statistics.fmean(tpot), 3) if tpot else None,
         "latency_s": round(statistics.fmean(r["latency_s"] for r in ok), 4) if ok else None,
     }
+    if delta is not None and delta.get("cpu_s", 0) > 0:
+        out["server_cpu_s"] = round(delta["cpu_s"], 3)
+        out["tok_per_cpu_s"] = round(tokens / delta["cpu_s"], 3)
     if delta is not None and (delta.get("drafts") or delta.get("one_token_steps") or delta.get("lookup_steps")):
         # of the rows' cycles, the share that drafted: whether the draft policy drafted at this load at all (lookup
         # steps are cycles the policy left without a draft)
@@ -331,11 +340,13 @@ def _check_outputs(results: dict, num_prompts: int, greedy: bool) -> None:
 def _speedups(results: dict) -> None:
     if "ar" not in results:
         return
-    base = {lv["concurrency"]: lv["throughput_tok_s"] for lv in results["ar"]["levels"]}
-    for srv in results.values():
-        for lv in srv["levels"]:
-            b = base.get(lv["concurrency"])
-            lv["speedup"] = round(lv["throughput_tok_s"] / b, 3) if b else None
+    for key, speedup in (("throughput_tok_s", "speedup"), ("tok_per_cpu_s", "cpu_speedup")):
+        base = {lv["concurrency"]: lv.get(key) for lv in results["ar"]["levels"]}
+        for srv in results.values():
+            for lv in srv["levels"]:
+                b = base.get(lv["concurrency"])
+                if key in lv or speedup == "speedup":
+                    lv[speedup] = round(lv[key] / b, 3) if b and lv.get(key) is not None else None
 
 
 def run_servers(server_specs: list[str], prompts: list[Prompt], concurrencies: list[int], *, model: str | None = None,

@@ -12,7 +12,10 @@ Speculative decoding (counted per verify cycle, live, as vLLM does):
 Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / generation_tokens (counters),
 request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, num_preemptions (running
 requests preempted for the KV-cache budget), kv_cache_reserved_positions / kv_cache_budget_positions, and histograms
-e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds.
+e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds. The process's own
+(prometheus_client's process collector, Linux): process_cpu_seconds_total, process_resident_memory_bytes, ... (the
+CPU seconds a level of requests took are what `flashdraft bench --server` divides its tokens by: work per token
+that another process on the machine does not move, as wall time does).
 prometheus_client appends `_total` to counter names in the exposition text (`spec_decode_num_drafts_total`).
 
 Each server gets its own registry (several servers in one process, as in the tests, do not collide). Every
@@ -23,7 +26,7 @@ What this module does not know about: the engine, requests, HTTP; callers report
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -33,6 +36,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
 

@@ -2,7 +2,9 @@
 a concurrency sweep at temperature 0 and 1 on the shipped pair's held-out prompts and on out-of-domain code
 (cut from installed packages' sources, half ending mid-line, half at a line start), and batch 1 with another
 process keeping one core busy. Every cell is one `flashdraft bench --server` level, the two servers interleaved
-level by level; the ratio is DFlash's output tokens per second over plain decoding's.
+level by level; the ratio is DFlash's output tokens per second over plain decoding's, and the CPU ratio the same
+for output tokens per CPU-second of each server process (its `process_cpu_seconds_total`): on a machine shared
+with other work the wall-time ratio of one cell moves by +-10-40 % between rounds, the work per token much less.
 
     python scripts/speed/serve_sweep.py                        # the full table (about 15 minutes on 2 cores)
     python scripts/speed/serve_sweep.py --concurrency 1,16 --temperatures 0 --serve-args="--draft-policy fixed"
@@ -76,10 +78,13 @@ def busy_core(enabled: bool, cpus: set[int] | None = None):
 def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int) -> dict:
     """One cell: every server at one concurrency level, `rounds` alternating rounds. The ratio is of throughputs
     summed over the rounds; each round's own ratio is kept too (`round_ratios`: their spread is this machine's
-    run-to-run noise at that load), and tau is the mean of the rounds'."""
+    run-to-run noise at that load), and tau is the mean of the rounds'. Where the servers report their CPU time
+    (`process_cpu_seconds_total`), `cpu_ratio` is the same ratio of output tokens per CPU-second of each server:
+    the work a token costs, which the machine's other load moves far less than it moves wall time."""
     tokens = {name: 0 for name in urls}
     seconds = {name: 0.0 for name in urls}
-    per_round = {name: [] for name in urls}  # (tokens/s, tau) per round
+    cpu_seconds = {name: 0.0 for name in urls}
+    per_round = {name: [] for name in urls}  # (tokens/s, tau, mismatches, drafting share, tokens/CPU-s) per round
     for r in range(rounds):
         order = list(urls.items()) if r % 2 == 0 else list(urls.items())[::-1]
         res = run_servers([f"{n}={u}" for n, u in order], prompts, [concurrency], max_tokens=max_tokens,
@@ -90,25 +95,33 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
                 raise RuntimeError(f"{name}: {level['errors']} failed requests at concurrency {concurrency}")
             tokens[name] += level["output_tokens"]
             seconds[name] += level["wall_s"]
+            cpu_seconds[name] += level.get("server_cpu_s") or 0.0
             per_round[name].append((level["output_tokens"] / level["wall_s"], level.get("tau"),
-                                    level.get("mismatches"), level.get("drafting_share")))
+                                    level.get("mismatches"), level.get("drafting_share"),
+                                    level.get("tok_per_cpu_s")))
     tps = {name: tokens[name] / seconds[name] for name in urls}
+    per_cpu = {name: tokens[name] / cpu_seconds[name] if all(x[4] for x in per_round[name]) else None
+               for name in urls}
     out = {"ar_tok_s": round(tps["ar"], 1)}
     for name in urls:
         if name == "ar":
             continue
         prefix = "" if name == "dflash" else f"{name}_"
-        taus = [t for _, t, _, _ in per_round[name] if t is not None]
-        mismatches = [m for _, _, m, _ in per_round[name] if m is not None]
-        shares = [d for *_, d in per_round[name] if d is not None]
+        taus = [t for _, t, _, _, _ in per_round[name] if t is not None]
+        mismatches = [m for _, _, m, _, _ in per_round[name] if m is not None]
+        shares = [d for _, _, _, d, _ in per_round[name] if d is not None]
         out.update({f"{name}_tok_s": round(tps[name], 1), prefix + "ratio": round(tps[name] / tps["ar"], 3),
-                    prefix + "round_ratios": [round(x / a, 3) for (x, *_), (a, *_) in
+                    prefix + "round_ratios": [round(x[0] / a[0], 3) for x, a in
                                               zip(per_round[name], per_round["ar"])],
                     prefix + "tau": round(sum(taus) / len(taus), 4) if taus else None,
                     prefix + "mismatches": sum(mismatches) if mismatches else None,
                     # the share of the rows' cycles that drafted (from the server's counters): 0 means the policy
                     # stepped one token at a time, so the cell's ratio is the drafting server's overhead and noise
                     prefix + "drafting_share": round(sum(shares) / len(shares), 3) if shares else None})
+        if per_cpu[name] and per_cpu["ar"]:
+            out.update({prefix + "cpu_ratio": round(per_cpu[name] / per_cpu["ar"], 3),
+                        prefix + "cpu_round_ratios": [round(x[4] / a[4], 3) for x, a in
+                                                      zip(per_round[name], per_round["ar"])]})
     return out
 
 
@@ -193,6 +206,8 @@ def ratio_text(cell: dict, key: str) -> str:
     as "45 %"."""
     if key.endswith("drafting_share"):
         return "" if cell.get(key) is None else f"{100 * cell[key]:.0f} %"
+    if cell.get(key) is None:
+        return ""
     rounds = cell.get(key.replace("ratio", "round_ratios"), [])
     spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if len(rounds) > 1 else ""
     return f"{cell[key]:.2f}x{spread}"
@@ -204,6 +219,10 @@ def write_table(cells, concurrencies, temperatures, sets, out: Path) -> None:
                        ("compare_ratio", "compare (--compare-args) / plain decoding"),
                        ("control_ratio", "control: a second plain-decoding server (--control), the noise floor, / "
                                          "plain decoding"),
+                       ("cpu_ratio", "dflash / plain decoding, output tokens per CPU-second of each server"),
+                       ("compare_cpu_ratio", "compare / plain decoding, output tokens per CPU-second"),
+                       ("control_cpu_ratio", "control / plain decoding, output tokens per CPU-second (its noise "
+                                             "floor)"),
                        ("drafting_share", "dflash: share of the rows' cycles that drafted (server counters), not "
                                           "one-token steps")):
         if not any(c.get(key) is not None for c in cells):
