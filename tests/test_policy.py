@@ -278,6 +278,33 @@ def test_the_sampled_prior_is_a_mean_of_its_first_drafts_and_the_greedy_prior_mo
     np.testing.assert_array_equal(priors[True][6:], before[6:])
 
 
+def test_a_rows_first_draft_is_priced_by_the_first_drafts_before_it():
+    """An answer's first block is where drafts accept least (the drafter has the prompt alone). After requests whose
+    first drafts failed and whose later drafts accepted 14, 16 fresh rows do not draft on their first plan, on a
+    machine where the prior of all drafts would draft them all (a loss the served load then paid for: the rows out
+    of step for the rest of it); a row continues from the prior of all drafts once it has drafted."""
+    costs = _measured(GPU)
+    policy = AdaptiveWidth(16, costs, ragged=True)
+    for _ in range(20):
+        policy.priors.update(False, 16, 0, first=True)
+        for _ in range(3):
+            policy.priors.update(False, 16, 14)
+    fresh = [policy.new_row() for _ in range(16)]
+    assert fresh[0].first and fresh[0].acceptance[0] < 0.1 < 0.5 < policy.priors[False][0]
+    assert policy.widths(fresh) == [1] * 16
+    # the same rows priced by the prior of all drafts: every one drafts
+    for r in fresh:
+        r.acceptance, r.planned = policy.priors[False].copy(), False
+    assert all(w > 1 for w in AdaptiveWidth(16, costs, ragged=True, priors=policy.priors).widths(fresh))
+    # a first draft updates both priors; the row then goes on from the prior of all drafts and what it saw
+    row = [policy.new_row()]
+    before_first, before_all = policy.priors.first[False][0], policy.priors[False][0]
+    policy.observe(row, [16], [14], None)
+    assert not row[0].first and row[0].acceptance[0] > 0.5
+    assert policy.priors.first[False][0] > before_first and policy.priors[False][0] > before_all
+    assert not policy.new_row(sampled=True).acceptance[0] < 0.9  # the sampled rows' priors learnt nothing
+
+
 def test_a_row_accepting_every_draft_of_a_narrow_width_is_offered_the_block_again():
     """A row whose early drafts failed, then accepts every draft it verifies at width 8, must get the whole block
     again: its survival past position 8 rises with the positions it keeps accepting. (Estimating each position's
@@ -330,7 +357,7 @@ def test_where_drafting_cycles_lose_the_goodput_check_holds_one_token_steps(monk
     checked = ratio()
     assert checked >= 0.97
     monkeypatch.setattr(Goodput, "allows", lambda self, rows: True)  # the check can fail: without it, this loses
-    assert ratio() < checked - 0.015
+    assert ratio() < checked - 0.01  # 0.960 against 0.974 (0.955 before first drafts were priced apart)
 
 
 def test_goodput_holds_a_losing_load_longer_each_time_and_judges_drafting_afresh():
@@ -755,6 +782,9 @@ def test_sampled_rows_lookup_failures_leave_greedy_rows_prior_alone():
 
 class ScriptedLookups(ScriptedWidths):
     """Scripted widths; rows at one-token steps verify their whole lookup continuation."""
+
+    def worth_looking_up(self, rows, widths):
+        return [True] * len(rows)
 
     def lookup_widths(self, rows, lengths, widths):
         return list(lengths)

@@ -199,6 +199,9 @@ class LookupEveryStep(AdaptiveWidth):
     def widths(self, rows, pending=None):
         return [1] * len(rows)
 
+    def worth_looking_up(self, rows, widths):
+        return [True] * len(rows)
+
     def lookup_widths(self, rows, lengths, widths):
         return list(lengths)
 

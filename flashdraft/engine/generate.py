@@ -827,17 +827,22 @@ class SpecEngine:
         price = getattr(batch.policy, "lookup_widths", None)
         if not self.lookup_steps or price is None:
             return {}
+        rows = batch.rows
+        # rows at one-token steps with room for a copy (drafts past the request's end commit nothing) whose copies
+        # could pay (the others skip the search)
+        room = {i: rows[i].params.max_new_tokens - len(rows[i].output) - 1 for i, w in enumerate(widths) if w == 1}
+        candidates = [i for i, n in room.items() if n > 0]
+        worth = batch.policy.worth_looking_up([rows[i].acceptance for i in candidates], widths) if candidates else []
         found = {}
-        for i, (r, w) in enumerate(zip(batch.rows, widths)):
-            room = r.params.max_new_tokens - len(r.output) - 1  # drafts past the request's end commit nothing
-            if w == 1 and room > 0:
-                r.lookup.extend(r.prompt, r.output)
-                copy = r.lookup.continuation(min(room, self.block_size - 1), self.lookup_steps)
-                if copy:
-                    found[i] = copy
+        for i in (i for i, searched in zip(candidates, worth) if searched):
+            r = rows[i]
+            r.lookup.extend(r.prompt, r.output)
+            copy = r.lookup.continuation(min(room[i], self.block_size - 1), self.lookup_steps)
+            if copy:
+                found[i] = copy
         if not found:
             return {}
-        lengths = price([batch.rows[i].acceptance for i in found], [len(c) for c in found.values()], widths)
+        lengths = price([rows[i].acceptance for i in found], [len(c) for c in found.values()], widths)
         return {i: copy[:n] for (i, copy), n in zip(found.items(), lengths) if n}
 
     def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> None:
