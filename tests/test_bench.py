@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -16,7 +17,7 @@ from flashdraft.bench.cli import build_parser, main, run_bench
 from flashdraft.bench.datasets import DatasetUnavailable, Prompt, load_prompts
 from flashdraft.bench.methods import EngineMethod, Method, RunOutput
 from flashdraft.bench.metrics import from_counters
-from flashdraft.bench.server import counter_delta, level_summary, parse_servers, parse_spec_metrics
+from flashdraft.bench.server import counter_delta, level_summary, parse_servers, parse_spec_metrics, poisson_arrivals
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_bench_server import MiniServer  # noqa: E402
@@ -201,6 +202,30 @@ def test_server_mode_sweep_against_live_servers(pair, tmp_path, capsys):
     assert (out / "throughput_concurrency.png").stat().st_size > 1000
     assert (out / "acceptance_histogram.png").is_file()
     assert "dflash" in printed and "concurrency" in printed
+
+
+def test_requests_can_arrive_as_a_poisson_process(pair, tmp_path):
+    """`--request-rate`: request i is sent at its arrival time (a seeded Poisson process, the same for every server),
+    so a level lasts at least until its last arrival; without it every request is sent at once."""
+    arrivals = poisson_arrivals(2000, 40.0, seed=3)
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals == poisson_arrivals(2000, 40.0, seed=3)
+    gaps = np.diff(arrivals)
+    assert np.mean(gaps) == pytest.approx(1 / 40, rel=0.08) and np.std(gaps) == pytest.approx(1 / 40, rel=0.1)
+    assert poisson_arrivals(5, None) is None and poisson_arrivals(5, 40.0, seed=4) != poisson_arrivals(5, 40.0, seed=3)
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(5, 0.0)
+    engine, tok = _engine(pair, True)
+    out = tmp_path / "rate"
+    with MiniServer(engine, tok, "tiny") as spec:
+        code = main(["--server", f"dflash={spec.url}", "--concurrency", "2", "--request-rate", "4",
+                     "--num-requests", "4", "--dataset", str(pair / "prompts.jsonl"), "--max-new-tokens", "4",
+                     "--output-dir", str(out), "--no-progress", "--no-plots"])
+    assert code == 0
+    level = json.loads((out / "results.json").read_text())["servers"]["dflash"]["levels"][0]
+    assert level["request_rate"] == 4.0 and level["errors"] == 0
+    assert level["wall_s"] >= poisson_arrivals(4, 4.0, seed=0)[-1]  # the last request was sent at its arrival
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--server", "http://x:1", "--request-rate", "0"])
 
 
 def test_server_mode_against_dflash_serve(pair, tmp_path):

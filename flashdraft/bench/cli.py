@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from flashdraft.bench.methods import ALL_METHODS, DEFAULT_METHODS, DRAFTER_METHODS
-from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, http_url_arg,
-                             int_at_least, output_dir_arg, parse_args, positive_int, seed_arg, temperature_arg,
-                             top_p_arg)
+from flashdraft.args import (ArgumentParser, add_device_args, block_size_arg, engine_config, finite_float_in,
+                             http_url_arg, int_at_least, output_dir_arg, parse_args, positive_int, seed_arg,
+                             temperature_arg, top_p_arg)
 
 
 
@@ -88,6 +88,9 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto: chat for 'messages' prompts or --chat, completions otherwise")
     s.add_argument("--num-requests", type=positive_int, default=None,
                    help="requests per level (default: max(number of prompts, concurrency), prompts cycled)")
+    s.add_argument("--request-rate", type=finite_float_in(0.0, low_open=True), default=None, metavar="R",
+                   help="requests per second, arriving as a seeded Poisson process (the same arrivals for every "
+                        "server), at most --concurrency in flight (default: all at once, a closed loop)")
     s.add_argument("--api-key", default=None)
 
     o = p.add_argument_group("output")
@@ -229,7 +232,8 @@ def run_bench(args, extra_methods=None, console=None) -> int:
                     results = run_servers(args.server, prompts, args.concurrency, model=args.model, api=args.api,
                                           max_tokens=args.max_new_tokens, temperature=args.temperature,
                                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-                                          num_requests=args.num_requests, api_key=args.api_key, progress=progress)
+                                          num_requests=args.num_requests, api_key=args.api_key, progress=progress,
+                                          request_rate=args.request_rate)
                 except httpx.HTTPError as exc:  # unreachable server, refused connection, HTTP error status
                     where = exc.request.url if _has_request(exc) else None
                     raise ValueError(f"--server: {'cannot use ' + str(where) if where else 'request failed'} "

@@ -1,7 +1,8 @@
 """Benchmark any OpenAI-compatible server (`flashdraft serve`, vLLM, SGLang) over a concurrency sweep.
 
 For each concurrency level the prompts are sent as streaming requests (httpx, asyncio; at most `concurrency` in
-flight), and per request the time to the first text chunk, the latency and the output tokens (the final `usage`
+flight; all at once, a closed loop, or with `request_rate` arriving as a seeded Poisson process, the same arrival
+times for every server), and per request the time to the first text chunk, the latency and the output tokens (the final `usage`
 chunk, `stream_options.include_usage`; else the number of content chunks) are recorded. Throughput = output
 tokens of the level / its wall time. Several servers (`name=URL`) are interleaved level by level; a server named
 `ar` is the baseline of the speedups.
@@ -27,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import statistics
@@ -233,16 +235,36 @@ class ServerClient:
             rec["tau"] = tau
         return rec
 
-    async def run_level(self, prompts: list[Prompt], concurrency: int, num_requests: int) -> tuple[list[dict], float]:
+    async def run_level(self, prompts: list[Prompt], concurrency: int, num_requests: int,
+                        arrivals: list[float] | None = None) -> tuple[list[dict], float]:
+        """Every request at once, at most `concurrency` in flight; or request i sent at `arrivals[i]` seconds from
+        the level's start (still at most `concurrency` in flight)."""
         sem = asyncio.Semaphore(concurrency)
+        t0 = time.perf_counter()
 
         async def one(i):
+            if arrivals is not None:
+                await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
             async with sem:
                 return await self.request(i, prompts[i % len(prompts)])
 
-        t0 = time.perf_counter()
         recs = await asyncio.gather(*(one(i) for i in range(num_requests)))
         return list(recs), time.perf_counter() - t0
+
+
+def poisson_arrivals(num_requests: int, rate: float | None, seed: int = 0) -> list[float] | None:
+    """Arrival times (seconds from a level's start) of `num_requests` requests arriving as a Poisson process of
+    `rate` requests per second, the first at 0 (None: no rate, every request at once). Seeded, so every server of
+    a run sees the same arrivals."""
+    if rate is None:
+        return None
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
 def level_summary(concurrency: int, recs: list[dict], wall: float, delta: dict | None) -> dict:
@@ -286,7 +308,8 @@ def level_summary(concurrency: int, recs: list[dict], wall: float, delta: dict |
     return out
 
 
-async def _run(servers, prompts, concurrencies, num_requests, greedy, progress, task) -> dict:
+async def _run(servers, prompts, concurrencies, num_requests, greedy, progress, task, request_rate=None,
+               seed=0) -> dict:
     results = {}
     try:
         for c in servers:
@@ -300,9 +323,10 @@ async def _run(servers, prompts, concurrencies, num_requests, greedy, progress, 
                 if progress is not None:
                     progress.update(task, description=f"{c.name} concurrency {conc}")
                 before = await c.metrics()
-                recs, wall = await c.run_level(prompts, conc, n)
+                recs, wall = await c.run_level(prompts, conc, n, poisson_arrivals(n, request_rate, seed + li))
                 after = await c.metrics()
                 summary = level_summary(conc, recs, wall, counter_delta(before, after))
+                summary["request_rate"] = request_rate
                 summary["metrics_endpoint"] = after is not None
                 summary["requests"] = recs
                 results[c.name]["levels"].append(summary)
@@ -352,16 +376,21 @@ def _speedups(results: dict) -> None:
 def run_servers(server_specs: list[str], prompts: list[Prompt], concurrencies: list[int], *, model: str | None = None,
                 api: str = "auto", max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                 seed: int | None = 0, ignore_eos: bool = False, num_requests: int | None = None,
-                api_key: str | None = None, progress=None) -> dict:
-    """Benchmark each server over the concurrency sweep; returns {"servers": {name: {...levels...}}}."""
+                api_key: str | None = None, progress=None, request_rate: float | None = None) -> dict:
+    """Benchmark each server over the concurrency sweep; returns {"servers": {name: {...levels...}}}.
+    `request_rate`: requests arrive as a Poisson process of that many per second (the same arrival times for every
+    server), at most the level's concurrency in flight; None: all at once (a closed loop at the concurrency)."""
     if any(c < 1 for c in concurrencies):
         raise ValueError(f"concurrency levels must be >= 1, got {concurrencies}")
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"request rate must be > 0, got {request_rate}")
     pairs = parse_servers(server_specs)
     task = progress.add_task("server", total=len(pairs) * len(concurrencies)) if progress is not None else None
 
     async def main():
         clients = [ServerClient(name, url, model, api, max_tokens, temperature, top_p, seed, ignore_eos,
                                 api_key=api_key) for name, url in pairs]
-        return await _run(clients, prompts, concurrencies, num_requests, temperature == 0, progress, task)
+        return await _run(clients, prompts, concurrencies, num_requests, temperature == 0, progress, task,
+                          request_rate, seed or 0)
 
     return {"mode": "server", "servers": asyncio.run(main())}

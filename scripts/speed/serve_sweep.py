@@ -75,7 +75,8 @@ def busy_core(enabled: bool, cpus: set[int] | None = None):
         proc.join(timeout=5)
 
 
-def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int) -> dict:
+def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int,
+         request_rate: float | None = None) -> dict:
     """One cell: every server at one concurrency level, `rounds` alternating rounds. The ratio is of throughputs
     summed over the rounds; each round's own ratio is kept too (`round_ratios`: their spread is this machine's
     run-to-run noise at that load), and tau is the mean of the rounds'. Where the servers report their CPU time
@@ -88,7 +89,7 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
     for r in range(rounds):
         order = list(urls.items()) if r % 2 == 0 else list(urls.items())[::-1]
         res = run_servers([f"{n}={u}" for n, u in order], prompts, [concurrency], max_tokens=max_tokens,
-                          temperature=temperature, seed=0, ignore_eos=True)["servers"]
+                          temperature=temperature, seed=0, ignore_eos=True, request_rate=request_rate)["servers"]
         for name, srv in res.items():
             level = srv["levels"][0]
             if level["errors"]:
@@ -151,8 +152,13 @@ def main(argv=None) -> int:
                    help="servers on the first CPU, this client on the others (Linux): the client's HTTP and "
                         "tokenizer work no longer lands on the core a server computes on (on the 2-core benchmark "
                         "machine it raised throughput but did not narrow the rounds' spread)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="requests per second arriving as a Poisson process, at most the cell's concurrency in flight "
+                        "(default: all at once, a closed loop: each request's successor is sent when it ends)")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
+    if args.request_rate is not None and not 0 < args.request_rate < float("inf"):
+        p.error("--request-rate must be a positive number")
     server_cpus = all_cpus = None
     if args.pin:
         all_cpus = os.sched_getaffinity(0)
@@ -186,7 +192,7 @@ def main(argv=None) -> int:
         for i, (s, t, c, busy) in enumerate(plan, 1):
             started = time.time()
             with busy_core(busy, all_cpus):
-                result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds)
+                result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds, args.request_rate)
             row = {"set": s, "temperature": t, "concurrency": c, "busy_core": busy, **result}
             cells.append(row)
             compared = (f"; compare {row['compare_ratio']:.2f}x (tau {row.get('compare_tau')})"
