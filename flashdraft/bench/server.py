@@ -2,9 +2,9 @@
 
 For each concurrency level the prompts are sent as streaming requests (httpx, asyncio; at most `concurrency` in
 flight; all at once, a closed loop, or with `request_rate` arriving as a seeded Poisson process, the same arrival
-times for every server), and per request the time to the first text chunk, the latency and the output tokens (the final `usage`
-chunk, `stream_options.include_usage`; else the number of content chunks) are recorded. Throughput = output
-tokens of the level / its wall time. Several servers (`name=URL`) are interleaved level by level; a server named
+times for every server), and per request the time to the first text chunk, the latency and the output tokens (the
+final `usage` chunk, `stream_options.include_usage`; else the number of content chunks) are recorded. Throughput =
+output tokens of the level / its wall time. Several servers (`name=URL`) are interleaved level by level; a server named
 `ar` is the baseline of the speedups.
 
 Acceptance comes from the server's Prometheus `/metrics`, read before and after each level: the vLLM counters
@@ -368,9 +368,8 @@ def _speedups(results: dict) -> None:
         base = {lv["concurrency"]: lv.get(key) for lv in results["ar"]["levels"]}
         for srv in results.values():
             for lv in srv["levels"]:
-                b = base.get(lv["concurrency"])
-                if key in lv or speedup == "speedup":
-                    lv[speedup] = round(lv[key] / b, 3) if b and lv.get(key) is not None else None
+                b, value = base.get(lv["concurrency"]), lv.get(key)
+                lv[speedup] = round(value / b, 3) if b and value is not None else None
 
 
 def run_servers(server_specs: list[str], prompts: list[Prompt], concurrencies: list[int], *, model: str | None = None,

@@ -18,10 +18,11 @@ created by `new_row()` and travels with the row.
     the same averages over every row's drafts, kept apart for greedy and sampled rows (acceptance at temperature
     1 says little about greedy rows; the sampled rows' prior is a plain mean over its first drafts, so it leaves
     the optimistic start at once), its first draft priced by the lower of that and the prior of rows' first drafts
-    (an answer's first block accepts least: `AcceptancePriors`). A row left at one-token steps is probed after a while (4 steps, doubling up to
-    128 while probes keep losing; a new sampled row starts from the wait the last sampled row reached by
-    drafting, so at temperature 1 with a weak drafter a new request does not lose its first probes again, a new
-    greedy row from 4: greedy acceptance is the prompt's): judged by the optimistic starting prior once,
+    (an answer's first block accepts least: `AcceptancePriors`). A row left at one-token steps is probed after a
+    while (4 steps, doubling up to 128 while probes keep losing; a new sampled row starts from the wait the last
+    sampled row reached by drafting, so at temperature 1 with a weak drafter a new request does not lose its first
+    probes again, a new greedy row from 4: greedy acceptance is the prompt's): judged by the optimistic starting
+    prior once,
     one row per cycle (rows that joined together come due together; a probe of all of them at once drafted the
     whole batch on optimistic estimates), so it drafts again where drafting could pay; what its drafts
     show then updates the row's own estimates, and the wait keeps doubling until the row drafts on those again
@@ -409,10 +410,9 @@ class AcceptancePriors:
     A row's FIRST draft is priced apart, by the lower of `first` (learnt from first drafts only, a mean until it
     has seen 1 / PRIOR_SMOOTHING of them) and the prior of all drafts: it is usually the answer's first
     block, which the drafter predicts from the prompt alone, and the shipped drafter accepts 1.5-2.8 tokens there
-    against 3.6-7.2 over the whole answer. Priced by the prior of all drafts, 16 fresh greedy rows drafted width 8
-    on a server's first plan, accepted 2 drafts a row, and the rows left out of step for the rest of the load
-    (served 0.76-0.78x plain decoding in four sweeps). After its first draft a row continues, as before, from the
-    prior of all drafts (`by_kind`) updated by what it saw."""
+    against 3.6-7.2 over the whole answer. Priced by the prior of all drafts, a server's first plan for 16 fresh
+    greedy rows drafted them all at width 8 and accepted 2 drafts a row (a cycle trace of that load). After its
+    first draft a row continues, as before, from the prior of all drafts (`by_kind`) updated by what it saw."""
 
     def __init__(self, block_size: int):
         self.by_kind = {False: initial_prior(block_size), True: initial_prior(block_size)}
