@@ -765,11 +765,9 @@ class AdaptiveWidth:
         token costs ~7 % of a step, so a row verifies nearly the whole copy; at 16 rows it costs a large share of
         a row's step, so only copies that keep being accepted are verified. No draft is priced: a copy costs no model
         call. Each row is priced beside the plan's widths alone (copies are rare enough to be judged apart)."""
-        n, total = len(widths), int(sum(widths))
-        plain_s = self.costs.cycle(n, 0)
-        if not plain_s:
+        rate, total = self._plain_rate(widths)
+        if rate is None:
             return [0] * len(rows)
-        rate = n / plain_s
         chosen = []
         for r, length in zip(rows, lengths):
             seconds = self.costs.body(total + np.arange(length + 1))
@@ -782,12 +780,17 @@ class AdaptiveWidth:
         copy's first token above what one more verified token costs this cycle, in one-token steps' tokens. The
         engine searches only those rows' tokens (the search costs ~20 us a row in Python, and at temperature 1 the
         copies of 16 rows, rarely the target's sample, cost their cycles 2-4 % for almost no token)."""
-        n, total = len(widths), int(sum(widths))
-        plain_s = self.costs.cycle(n, 0)
-        if not plain_s:
+        rate, total = self._plain_rate(widths)
+        if rate is None:
             return [False] * len(rows)
-        floor = n / plain_s * (self.costs.body(total + 1) - self.costs.body(total))
+        floor = rate * (self.costs.body(total + 1) - self.costs.body(total))
         return [float(r.lookup[0]) > floor for r in rows]
+
+    def _plain_rate(self, widths: list[int]) -> tuple[float | None, int]:
+        """What a lookup copy is priced against: the batch's tokens per second at one-token steps (None while such a
+        step of this many rows was never timed), and the tokens the plan's widths verify."""
+        plain_s = self.costs.cycle(len(widths), 0)
+        return (len(widths) / plain_s if plain_s else None), int(sum(widths))
 
     def observe_lookups(self, rows: list[RowAcceptance], widths: list[int], accepted: list[int]) -> None:
         """What verifying lookup continuations of `widths` (bonus included) gave, for the rows' and the engine's

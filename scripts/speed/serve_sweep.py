@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from flashdraft.args import finite_float_in
 from flashdraft.bench.datasets import load_prompts
 from flashdraft.bench.server import local_server, run_servers
 
@@ -152,13 +153,11 @@ def main(argv=None) -> int:
                    help="servers on the first CPU, this client on the others (Linux): the client's HTTP and "
                         "tokenizer work no longer lands on the core a server computes on (on the 2-core benchmark "
                         "machine it raised throughput but did not narrow the rounds' spread)")
-    p.add_argument("--request-rate", type=float, default=None,
+    p.add_argument("--request-rate", type=finite_float_in(0.0, low_open=True), default=None,
                    help="requests per second arriving as a Poisson process, at most the cell's concurrency in flight "
                         "(default: all at once, a closed loop: each request's successor is sent when it ends)")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
-    if args.request_rate is not None and not 0 < args.request_rate < float("inf"):
-        p.error("--request-rate must be a positive number")
     server_cpus = all_cpus = None
     if args.pin:
         all_cpus = os.sched_getaffinity(0)
