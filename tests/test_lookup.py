@@ -144,12 +144,21 @@ class StepsOnly(AdaptiveWidth):
         return [1] * len(rows)
 
 
-def steps_only(engine: SpecEngine) -> SpecEngine:
+class StepsOnlySearchingEveryRow(StepsOnly):
+    """`StepsOnly` whose every row is searched for a copy (the default skips rows whose estimate for a copy's first
+    token is below what a verified token costs on this machine's timings: how many copies a test sees would then
+    follow the machine). What a copy verifies is still `lookup_widths`' price."""
+
+    def worth_looking_up(self, rows, widths):
+        return [True] * len(rows)
+
+
+def steps_only(engine: SpecEngine, policy: type[StepsOnly] = StepsOnly) -> SpecEngine:
     open_batch = engine._new_batch
 
     def batch_held_at_one_token_steps(**fields):
         batch = open_batch(**fields)
-        batch.policy = StepsOnly(engine.block_size, engine.costs, engine.ragged, engine.acceptance_priors)
+        batch.policy = policy(engine.block_size, engine.costs, engine.ragged, engine.acceptance_priors)
         return batch
 
     engine._new_batch = batch_held_at_one_token_steps
@@ -190,7 +199,7 @@ def test_sampled_rows_take_lookup_steps_and_keep_plain_decodings_seeded_text(pai
     verified block and a one-token step round differently, which at T = 0.2 flipped a near-tie in 1 of 8 answers."""
     target, tokenizer, drafter, prompts = pair
     params = [SamplingParams(max_new_tokens=64, temperature=t, seed=i) for i, t in enumerate((0.2, 0.3, 0.5, 1.0) * 2)]
-    engine = steps_only(SpecEngine(target, drafter, tokenizer, exact=True))
+    engine = steps_only(SpecEngine(target, drafter, tokenizer, exact=True), StepsOnlySearchingEveryRow)
     with torch.inference_mode():
         engine.warmup(1)
         out = [engine.generate([p], q)[0] for p, q in zip(prompts, params)]

@@ -450,6 +450,8 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         if self.device.type == "cuda":
+            if self.device.index is None:  # `--device cuda`: this rank's GPU (torch.cuda.set_device needs an index)
+                self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
         self._owns_process_group = self.world_size > 1 and not dist.is_initialized()
         if self._owns_process_group:

@@ -18,7 +18,7 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="trace_bf16 trace_bf16_1thread trace_fp32 cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager
+ALL="trace_bf16 trace_bf16_1thread trace_fp32 noise_152k cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager
      concurrency concurrency_t1 shapes_compiled divergence_bf16"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
@@ -35,6 +35,8 @@ run_stage() {
     trace_bf16_1thread) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --threads 1 \
         --json "$WORK/$1.json" ;;
     trace_fp32) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype float32 --json "$WORK/$1.json" ;;
+    noise_152k) stage $1 60 python3 scripts/speed/sampling_cost.py --device cuda --vocab 151936 \
+        --shapes 1x1,16x1,32x1,1x16,4x16,16x16 ;;
     cuda_graphs) stage $1 120 python3 -m pytest -q -p no:cacheprovider \
         tests/test_compile.py::test_cuda_graphs_lossless_while_rows_come_and_go_in_place ;;
     flex_training) stage $1 150 python3 -m pytest -q -p no:cacheprovider \
@@ -43,8 +45,8 @@ run_stage() {
     demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda --json "$WORK/$1.json" ;;
     shapes_eager) stage $1 70 python3 scripts/speed/gpu_shapes.py --modes eager --batch-sizes 1,4,16,32 --tau 6.5 \
         --json "$WORK/$1.json" ;;
-    concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,4,16,32 \
-        --policies adaptive,fixed,never --rounds 2 --num-prompts 32 --json "$WORK/$1.json" ;;
+    concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
+        --policies adaptive,never --rounds 2 --num-prompts 32 --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
         --json "$WORK/$1.json" ;;
