@@ -67,7 +67,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", action="store_true", help="run SpecEngine.warmup(1) first, as `serve` does")
     p.add_argument("--cold-ms", type=float, default=0.0, help="one cold timing of a block cycle (see above)")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
     args = p.parse_args(argv)
+    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, args.device, args.dtype)

@@ -45,7 +45,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=25, help="rows of each table printed")
     p.add_argument("--out", default="runs/serve_profile", help="folder for the full tables")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
     args = p.parse_args(argv)
+    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

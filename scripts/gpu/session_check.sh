@@ -8,6 +8,8 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "transformers>=5.23,<6"
 # STAGES picks and orders them (default: all, in this order):
 #   STAGES="trace_bf16 trace_bf16_1thread trace_fp32 demo_bf16" bash scripts/gpu/session_check.sh   # ~4 min
+#   # the cuDNN-attention question (BENCHMARKS, 'The shipped pair on an H200'), ~9 min:
+#   STAGES="trace_bf16 trace_bf16_nocudnn profile_c32 profile_c32_nocudnn concurrency_nocudnn" bash ...
 #   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~25 min, more than one device call runs
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
@@ -18,8 +20,8 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="trace_bf16 trace_bf16_1thread trace_fp32 noise_152k cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager
-     concurrency concurrency_t1 shapes_compiled divergence_bf16"
+ALL="trace_bf16 trace_bf16_nocudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_nocudnn noise_152k cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager
+     concurrency concurrency_nocudnn concurrency_t1 shapes_compiled divergence_bf16"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
@@ -32,6 +34,11 @@ stage() {  # stage NAME SECONDS COMMAND...
 run_stage() {
     case $1 in
     trace_bf16) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --json "$WORK/$1.json" ;;
+    trace_bf16_nocudnn) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --no-cudnn-attention \
+        --json "$WORK/$1.json" ;;
+    profile_c32) stage $1 150 python3 scripts/gpu/serve_profile.py --concurrency 32 --top 12 --out "$WORK/$1" ;;
+    profile_c32_nocudnn) stage $1 150 python3 scripts/gpu/serve_profile.py --concurrency 32 --top 12 \
+        --no-cudnn-attention --out "$WORK/$1" ;;
     trace_bf16_1thread) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --threads 1 \
         --json "$WORK/$1.json" ;;
     trace_fp32) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype float32 --json "$WORK/$1.json" ;;
@@ -47,6 +54,9 @@ run_stage() {
         --json "$WORK/$1.json" ;;
     concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
         --policies adaptive,never --rounds 2 --num-prompts 32 --json "$WORK/$1.json" ;;
+    concurrency_nocudnn) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda \
+        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention \
+        --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
         --json "$WORK/$1.json" ;;

@@ -171,7 +171,10 @@ def main(argv=None) -> int:
                    help="two more engines whose joining prompts are prefilled apart (mixed_prefill_tokens=0): "
                         "plain decoding (`plain_apart`) and the default policy (`adaptive_apart`)")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
     args = p.parse_args(argv)
+    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
     unknown = [x for x in policies if x not in POLICIES] + [s for s in args.sets.split(",") if s not in SETS]
