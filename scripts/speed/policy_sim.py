@@ -1,7 +1,7 @@
 """The draft policy on a simulated machine: throughput against plain decoding, deterministic, in seconds.
 
     python scripts/speed/policy_sim.py [--seeds 3] [--cycles 3000] [--concurrency 1,4,16,32] [--whole-blocks]
-        [--early 1.0] [--refill 0.24,0.12,0.1,0.06]
+        [--early 1.0] [--refill 0.24,0.12,0.1,0.06] [--spike 0.3,20]
 
 Served comparisons (`serve_sweep.py`) are the truth but take half an hour and move 5-10 % between runs on a shared
 CPU, which hides most policy changes. This drives `AdaptiveWidth` (the engine's default policy, unchanged) through a
@@ -26,6 +26,9 @@ continuous batch on a machine model instead:
   ones: its first cycle's mean acceptance length is 2.6 against 5.9 over whole held-out requests; ~0.7 fits);
 - with `--refill F1,F2,..`, the i-th one-token cycle after a drafting cycle costs Fi steps more (the caches and
   clock refilling for the target: the shipped pair at 4 rows measured 0.24, 0.12, 0.1, 0.06 steps);
+- with `--spike P,S`, a drafting cycle costs S steps more with chance P: new shapes whose kernels are planned
+  first (on an H200 in bf16 the shipped pair's drafting cycles cost 10-45 one-token steps; cuDNN attention builds a
+  graph per new shape);
 - plain decoding: the same machine and requests with every width 1.
 It prints tokens/s of the policy / tokens/s of plain decoding, the mean over seeds, per concurrency and set.
 
@@ -54,7 +57,8 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
              step_s: float = 2.5e-3, per_token_s: float = 0.08e-3, draft_row_s: float = 1.0e-3,
              request_tokens: int = 64, block_size: int = 16, switch: float = 0.0,
              context_token_s: float = 0.01e-3, drafts_to_width: bool = True, draft_fixed_s: float = 0.5e-3,
-             early: float = 1.0, early_tokens: int = 16, refill: tuple[float, ...] = ()) -> float:
+             early: float = 1.0, early_tokens: int = 16, refill: tuple[float, ...] = (),
+             spike: tuple[float, float] = (0.0, 0.0)) -> float:
     """Committed tokens per simulated second of `concurrency` rows under the policy (or plain decoding)."""
     rng = np.random.default_rng(seed)
     policy = AdaptiveWidth(block_size, CostModel(), ragged=True, priors=AcceptancePriors(block_size),
@@ -87,6 +91,8 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
         draft_s = (draft_fixed_s + draft_row_s / block_size * drafted) * noise if drafted else 0.0
         context_s = context_token_s * context * noise
         total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s + context_s
+        if drafting and rng.random() < spike[0]:  # a new shape's kernels planned (cuDNN attention graphs on a GPU)
+            total_s += spike[1] * step_s
         if not drafting and since < len(refill):  # the caches refill for the target after a drafting cycle
             total_s += refill[since] * step_s
         since = 0 if drafting else since + 1
@@ -105,11 +111,11 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
 
 
 def ratio(concurrency: int, name: str, seeds: int = 3, cycles: int = 3000, drafts_to_width: bool = True,
-          early: float = 1.0, refill: tuple[float, ...] = ()) -> float:
+          early: float = 1.0, refill: tuple[float, ...] = (), spike: tuple[float, float] = (0.0, 0.0)) -> float:
     """Mean over seeds of the policy's throughput / plain decoding's, on the set `name`."""
     p, switch = SETS[name], BURSTY.get(name, 0.0)
     return float(np.mean([simulate(concurrency, p, s, cycles, switch=switch, drafts_to_width=drafts_to_width,
-                                   early=early, refill=refill)
+                                   early=early, refill=refill, spike=spike)
                           / simulate(concurrency, p, s, cycles, True, switch=switch) for s in range(seeds)]))
 
 
@@ -124,11 +130,19 @@ def main(argv=None) -> int:
                     help="a request's acceptance at its first token, as a share of its own (1: flat)")
     ap.add_argument("--refill", default="",
                     help="comma-separated extra steps the one-token cycles after a drafting cycle cost (none)")
+    ap.add_argument("--spike", default="0,0",
+                    help="P,S: a drafting cycle costs S steps more with chance P (new shapes planned on a GPU)")
     args = ap.parse_args(argv)
     try:
         refill = tuple(float(x) for x in args.refill.split(",") if x.strip())
     except ValueError:
         ap.error(f"--refill: comma-separated numbers, got {args.refill!r}")
+    try:
+        spike = tuple(float(x) for x in args.spike.split(","))
+    except ValueError:
+        spike = ()
+    if len(spike) != 2 or not 0.0 <= spike[0] <= 1.0 or spike[1] < 0:
+        ap.error(f"--spike: P,S with P in [0, 1] and S >= 0, got {args.spike!r}")
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     if args.seeds < 1 or args.cycles < 10 or not levels or min(levels) < 1 or not 0.0 <= args.early <= 1.0:
         ap.error("--seeds >= 1, --cycles >= 10, --concurrency: positive integers, --early in [0, 1]")
@@ -136,7 +150,7 @@ def main(argv=None) -> int:
     print("| concurrency | " + " | ".join(SETS) + " |")
     print("|---|" + "---|" * len(SETS))
     for c in levels:
-        cells = (ratio(c, name, args.seeds, args.cycles, not args.whole_blocks, args.early, refill) for name in SETS)
+        cells = (ratio(c, name, args.seeds, args.cycles, not args.whole_blocks, args.early, refill, spike) for name in SETS)
         print(f"| {c} | " + " | ".join(f"{cell:.3f}" for cell in cells) + " |")
     return 0
 
