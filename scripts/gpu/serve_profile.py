@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--set", default="held-out", choices=list(SETS))
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--engines", default="plain,never,adaptive")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=25, help="rows of each table printed")
@@ -59,15 +60,15 @@ def main(argv=None) -> int:
     for name in args.engines.split(","):
         engine = build_engine(target, tokenizer, drafter, None if name == "plain" else name)
         engine.warmup(args.concurrency)
-        serve(engine, prompts[:args.concurrency], args.concurrency, 8, 0.0)  # first launches, untimed
+        serve(engine, prompts[:args.concurrency], args.concurrency, 8, args.temperature)  # first launches, untimed
         sync()
         t = time.perf_counter()
-        n = serve(engine, prompts, args.concurrency, args.max_tokens, 0.0)[0]
+        n = serve(engine, prompts, args.concurrency, args.max_tokens, args.temperature)[0]
         sync()
         print(f"=== {name}: {n / (time.perf_counter() - t):.1f} tok/s (unprofiled)", flush=True)
         profiler = cProfile.Profile()
         profiler.enable()
-        serve(engine, prompts, args.concurrency, args.max_tokens, 0.0)
+        serve(engine, prompts, args.concurrency, args.max_tokens, args.temperature)
         sync()
         profiler.disable()
         text = io.StringIO()
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         print("\n".join(lines[:args.top]))
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
         with profile(activities=activities) as prof:
-            serve(engine, prompts, args.concurrency, args.max_tokens, 0.0)
+            serve(engine, prompts, args.concurrency, args.max_tokens, args.temperature)
             sync()
         by_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=40)
         (out / f"{name}_ops.txt").write_text(by_cpu + "\n\n" + prof.key_averages().table(

@@ -61,10 +61,11 @@ def main(argv=None) -> int:
     print(f"| rows x positions | noise ms | verify T = 0 ms | verify T = 1 ms |  (vocab {args.vocab}, {device})")
     print("|---|---|---|---|")
     for rows, width in shapes:
-        seeds, first = torch.arange(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device)
-        noise_ms = median_ms(lambda: exponential_noise(seeds, first, width, args.vocab), args.iters, device)
+        seeds, first = torch.arange(rows), torch.zeros(rows, dtype=torch.long)  # host keys, as the engine has them
+        noise_ms = median_ms(lambda: exponential_noise(seeds, first, width, args.vocab, device=device), args.iters,
+                             device)
         logits = torch.randn(rows, width, args.vocab, generator=torch.Generator().manual_seed(0)).to(device)
-        noise = exponential_noise(seeds, first, width, args.vocab)
+        noise = exponential_noise(seeds, first, width, args.vocab, device=device)
         drafts = logits[:, :-1].argmax(-1)  # drafts the target accepts: the verifier walks every position
         greedy, sampled = [SamplingParams()] * rows, [SamplingParams(temperature=1.0)] * rows
         verify_greedy = median_ms(lambda: verify(logits, drafts, greedy), args.iters, device)
