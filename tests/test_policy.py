@@ -9,7 +9,8 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN,
-                                      PRIOR_SMOOTHING, REFRESH_AFTER, SETTLED, STALE_AFTER, AcceptancePriors,
+                                      PRIOR_SMOOTHING, REFRESH_AFTER, SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER,
+                                      AcceptancePriors,
                                       AdaptiveWidth, CostModel,
                                       Curve, CycleTiming, FixedWidth, Goodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
@@ -303,6 +304,37 @@ def test_a_rows_first_draft_is_priced_by_the_first_drafts_before_it():
     assert not row[0].first and row[0].acceptance[0] > 0.5
     assert policy.priors.first[False][0] > before_first and policy.priors[False][0] > before_all
     assert not policy.new_row(sampled=True).acceptance[0] < 0.9  # the sampled rows' priors learnt nothing
+
+
+def test_rows_whose_lookup_searches_give_less_than_they_cost_are_searched_only_to_keep_measuring():
+    """16 rows at one-token steps (a step 16 ms, each extra verified token 0.1 ms: 1,000 tokens/s), a search 20 us a
+    row: a search must give 0.02 tokens to pay. Sampled rows whose searches gave nothing (temperature 1: a copy is
+    rarely the target's sample) are searched one in SEARCH_PROBE_EVERY; greedy rows whose searches gave 0.3 tokens
+    each, every time. The yield is what the searches gave, a mean at first."""
+    costs = CostModel()
+    for _ in range(1 + SETTLED):
+        costs.record(CycleTiming(16, 0, 0.0, 16e-3))
+        costs.record(CycleTiming(32, 0, 0.0, 17.6e-3))
+    policy = AdaptiveWidth(16, costs, ragged=True)
+    sampled = [policy.new_row(sampled=True) for _ in range(16)]
+    greedy = [policy.new_row() for _ in range(16)]
+    assert policy.worth_looking_up(sampled, [1] * 16) == [True] * 16  # the search's cost not measured yet
+    for _ in range(10):  # 160 searches per kind: sampled copies gave nothing, greedy ones 0.3 tokens a search
+        policy.observe_searches(sampled + greedy, [0] * 16 + [1, 0, 0] * 5 + [0], 32 * 20e-6)
+    yields = policy.priors.search_yield  # the optimistic start (a token) counting as one search
+    assert abs(yields[True] - 1 / 161) < 1e-9 and abs(yields[False] - 51 / 161) < 1e-9
+    assert abs(costs.search_s - 20e-6) < 1e-12
+    searched = [policy.worth_looking_up(sampled, [1] * 16) for _ in range(4)]
+    assert sum(map(sum, searched)) == 64 // SEARCH_PROBE_EVERY
+    assert policy.worth_looking_up(greedy, [1] * 16) == [True] * 16
+    # the rows' own estimate for a copy's first token still gates first: below what a verified token costs, none
+    for r in greedy:
+        r.lookup[0] = 0.05
+    assert policy.worth_looking_up(greedy, [1] * 16) == [False] * 16
+    # where searches give again, the kind is searched again
+    for _ in range(40):
+        policy.observe_searches(sampled, [1] * 16, 16 * 20e-6)
+    assert policy.worth_looking_up(sampled, [1] * 16) == [True] * 16
 
 
 def test_a_row_accepting_every_draft_of_a_narrow_width_is_offered_the_block_again():

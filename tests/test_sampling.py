@@ -211,9 +211,9 @@ def count_lookup_steps(engine):
     count, lookup_copies = [0], engine._lookup_copies
 
     def counting(batch, widths):
-        copies = lookup_copies(batch, widths)
+        copies, searched = lookup_copies(batch, widths)
         count[0] += len(copies)
-        return copies
+        return copies, searched
     engine._lookup_copies = counting
     return lambda: count[0]
 

@@ -693,7 +693,7 @@ class SpecEngine:
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
         # rows at one-token steps that verify a prompt-lookup continuation instead: {row: continuation}
-        copies = {} if trees or forced_width is not None else self._lookup_copies(batch, widths)
+        copies, searched = ({}, ()) if trees or forced_width is not None else self._lookup_copies(batch, widths)
         verified = [1 + len(copies[i]) if i in copies else w for i, w in enumerate(widths)] if copies else widths
         # sampled rows' counter-based noise at the output positions their draft and verify cover
         noise = self._noise(rows, [draft_width if w > 1 else v for w, v in zip(widths, verified)])
@@ -730,6 +730,10 @@ class SpecEngine:
             if copies:
                 batch.policy.observe_lookups([rows[i].acceptance for i in copies], [verified[i] for i in copies],
                                              [accepted[i] for i in copies])
+            if searched and hasattr(batch.policy, "observe_searches"):
+                rows_searched, search_s = searched
+                batch.policy.observe_searches([rows[i].acceptance for i in rows_searched],
+                                              [accepted[i] if i in copies else 0 for i in rows_searched], search_s)
             if self.cycle_trace is not None:
                 self._trace(rows, widths, accepted, len(joining), trees, timing,
                             getattr(batch.policy, "decision", None), [verified[i] for i in copies])
@@ -818,32 +822,36 @@ class SpecEngine:
             self._splice_lookups(rows, drafting, block[:, :1 + drafted])
         return block, positions, draft_probs, context
 
-    def _lookup_copies(self, batch: Batch, widths: list[int]) -> dict[int, list[int]]:
+    def _lookup_copies(self, batch: Batch, widths: list[int]
+                       ) -> tuple[dict[int, list[int]], tuple[list[int], float] | tuple[()]]:
         """Rows the policy left at one-token steps whose context's last `lookup_steps` or more tokens occurred
         before: the tokens that followed, as many as the policy prices worth verifying
-        (`AdaptiveWidth.lookup_widths`) and the request can still use. {row: continuation}. Sampled rows too: the
-        verifier accepts a copied token where it is the target's own sample there (under the noise, its race
-        winner; with rejection sampling, with probability p(token), a one-hot draft)."""
+        (`AdaptiveWidth.lookup_widths`) and the request can still use. ({row: continuation}, (rows searched, the
+        search's seconds) or ()). Sampled rows too: the verifier accepts a copied token where it is the target's
+        own sample there (under the noise, its race winner; with rejection sampling, with probability p(token), a
+        one-hot draft)."""
         price = getattr(batch.policy, "lookup_widths", None)
         if not self.lookup_steps or price is None:
-            return {}
+            return {}, ()
         rows = batch.rows
         # rows at one-token steps with room for a copy (drafts past the request's end commit nothing) whose copies
         # could pay (the others skip the search)
         room = {i: rows[i].params.max_new_tokens - len(rows[i].output) - 1 for i, w in enumerate(widths) if w == 1}
         candidates = [i for i, n in room.items() if n > 0]
         worth = batch.policy.worth_looking_up([rows[i].acceptance for i in candidates], widths) if candidates else []
-        found = {}
-        for i in (i for i, searched in zip(candidates, worth) if searched):
+        searched = [i for i, search in zip(candidates, worth) if search]
+        found, started = {}, time.perf_counter()
+        for i in searched:
             r = rows[i]
             r.lookup.extend(r.prompt, r.output)
             copy = r.lookup.continuation(min(room[i], self.block_size - 1), self.lookup_steps)
             if copy:
                 found[i] = copy
+        search = (searched, time.perf_counter() - started) if searched else ()
         if not found:
-            return {}
+            return {}, search
         lengths = price([rows[i].acceptance for i in found], [len(c) for c in found.values()], widths)
-        return {i: copy[:n] for (i, copy), n in zip(found.items(), lengths) if n}
+        return {i: copy[:n] for (i, copy), n in zip(found.items(), lengths) if n}, search
 
     def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> None:
         """Drafting rows whose context's last tokens occurred before: their chain continued by what followed, where

@@ -133,6 +133,12 @@ MIN_HOLD, MAX_HOLD = 128, 1024
 # short burst's time back to judging
 JUDGEMENT_SHARE = 0.02
 PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
+# a kind of row (greedy, sampled) is searched for lookup copies while a search gives more tokens than its own time
+# buys at one-token steps (both measured); else every SEARCH_PROBE_EVERY-th row the gate turns away is searched
+# anyway, to keep measuring. At temperature 1 the shipped pair's 16 rows searched ~1,970 times per 2,048 tokens for
+# 0-9 accepted tokens (~2 % of their time); greedy, a search gave ~0.3 tokens. SEARCH_MEMORY: the searches the
+# yield averages over (a mean until then)
+SEARCH_PROBE_EVERY, SEARCH_MEMORY = 16, 512
 
 NUMBER = (int, float, np.integer, np.floating)
 
@@ -339,6 +345,11 @@ class CostModel:
     def __init__(self):
         self.body, self.draft, self.context = Curve(), Curve(), Curve()
         self.goodput = Goodput()
+        self.search_s: float | None = None  # seconds a row's lookup search takes (a moving average)
+
+    def record_search(self, rows: int, seconds: float) -> None:
+        per_row = seconds / rows
+        self.search_s = per_row if self.search_s is None else self.search_s + SMOOTHING * (per_row - self.search_s)
 
     def record(self, t: CycleTiming) -> None:
         self.body.record(t.verified_tokens, max(0.0, t.total_s - t.draft_s - t.context_s))
@@ -424,6 +435,10 @@ class AcceptancePriors:
         # prompt-lookup continuations verified at one-token steps, greedy and sampled rows apart (a sampled row's
         # continuation survives only where the target's own sample follows the copy)
         self.lookup = {False: initial_prior(block_size), True: initial_prior(block_size)}
+        # lookup tokens accepted per row searched for a copy, per kind, and the searches behind it (the optimistic
+        # start, one token, counting as one)
+        self.search_yield = {False: 1.0, True: 1.0}
+        self.searches = {False: 1, True: 1}
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
@@ -442,6 +457,12 @@ class AcceptancePriors:
         kept new rows verifying copies through a whole served load)."""
         rate = self._mean_rate(self.seen["lookup"], width, accepted) if sampled else PRIOR_SMOOTHING
         smooth_acceptance(self.lookup[sampled], width, accepted, rate)
+
+    def update_search(self, sampled: bool, searches: int, gained: int) -> None:
+        """`searches` rows of this kind were searched for a copy and their copies gave `gained` accepted tokens."""
+        self.searches[sampled] += searches
+        weight = searches / min(self.searches[sampled], SEARCH_MEMORY)
+        self.search_yield[sampled] += min(1.0, weight) * (gained / searches - self.search_yield[sampled])
 
     @staticmethod
     def _mean_rate(seen: np.ndarray, width: int, accepted: int):
@@ -514,6 +535,7 @@ class AdaptiveWidth:
         # a plan of one-token steps only is kept for REPLAN_PLAIN_EVERY cycles while the batch stays in its row
         # bucket: rows that join meanwhile are judged alone (`_newcomers_draft`), rows that leave change nothing
         self._plain_cycles_left, self._plain_bucket = 0, 0
+        self._turned_away = {False: 0, True: 0}  # rows the lookup search gate turned away, modulo SEARCH_PROBE_EVERY
         # how the last `widths` decided, for a cycle trace: "plan" (the cost and acceptance models chose), "kept"
         # (a plan of one-token steps still stands), "probe" (it stands but for a probed row, which drafts), "held"
         # (the goodput check holds this load at one-token steps: drafting lately gave less), "refresh" (a plan or
@@ -784,7 +806,25 @@ class AdaptiveWidth:
         if rate is None:
             return [False] * len(rows)
         floor = rate * (self.costs.body(total + 1) - self.costs.body(total))
-        return [float(r.lookup[0]) > floor for r in rows]
+        return [float(r.lookup[0]) > floor and self._search_pays(r.sampled, rate) for r in rows]
+
+    def _search_pays(self, sampled: bool, rate: float) -> bool:
+        """Whether searching a row of this kind gives more tokens than the search's time buys at `rate` tokens per
+        second; where it does not, every SEARCH_PROBE_EVERY-th such row still is (`SEARCH_PROBE_EVERY`)."""
+        search_s = self.costs.search_s
+        if search_s is None or self.priors.search_yield[sampled] >= search_s * rate:
+            return True
+        self._turned_away[sampled] = (self._turned_away[sampled] + 1) % SEARCH_PROBE_EVERY
+        return self._turned_away[sampled] == 0
+
+    def observe_searches(self, rows: list[RowAcceptance], gained: list[int], seconds: float) -> None:
+        """Rows searched for lookup copies this cycle, the accepted tokens each one's copy gave (0: none found or
+        verified), and the search's time."""
+        self.costs.record_search(len(rows), seconds)
+        for sampled in (False, True):
+            mine = [g for r, g in zip(rows, gained) if r.sampled == sampled]
+            if mine:
+                self.priors.update_search(sampled, len(mine), sum(mine))
 
     def _plain_rate(self, widths: list[int]) -> tuple[float | None, int]:
         """What a lookup copy is priced against: the batch's tokens per second at one-token steps (None while such a

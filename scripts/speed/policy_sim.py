@@ -91,7 +91,7 @@ def simulate(concurrency: int, p_range: tuple[float, float], seed: int, cycles: 
         draft_s = (draft_fixed_s + draft_row_s / block_size * drafted) * noise if drafted else 0.0
         context_s = context_token_s * context * noise
         total_s = (step_s + per_token_s * (verified - 1)) * noise + draft_s + context_s
-        if drafting and rng.random() < spike[0]:  # a new shape's kernels planned (cuDNN attention graphs on a GPU)
+        if drafting and spike[0] and rng.random() < spike[0]:  # (no draw without spikes: the same runs as before)  # a new shape's kernels planned (cuDNN attention graphs on a GPU)
             total_s += spike[1] * step_s
         if not drafting and since < len(refill):  # the caches refill for the target after a drafting cycle
             total_s += refill[since] * step_s
