@@ -13,7 +13,7 @@ import torch
 from scipy.stats import kstest
 
 from flashdraft import SamplingParams, SpecEngine
-from flashdraft.engine.noise import exponential_noise, mix32_, race, slot_keys
+from flashdraft.engine.noise import _draws_torch, exponential, exponential_noise, mix32_, race, slot_keys
 from flashdraft.engine.verify import target_probs, verify
 from tiny import OracleProposer, make_drafter, make_target
 
@@ -32,6 +32,14 @@ def test_mix32_is_lowbias32():
     xs = [rng.randrange(-2**31, 2**31) for _ in range(5000)] + [0, -1, 2**31 - 1, -2**31]
     got = mix32_(torch.tensor(xs, dtype=torch.int32)).tolist()
     assert [g & 0xFFFFFFFF for g in got] == [lowbias32(x) for x in xs]
+
+
+def test_the_host_noise_is_the_devices_bit_for_bit():
+    """On the CPU the noise is mixed in numpy (faster); on a device in torch: the same bits, so a request's text does
+    not depend on where it ran."""
+    seeds, first = torch.tensor([7, 2**40 + 7, 123456789, 0]), torch.tensor([0, 3, 1000, 2**31 + 5])
+    device_path = exponential(_draws_torch(slot_keys(seeds, first, 6), 3000, "cpu"))  # its operations, on the CPU
+    assert torch.equal(exponential_noise(seeds, first, 6, 3000), device_path)
 
 
 def test_noise_is_counter_based_and_exponential():

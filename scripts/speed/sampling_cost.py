@@ -1,4 +1,5 @@
-"""What sampling costs per cycle, apart from the models: the counter-based noise (`noise.exponential_noise`) and the
+"""What sampling costs per cycle, apart from the models: the counter-based noise (`noise.exponential_noise`; beside it
+the torch form a device runs, which the CPU replaces with numpy's in-place arithmetic, same bits) and the
 shared verifier (`verify.verify`) at temperature 0 and 1, for batches of rows x verified positions.
 
     python scripts/speed/sampling_cost.py [--vocab 8192] [--shapes 1x1,16x1,32x1,4x16,16x16] [--threads 1]
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flashdraft.engine.noise import exponential_noise  # noqa: E402
+from flashdraft.engine.noise import _draws_torch, exponential, exponential_noise, slot_keys  # noqa: E402
 from flashdraft.engine.verify import SamplingParams, verify  # noqa: E402
 
 
@@ -58,19 +59,23 @@ def main(argv=None) -> int:
         p.error("--vocab must be >= 2, --iters and --threads >= 1, every shape rows x positions >= 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"| rows x positions | noise ms | verify T = 0 ms | verify T = 1 ms |  (vocab {args.vocab}, {device})")
-    print("|---|---|---|---|")
+    print(f"| rows x positions | noise ms | noise, torch form ms | verify T = 0 ms | verify T = 1 ms |  "
+          f"(vocab {args.vocab}, {device})")
+    print("|---|---|---|---|---|")
     for rows, width in shapes:
         seeds, first = torch.arange(rows), torch.zeros(rows, dtype=torch.long)  # host keys, as the engine has them
         noise_ms = median_ms(lambda: exponential_noise(seeds, first, width, args.vocab, device=device), args.iters,
                              device)
+        torch_form_ms = median_ms(  # what a device runs (on the CPU the noise is mixed in numpy)
+            lambda: exponential(_draws_torch(slot_keys(seeds, first, width), args.vocab, device)), args.iters, device)
         logits = torch.randn(rows, width, args.vocab, generator=torch.Generator().manual_seed(0)).to(device)
         noise = exponential_noise(seeds, first, width, args.vocab, device=device)
         drafts = logits[:, :-1].argmax(-1)  # drafts the target accepts: the verifier walks every position
         greedy, sampled = [SamplingParams()] * rows, [SamplingParams(temperature=1.0)] * rows
         verify_greedy = median_ms(lambda: verify(logits, drafts, greedy), args.iters, device)
         verify_sampled = median_ms(lambda: verify(logits, drafts, sampled, noise=noise), args.iters, device)
-        print(f"| {rows}x{width} | {noise_ms:.3f} | {verify_greedy:.3f} | {verify_sampled:.3f} |", flush=True)
+        print(f"| {rows}x{width} | {noise_ms:.3f} | {torch_form_ms:.3f} | {verify_greedy:.3f} | {verify_sampled:.3f} |",
+              flush=True)
     return 0
 
 
