@@ -135,8 +135,8 @@ JUDGEMENT_SHARE = 0.02
 PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
 # a kind of row (greedy, sampled) is searched for lookup copies while a search gives more tokens than its own time
 # buys at one-token steps (both measured); else every SEARCH_PROBE_EVERY-th row the gate turns away is searched
-# anyway, to keep measuring. At temperature 1 the shipped pair's 16 rows searched ~1,970 times per 2,048 tokens for
-# 0-9 accepted tokens (~2 % of their time); greedy, a search gave ~0.3 tokens. SEARCH_MEMORY: the searches the
+# anyway, to keep measuring. At temperature 1 the shipped pair's 16 rows searched 1,000-1,900 times per 2,048 tokens
+# for 0-8 accepted tokens (~2 % of their time); greedy, a search gave ~0.55 tokens. SEARCH_MEMORY: the searches the
 # yield averages over (a mean until then)
 SEARCH_PROBE_EVERY, SEARCH_MEMORY = 16, 512
 
@@ -801,7 +801,8 @@ class AdaptiveWidth:
         """Per row at a one-token step, whether a copy could pay from its first token on: the row's estimate for a
         copy's first token above what one more verified token costs this cycle, in one-token steps' tokens. The
         engine searches only those rows' tokens (the search costs ~20 us a row in Python, and at temperature 1 the
-        copies of 16 rows, rarely the target's sample, cost their cycles 2-4 % for almost no token)."""
+        copies of 16 rows, rarely the target's sample, cost their cycles 2-4 % for almost no token), and only while
+        searches of the row's kind give more tokens than they cost (`_search_pays`)."""
         rate, total = self._plain_rate(widths)
         if rate is None:
             return [False] * len(rows)
