@@ -35,8 +35,8 @@ def test_mix32_is_lowbias32():
 
 
 def test_the_host_noise_is_the_devices_bit_for_bit():
-    """On the CPU the noise is mixed in numpy (faster); on a device in torch: the same bits, so a request's text does
-    not depend on where it ran."""
+    """On the CPU the noise is mixed in numpy (faster); on a device in torch: the same bits, so the noise a request
+    sees does not depend on where it ran."""
     seeds, first = torch.tensor([7, 2**40 + 7, 123456789, 0]), torch.tensor([0, 3, 1000, 2**31 + 5])
     device_path = exponential(_draws_torch(slot_keys(seeds, first, 6), 3000, "cpu"))  # its operations, on the CPU
     assert torch.equal(exponential_noise(seeds, first, 6, 3000), device_path)
