@@ -20,8 +20,9 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="trace_bf16 trace_bf16_nocudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_nocudnn noise_152k cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager
-     concurrency concurrency_nocudnn concurrency_t1 shapes_compiled divergence_bf16"
+ALL="trace_bf16 trace_bf16_nocudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_nocudnn noise_152k
+     cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_nocudnn concurrency_t1
+     shapes_compiled divergence_bf16"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
