@@ -2,7 +2,8 @@
 
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
         [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
-        [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--json runs/engine_concurrency.json]
+        [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--no-cudnn-attention]
+        [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
 scheduler does (requests join as soon as others leave, all that join in one `SpecEngine.step`: their prompts
@@ -171,6 +172,9 @@ def main(argv=None) -> int:
                    help="two more engines whose joining prompts are prefilled apart (mixed_prefill_tokens=0): "
                         "plain decoding (`plain_apart`) and the default policy (`adaptive_apart`)")
     p.add_argument("--json", default=None)
+    p.add_argument("--warm-full", action="store_true",
+                   help="serve the whole queue once, untimed, with every engine first: on a GPU with cuDNN attention "
+                        "the first engine to meet a shape pays its plan, and plain decoding runs first")
     p.add_argument("--no-cudnn-attention", action="store_true",
                    help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
     args = p.parse_args(argv)
@@ -215,6 +219,8 @@ def main(argv=None) -> int:
                     # and a short untimed pass: plain decoding's warmup runs nothing, so the first engine timed
                     # would carry the first launches (on an H100, `never` ran 1.46-4.17x plain decoding without it)
                     serve(engine, prompts[:concurrency], concurrency, 8, args.temperature)
+                    if args.warm_full:  # every shape of the timed queue seen once (a GPU plans each new one)
+                        serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
             totals = {k: [0, 0.0, [], []] for k in engines}
             for r in range(args.rounds):
                 order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
