@@ -106,7 +106,8 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "cells.json"
     assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
                                     "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,fixed,never",
-                                    "--variant", "slow:MIN_PLAIN_RUN=9,SMOOTHING=0.5", "--json", str(out)]) == 0
+                                    "--variant", "slow:MIN_PLAIN_RUN=9,SMOOTHING=0.5", "--warm-full",
+                                    "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     cell = report["cells"][0]
     assert report["variants"] == {"slow": {"MIN_PLAIN_RUN": 9, "SMOOTHING": 0.5}}
