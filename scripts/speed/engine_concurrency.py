@@ -129,9 +129,10 @@ def build_engine(target, tokenizer, drafter, policy: str | None, mixed_prefill_t
 
 @torch.inference_mode()
 def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
-          temperature: float) -> tuple[int, float, list[float], list[list[int]]]:
+          temperature: float, finished: list | None = None) -> tuple[int, float, list[float], list[list[int]]]:
     """(output tokens, seconds, tau per drafting request, first drafting cycles' acceptance lengths per drafting
-    request) of the queue served `concurrency` at a time."""
+    request) of the queue served `concurrency` at a time; every request's result is appended to `finished`, if
+    given."""
     queue = list(enumerate(prompts))
     batch = engine.open_batch()
     tokens, taus, firsts = 0, [], []
@@ -146,6 +147,8 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
                              request_ids=[i for i, _ in joining]) if joining else engine.step(batch)
         for event in events:
             if event.finished:
+                if finished is not None:
+                    finished.append(event.result)
                 tokens += len(event.result.token_ids)
                 lengths = event.result.stats.acceptance_lengths
                 if lengths:

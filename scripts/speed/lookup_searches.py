@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,9 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
-from engine_concurrency import SETS, build_engine, policy_constants  # noqa: E402
+from engine_concurrency import SETS, build_engine, policy_constants, serve  # noqa: E402
 
-from flashdraft import SamplingParams  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.engine import lookup  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
@@ -46,26 +44,14 @@ def count_searches() -> list[int]:
     return calls
 
 
-@torch.inference_mode()
 def serve_counting(engine, prompts, concurrency: int, temperature: float) -> dict:
-    totals = {"tokens": 0, "lookup_steps": 0, "lookup_accepted": 0, "drafts": 0}
-    batch, queue = engine.open_batch(), list(enumerate(prompts))
-    started = time.perf_counter()
-    while queue or batch.rows:
-        joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
-        params = [SamplingParams(max_new_tokens=64, temperature=temperature, seed=i if temperature else None)
-                  for i, _ in joining]
-        events = (engine.step(batch, [p for _, p in joining], params, request_ids=[i for i, _ in joining])
-                  if joining else engine.step(batch))
-        for event in events:
-            if event.finished:
-                s = event.result.stats
-                totals["tokens"] += len(event.result.token_ids)
-                totals["lookup_steps"] += s.lookup_steps
-                totals["lookup_accepted"] += s.lookup_accepted
-                totals["drafts"] += s.num_drafts
-    totals["tok_s"] = round(totals["tokens"] / (time.perf_counter() - started))
-    return totals
+    """`engine_concurrency.serve` of the queue (64 tokens a request), with the requests' lookup and draft counts."""
+    results = []
+    tokens, seconds = serve(engine, prompts, concurrency, 64, temperature, results)[:2]
+    return {"tokens": tokens, "tok_s": round(tokens / seconds),
+            "lookup_steps": sum(r.stats.lookup_steps for r in results),
+            "lookup_accepted": sum(r.stats.lookup_accepted for r in results),
+            "drafts": sum(r.stats.num_drafts for r in results)}
 
 
 def main(argv=None) -> int:
