@@ -124,6 +124,38 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
             engine_concurrency.main(bad)
 
 
+def test_engine_concurrency_lockstep(tmp_path, capsys, monkeypatch):
+    """--lockstep: the engines serve the queue at once, a step each in turn, a variant's constants set around each
+    of its own steps only (as many of its rows see them as the default policy's see theirs) and restored after;
+    each engine is timed by its own steps and serves every request, as it does alone."""
+    import engine_concurrency
+
+    from flashdraft.engine import policy
+
+    seen = []
+    new_row = policy.AdaptiveWidth.new_row
+    monkeypatch.setattr(policy.AdaptiveWidth, "new_row",
+                        lambda self, sampled=False: seen.append(policy.MIN_PLAIN_RUN) or new_row(self, sampled))
+    out = tmp_path / "cells.json"
+    assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
+                                    "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,never",
+                                    "--variant", "slow:MIN_PLAIN_RUN=9", "--lockstep", "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    assert all(cell[p]["ratio"] > 0 for p in ("adaptive", "never", "slow")) and cell["never"]["tau"] == 1.0
+    assert sorted(set(seen)) == [4, 9] and seen.count(9) == seen.count(4) and policy.MIN_PLAIN_RUN == 4
+    assert "| held-out | 2 |" in capsys.readouterr().out
+
+    from flashdraft.loading import load_pair
+
+    target, tokenizer, drafter = load_pair(None, None, "cpu")
+    prompts = [tokenizer.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:")]
+    engines = {k: engine_concurrency.build_engine(target, tokenizer, drafter, k) for k in ("adaptive", "never")}
+    together = engine_concurrency.serve_lockstep(engines, prompts, 2, 12, 0.0)
+    for key, engine in engines.items():
+        alone = engine_concurrency.serve(engine, prompts, 2, 12, 0.0)
+        assert together[key].tokens == alone[0] == 3 * 12 and together[key].seconds > 0
+
+
 def test_idle_overhead_smoke(tmp_path, capsys):
     import idle_overhead
 

@@ -3,6 +3,7 @@
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
         [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
         [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--no-cudnn-attention]
+        [--lockstep] [--dtype bfloat16]
         [--json runs/engine_concurrency.json]
 
 Each cell keeps `concurrency` requests in flight from a queue of the set's prompts, as `flashdraft serve`'s
@@ -47,6 +48,7 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -127,20 +129,30 @@ def build_engine(target, tokenizer, drafter, policy: str | None, mixed_prefill_t
     return engine
 
 
+@dataclass
+class Served:
+    """What one engine's pass over the queue gave: output tokens, the seconds its steps took, tau per drafting
+    request and its first drafting cycles' acceptance lengths."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    taus: list = field(default_factory=list)
+    firsts: list = field(default_factory=list)
+
+
 @torch.inference_mode()
-def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
-          temperature: float, finished: list | None = None) -> tuple[int, float, list[float], list[list[int]]]:
-    """(output tokens, seconds, tau per drafting request, first drafting cycles' acceptance lengths per drafting
-    request) of the queue served `concurrency` at a time; every request's result is appended to `finished`, if
-    given."""
+def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float,
+            served: Served, finished: list | None = None):
+    """Serve the queue `concurrency` at a time, yielding after every engine step; `served` adds up what each step
+    gave and took (wall time of the step: admission, `SpecEngine.step`, the finished requests' bookkeeping), and
+    every request's result is appended to `finished`, if given."""
     queue = list(enumerate(prompts))
     batch = engine.open_batch()
-    tokens, taus, firsts = 0, [], []
-    started = time.perf_counter()
     while queue or batch.rows:
+        started = time.perf_counter()
         joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
         # all that join in one call, as the server admits them: their prompts ride the running rows' cycle
-        # (`SpecEngine.step`), or, in an empty batch or where the engine cannot mix them in, one prefill first
+        # (`SpecEngine.step`), or in an empty batch or where the engine cannot mix them in, one prefill first
         params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                                  seed=i if temperature > 0 else None) for i, _ in joining]
         events = engine.step(batch, [prompt for _, prompt in joining], params,
@@ -149,12 +161,44 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
             if event.finished:
                 if finished is not None:
                     finished.append(event.result)
-                tokens += len(event.result.token_ids)
+                served.tokens += len(event.result.token_ids)
                 lengths = event.result.stats.acceptance_lengths
                 if lengths:
-                    taus.append(sum(lengths) / len(lengths))
-                    firsts.append(lengths[:FIRST_CYCLES])
-    return tokens, time.perf_counter() - started, taus, firsts
+                    served.taus.append(sum(lengths) / len(lengths))
+                    served.firsts.append(lengths[:FIRST_CYCLES])
+        served.seconds += time.perf_counter() - started
+        yield
+
+
+def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
+          temperature: float, finished: list | None = None) -> tuple[int, float, list[float], list[list[int]]]:
+    """(output tokens, seconds, tau per drafting request, first drafting cycles' acceptance lengths per drafting
+    request) of the queue served `concurrency` at a time by one engine alone (`serving`)."""
+    served = Served()
+    for _ in serving(engine, prompts, concurrency, max_tokens, temperature, served, finished):
+        pass
+    return served.tokens, served.seconds, served.taus, served.firsts
+
+
+def serve_lockstep(engines: dict[str, SpecEngine], prompts: list[list[int]], concurrency: int, max_tokens: int,
+                   temperature: float, constants: dict[str, dict] | None = None) -> dict[str, Served]:
+    """Every engine serves the same queue at once, one step each in turn (the order reversed every turn), each
+    timed by its own steps (with its policy constants, `--variant`, set around each of them): a slowdown of the
+    shared machine lasting longer than a few steps falls on all of them alike instead of on whichever pass it
+    met."""
+    served = {key: Served() for key in engines}
+    passes = [(key, serving(engine, prompts, concurrency, max_tokens, temperature, served[key]))
+              for key, engine in engines.items()]
+    turn = 0
+    while passes:
+        for key, one in passes[::-1] if turn % 2 else list(passes):
+            try:
+                with policy_constants((constants or {}).get(key, {})):
+                    next(one)
+            except StopIteration:
+                passes.remove((key, one))
+        turn += 1
+    return served
 
 
 def main(argv=None) -> int:
@@ -168,6 +212,9 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (the pair in the device's default dtype)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default: the device's: fp32 on CPU, bf16 on GPU; bf16 on a CPU with AMX "
+                        "makes the target's matmuls cheap and its steps overhead-bound, as on a GPU)")
     p.add_argument("--compare-draft", default=None, help="another drafter, run with the default policy")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME:CONSTANT=VALUE[,...]: the default policy with flashdraft.engine.policy constants set")
@@ -175,6 +222,9 @@ def main(argv=None) -> int:
                    help="two more engines whose joining prompts are prefilled apart (mixed_prefill_tokens=0): "
                         "plain decoding (`plain_apart`) and the default policy (`adaptive_apart`)")
     p.add_argument("--json", default=None)
+    p.add_argument("--lockstep", action="store_true",
+                   help="the engines serve each round's queue at once, one step each in turn, each timed by its own "
+                        "steps: the machine's slow spells fall on every engine alike")
     p.add_argument("--warm-full", action="store_true",
                    help="serve the whole queue once, untimed, with every engine first: on a GPU with cuDNN attention "
                         "the first engine to meet a shape pays its plan, and plain decoding runs first")
@@ -194,8 +244,8 @@ def main(argv=None) -> int:
     if len(variants) < len(args.variant):
         p.error("--variant names must differ")
     torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_pair(None, None, args.device)
-    other = load_pair(None, args.compare_draft, args.device)[2] if args.compare_draft else None
+    target, tokenizer, drafter = load_pair(None, None, args.device, args.dtype)
+    other = load_pair(None, args.compare_draft, args.device, args.dtype)[2] if args.compare_draft else None
     columns = (policies + (["compare"] if other is not None else []) + list(variants)
                + (["plain_apart", "adaptive_apart"] if args.apart else []))
     rows = []
@@ -226,11 +276,17 @@ def main(argv=None) -> int:
                         serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
             totals = {k: [0, 0.0, [], []] for k in engines}
             for r in range(args.rounds):
-                order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
-                for key, engine in order:
-                    with policy_constants(variants.get(key, {})):
-                        n, seconds, taus, firsts = serve(engine, prompts, concurrency, args.max_tokens,
-                                                         args.temperature)
+                if args.lockstep:
+                    results = serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature,
+                                             variants)
+                    passes = [(key, (x.tokens, x.seconds, x.taus, x.firsts)) for key, x in results.items()]
+                else:
+                    passes = []
+                    for key, engine in list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]:
+                        with policy_constants(variants.get(key, {})):
+                            passes.append((key, serve(engine, prompts, concurrency, args.max_tokens,
+                                                      args.temperature)))
+                for key, (n, seconds, taus, firsts) in passes:
                     totals[key][0] += n
                     totals[key][1] += seconds
                     totals[key][2] += taus
