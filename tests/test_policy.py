@@ -8,11 +8,11 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (JUDGEMENT_SHARE, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN,
-                                      PRIOR_SMOOTHING, REFRESH_AFTER, SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER,
-                                      AcceptancePriors,
-                                      AdaptiveWidth, CostModel,
-                                      Curve, CycleTiming, FixedWidth, Goodput, initial_prior, width_choices)
+from flashdraft.engine.policy import (JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD,
+                                      MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING, REFRESH_AFTER,
+                                      SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth,
+                                      CostModel, Curve, CycleTiming, FixedWidth, Goodput, LookupGoodput,
+                                      initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -871,3 +871,43 @@ def test_drafter_sees_the_positions_committed_by_lookup_steps():
     for mine, expected in zip(cache_row(batch.proposer_state.kv, 0, seen),
                               cache_row(reference.proposer_state.kv, 0, seen), strict=True):
         torch.testing.assert_close(mine, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_lookup_copies_that_commit_less_per_second_than_bare_one_token_steps_are_held_at_that_load():
+    """The body curve prices a copy's extra tokens as nearly free (a 32-token cycle timed 12 ms beside 16 one-token
+    steps at 10 ms), but the cycles with copies commit 18 tokens in 12 ms where bare ones commit 16 in 10: once
+    judged, that load searches no copies for MIN_HOLD bare cycles, then searches again; copies that commit more are
+    not held, and a single row is never held."""
+    costs = CostModel()
+    policy = AdaptiveWidth(16, costs, ragged=True)
+    rows = [policy.new_row() for _ in range(16)]
+    for r in rows:
+        r.lookup[:] = 0.95
+    widths = [1] * 16
+    bare = CycleTiming(16, 0, 0.0, 10e-3)
+    for _ in range(4):
+        costs.record(bare)
+        costs.record(CycleTiming(32, 0, 0.0, 12e-3))
+    assert all(policy.worth_looking_up(rows, widths))
+    for _ in range(PLAIN_REFERENCE):
+        policy.observe(rows, widths, [0] * 16, bare)
+    for i in range(max(LOOKUP_JUDGED, 2)):
+        assert all(policy.worth_looking_up(rows, widths)), i  # not judged before LOOKUP_JUDGED cycles with copies
+        policy.observe(rows, widths, [0] * 14 + [1, 1], CycleTiming(32, 0, 0.0, 12e-3, lookup_tokens=16))
+    assert not any(policy.worth_looking_up(rows, widths))
+    for _ in range(MIN_HOLD):
+        policy.observe(rows, widths, [0] * 16, bare)
+    assert all(policy.worth_looking_up(rows, widths))
+
+    # copies that commit more than bare steps (24 tokens in 12 ms): never held
+    paying = LookupGoodput()
+    for _ in range(PLAIN_REFERENCE):
+        paying.record(16, 16, 10e-3, False, None)
+    for _ in range(4 * LOOKUP_JUDGED):
+        paying.record(16, 24, 12e-3, True, 10e-3)
+    assert paying.allows(16) and not any(paying.hold.values())
+    # one row: nothing is judged
+    alone = LookupGoodput()
+    for _ in range(4 * LOOKUP_JUDGED):
+        alone.record(1, 1, 20e-3, True, 5e-3)
+    assert alone.allows(1) and not alone.copies

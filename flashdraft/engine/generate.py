@@ -718,7 +718,8 @@ class SpecEngine:
         prof.mark("commit")
         context_tokens, context_s = context
         timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting) * draft_width,
-                             drafted_at - started - context_s, time.perf_counter() - started, context_tokens, context_s)
+                             drafted_at - started - context_s, time.perf_counter() - started, context_tokens, context_s,
+                             lookup_tokens=sum(len(c) for c in copies.values()))
         if forced_width is None:
             auto_shape = self.tree_budget == "auto" and bool(drafting)
             if auto_shape:

@@ -62,7 +62,9 @@ created by `new_row()` and travels with the row.
     a prompt-lookup continuation the engine found instead; it verifies the tokens whose expected acceptance
     (`RowAcceptance.lookup`, moving averages like the drafter's, from an engine-wide prior per kind of row) beats
     their share of the longer forward at the rate of one-token steps. Such a step is a one-token step for
-    everything else here.
+    everything else here. From GOODPUT_ROWS rows what cycles with copies commit per second is checked against
+    bare one-token steps at the same load (`LookupGoodput`), and a load where copies gave less searches none for
+    a hold.
 
 Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
 target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
@@ -133,6 +135,9 @@ MIN_HOLD, MAX_HOLD = 128, 1024
 # short burst's time back to judging
 JUDGEMENT_SHARE = 0.02
 PLAIN_REFERENCE = 4  # one-token-step cycles measured before they, not the cost curve, are what drafting must beat
+# cycles with lookup copies between two judgements of them (`LookupGoodput`; at least JUDGED_ROWS / rows): a copy
+# commits a token or two, so one cycle says less than a drafting cycle does
+LOOKUP_JUDGED = 8
 # a kind of row (greedy, sampled) is searched for lookup copies while a search gives more tokens than its own time
 # buys at one-token steps (both measured); else every SEARCH_PROBE_EVERY-th row the gate turns away is searched
 # anyway, to keep measuring. At temperature 1 the shipped pair's 16 rows searched 1,000-1,900 times per 2,048 tokens
@@ -172,6 +177,7 @@ class CycleTiming:
     total_s: float
     context_tokens: int = 0  # pending context written into the drafter apart from the draft: rows x longest
     context_s: float = 0.0
+    lookup_tokens: int = 0  # tokens of prompt-lookup copies verified at one-token steps (`lookup_widths`)
 
 
 class Curve:
@@ -332,6 +338,57 @@ class Goodput:
             self.next_hold[key] = MIN_HOLD
 
 
+class LookupGoodput:
+    """Committed tokens per second of cycles whose one-token steps verified prompt-lookup copies, against cycles of
+    bare one-token steps, per power-of-two bucket of batch rows from GOODPUT_ROWS rows; a bucket where the copies
+    gave less searches no copies for a hold (MIN_HOLD bare cycles, doubling up to MAX_HOLD while they keep losing),
+    then is judged again.
+
+    Why: a copy is priced by the body curve's extra seconds per verified token, but where a step is overhead-bound
+    (a bf16 target on a CPU with AMX) 16 rows of which a few verify copies ran the ragged forward in 12-16 ms against
+    7.4 ms for 16 bare one-token steps, while the curve, whose 17-32-token bucket also held 2-row block cycles of
+    the warm-up, priced four extra tokens at 0 ms; cycles with copies gave 11 % fewer tokens per second than bare
+    ones, and rows that took copies ran out of step with the others (they finish apart, their successors join one
+    by one). Measured per cycle, the copies' yield has none of the curve's errors. Below GOODPUT_ROWS rows
+    (batch 1, where copies gain most: out-of-domain prompts at one request) nothing is held."""
+
+    def __init__(self):
+        self.copies: dict[int, deque] = {}  # bucket -> (committed tokens, seconds) of its last cycles with copies
+        self.bare: dict[int, deque] = {}  # the same of its last cycles of one-token steps without copies
+        self.fresh: dict[int, int] = {}  # cycles with copies since the bucket was last judged
+        self.hold: dict[int, int] = {}  # bare cycles the bucket has left to hold
+        self.next_hold: dict[int, int] = {}
+
+    def allows(self, rows: int) -> bool:
+        return rows < GOODPUT_ROWS or self.hold.get(bucket(rows), 0) == 0
+
+    def record(self, rows: int, committed: int, seconds: float, copies: bool, plain_s: float | None) -> None:
+        """A cycle of `rows` rows at one-token steps (no draft) that committed `committed` tokens in `seconds`, with
+        or without copies; `plain_s`: the cost model's one-token step of these rows (the reference while fewer than
+        PLAIN_REFERENCE bare cycles were measured)."""
+        if rows < GOODPUT_ROWS:
+            return
+        key = bucket(rows)
+        if not copies:
+            self.bare.setdefault(key, deque(maxlen=PLAIN_WINDOW)).append((committed, seconds))
+            self.hold[key] = max(0, self.hold.get(key, 0) - 1)
+            return
+        window = self.copies.setdefault(key, deque(maxlen=DRAFTING_WINDOW))
+        window.append((committed, seconds))
+        self.fresh[key] = self.fresh.get(key, 0) + 1
+        bare = self.bare.get(key, ())
+        bare_rate = rate(bare) if len(bare) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
+        if self.fresh[key] < max(LOOKUP_JUDGED, JUDGED_ROWS // key) or bare_rate is None:
+            return
+        self.fresh[key] = 0
+        if rate(window) < HOLD_BELOW * bare_rate:
+            self.hold[key] = self.next_hold.get(key, MIN_HOLD)
+            self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
+            window.clear()  # after the hold, copies are judged on what they give then
+        else:
+            self.next_hold[key] = MIN_HOLD
+
+
 def rate(window) -> float:
     """Tokens per second over a window of (tokens, seconds)."""
     return sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
@@ -345,6 +402,7 @@ class CostModel:
     def __init__(self):
         self.body, self.draft, self.context = Curve(), Curve(), Curve()
         self.goodput = Goodput()
+        self.lookups = LookupGoodput()
         self.search_s: float | None = None  # seconds a row's lookup search takes (a moving average)
 
     def record_search(self, rows: int, seconds: float) -> None:
@@ -751,10 +809,14 @@ class AdaptiveWidth:
                 timing: CycleTiming | None) -> None:
         if timing is not None:  # None: a cycle priced apart (`FixedWidth.observe`)
             self.costs.record(timing)
-            drafted = any(w > 1 for w in widths)
-            plain_s = self.costs.cycle(len(rows), 0) if drafted else None  # the check prices drafting cycles only
-            self.costs.goodput.record(len(rows), len(rows) + sum(accepted), timing.total_s, drafted,
-                                      None if plain_s is None else float(plain_s))
+            drafted, copies = any(w > 1 for w in widths), timing.lookup_tokens > 0
+            # the checks price drafting cycles and cycles with copies only
+            plain_s = self.costs.cycle(len(rows), 0) if drafted or copies else None
+            plain_s = None if plain_s is None else float(plain_s)
+            committed = len(rows) + sum(accepted)
+            self.costs.goodput.record(len(rows), committed, timing.total_s, drafted, plain_s)
+            if not drafted:
+                self.costs.lookups.record(len(rows), committed, timing.total_s, copies, plain_s)
         for r, w, a in zip(rows, widths, accepted):
             if w == 1:
                 r.plain_steps += 1
@@ -804,7 +866,7 @@ class AdaptiveWidth:
         copies of 16 rows, rarely the target's sample, cost their cycles 2-4 % for almost no token), and only while
         searches of the row's kind give more tokens than they cost (`_search_pays`)."""
         rate, total = self._plain_rate(widths)
-        if rate is None:
+        if rate is None or not self.costs.lookups.allows(len(widths)):  # copies lately gave less at this load
             return [False] * len(rows)
         floor = rate * (self.costs.body(total + 1) - self.costs.body(total))
         return [float(r.lookup[0]) > floor and self._search_pays(r.sampled, rate) for r in rows]
