@@ -54,9 +54,9 @@ run_stage() {
     shapes_eager) stage $1 70 python3 scripts/speed/gpu_shapes.py --modes eager --batch-sizes 1,4,16,32 --tau 6.5 \
         --json "$WORK/$1.json" ;;
     concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
-        --policies adaptive,never --rounds 2 --num-prompts 32 --warm-full --json "$WORK/$1.json" ;;
+        --policies adaptive,never --rounds 2 --num-prompts 32 --warm-full --lockstep --json "$WORK/$1.json" ;;
     concurrency_nocudnn) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda \
-        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention --warm-full \
+        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention --warm-full --lockstep \
         --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
