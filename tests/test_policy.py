@@ -8,8 +8,8 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN, MIN_HOLD,
-                                      MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING, REFRESH_AFTER,
+from flashdraft.engine.policy import (JUDGED_ROWS, JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN,
+                                      MIN_HOLD, MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING, REFRESH_AFTER,
                                       SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth,
                                       CostModel, Curve, CycleTiming, FixedWidth, Goodput, LookupGoodput,
                                       initial_prior, width_choices)
@@ -891,7 +891,7 @@ def test_lookup_copies_that_commit_less_per_second_than_bare_one_token_steps_are
     assert all(policy.worth_looking_up(rows, widths))
     for _ in range(PLAIN_REFERENCE):
         policy.observe(rows, widths, [0] * 16, bare)
-    for i in range(max(LOOKUP_JUDGED, 2)):
+    for i in range(max(LOOKUP_JUDGED, JUDGED_ROWS // 16)):
         assert all(policy.worth_looking_up(rows, widths)), i  # not judged before LOOKUP_JUDGED cycles with copies
         policy.observe(rows, widths, [0] * 14 + [1, 1], CycleTiming(32, 0, 0.0, 12e-3, lookup_tokens=16))
     assert not any(policy.worth_looking_up(rows, widths))

@@ -91,6 +91,17 @@ def test_bench_speed_smoke(tmp_path):
     assert set(report["identical"].values()) == {2} and report["tau"] > 1
 
 
+def min_plain_runs_seen(monkeypatch) -> list[int]:
+    """MIN_PLAIN_RUN as each new row of an adaptive policy saw it (a variant's constants are set while it runs)."""
+    from flashdraft.engine import policy
+
+    seen = []
+    new_row = policy.AdaptiveWidth.new_row
+    monkeypatch.setattr(policy.AdaptiveWidth, "new_row",
+                        lambda self, sampled=False: seen.append(policy.MIN_PLAIN_RUN) or new_row(self, sampled))
+    return seen
+
+
 def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
     """The in-process load pattern on the shipped pair: every policy's cell is written; `never` never drafts
     (tau 1), `fixed` always does, with its first cycles' acceptance; a variant runs the default policy with the
@@ -99,10 +110,7 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
 
     from flashdraft.engine import policy
 
-    seen = []
-    new_row = policy.AdaptiveWidth.new_row
-    monkeypatch.setattr(policy.AdaptiveWidth, "new_row",
-                        lambda self, sampled=False: seen.append(policy.MIN_PLAIN_RUN) or new_row(self, sampled))
+    seen = min_plain_runs_seen(monkeypatch)
     out = tmp_path / "cells.json"
     assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
                                     "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,fixed,never",
@@ -132,10 +140,7 @@ def test_engine_concurrency_lockstep(tmp_path, capsys, monkeypatch):
 
     from flashdraft.engine import policy
 
-    seen = []
-    new_row = policy.AdaptiveWidth.new_row
-    monkeypatch.setattr(policy.AdaptiveWidth, "new_row",
-                        lambda self, sampled=False: seen.append(policy.MIN_PLAIN_RUN) or new_row(self, sampled))
+    seen = min_plain_runs_seen(monkeypatch)
     out = tmp_path / "cells.json"
     assert engine_concurrency.main(["--concurrency", "2", "--sets", "held-out", "--num-prompts", "3",
                                     "--max-tokens", "8", "--rounds", "1", "--policies", "adaptive,never",

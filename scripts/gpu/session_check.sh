@@ -56,8 +56,8 @@ run_stage() {
     concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
         --policies adaptive,never --rounds 2 --num-prompts 32 --warm-full --lockstep --json "$WORK/$1.json" ;;
     concurrency_nocudnn) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda \
-        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention --warm-full --lockstep \
-        --json "$WORK/$1.json" ;;
+        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention --warm-full \
+        --lockstep --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
         --json "$WORK/$1.json" ;;

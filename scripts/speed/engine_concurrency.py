@@ -152,7 +152,7 @@ def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_
         started = time.perf_counter()
         joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
         # all that join in one call, as the server admits them: their prompts ride the running rows' cycle
-        # (`SpecEngine.step`), or in an empty batch or where the engine cannot mix them in, one prefill first
+        # (`SpecEngine.step`), or, in an empty batch or where the engine cannot mix them in, one prefill first
         params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
                                  seed=i if temperature > 0 else None) for i, _ in joining]
         events = engine.step(batch, [prompt for _, prompt in joining], params,
