@@ -317,8 +317,7 @@ class Goodput:
             return
         self.drafting.setdefault(key, deque(maxlen=DRAFTING_WINDOW)).append((committed, seconds))
         self.fresh[key] = self.fresh.get(key, 0) + 1
-        plain = self.plain.get(key, ())
-        plain_rate = rate(plain) if len(plain) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
+        plain_rate = reference_rate(self.plain.get(key, ()), rows, plain_s)
         if self.fresh[key] < max(2, JUDGED_ROWS // key) or plain_rate is None:
             return
         self.fresh[key] = 0
@@ -331,8 +330,7 @@ class Goodput:
             if hold > MIN_HOLD:
                 shortfall_s = sum(s for _, s in window) - sum(t for t, _ in window) / plain_rate
                 hold = max(hold, math.ceil(shortfall_s * plain_rate / (JUDGEMENT_SHARE * rows)))  # in cycles
-            self.hold[key] = min(hold, MAX_HOLD)
-            self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
+            start_hold(self.hold, self.next_hold, key, hold)
             window.clear()  # after the hold, drafting is judged on what it does then
         else:
             self.next_hold[key] = MIN_HOLD
@@ -376,14 +374,12 @@ class LookupGoodput:
         window = self.copies.setdefault(key, deque(maxlen=DRAFTING_WINDOW))
         window.append((committed, seconds))
         self.fresh[key] = self.fresh.get(key, 0) + 1
-        bare = self.bare.get(key, ())
-        bare_rate = rate(bare) if len(bare) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
+        bare_rate = reference_rate(self.bare.get(key, ()), rows, plain_s)
         if self.fresh[key] < max(LOOKUP_JUDGED, JUDGED_ROWS // key) or bare_rate is None:
             return
         self.fresh[key] = 0
         if rate(window) < HOLD_BELOW * bare_rate:
-            self.hold[key] = self.next_hold.get(key, MIN_HOLD)
-            self.next_hold[key] = min(2 * self.hold[key], MAX_HOLD)
+            start_hold(self.hold, self.next_hold, key, self.next_hold.get(key, MIN_HOLD))
             window.clear()  # after the hold, copies are judged on what they give then
         else:
             self.next_hold[key] = MIN_HOLD
@@ -392,6 +388,18 @@ class LookupGoodput:
 def rate(window) -> float:
     """Tokens per second over a window of (tokens, seconds)."""
     return sum(t for t, _ in window) / max(sum(s for _, s in window), 1e-12)
+
+
+def reference_rate(window, rows: int, plain_s: float | None) -> float | None:
+    """What one-token steps of `rows` rows commit per second: measured over `window` (tokens, seconds) once it holds
+    PLAIN_REFERENCE cycles, else by the cost model's `plain_s` (None without either)."""
+    return rate(window) if len(window) >= PLAIN_REFERENCE else rows / plain_s if plain_s else None
+
+
+def start_hold(hold: dict[int, int], next_hold: dict[int, int], key: int, cycles: int) -> None:
+    """Hold bucket `key` for `cycles` cycles (at most MAX_HOLD); its next hold is twice that (at most MAX_HOLD)."""
+    hold[key] = min(cycles, MAX_HOLD)
+    next_hold[key] = min(2 * hold[key], MAX_HOLD)
 
 
 class CostModel:
