@@ -181,12 +181,13 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
 
 
 def serve_lockstep(engines: dict[str, SpecEngine], prompts: list[list[int]], concurrency: int, max_tokens: int,
-                   temperature: float, constants: dict[str, dict] | None = None) -> dict[str, Served]:
+                   temperature: float, constants: dict[str, dict] | None = None,
+                   served: dict[str, Served] | None = None) -> dict[str, Served]:
     """Every engine serves the same queue at once, one step each in turn (the order reversed every turn), each
     timed by its own steps (with its policy constants, `--variant`, set around each of them): a slowdown of the
     shared machine lasting longer than a few steps falls on all of them alike instead of on whichever pass it
-    met."""
-    served = {key: Served() for key in engines}
+    met. What each gave is added to `served` (new totals if None), which is returned."""
+    served = served if served is not None else {key: Served() for key in engines}
     passes = [(key, serving(engine, prompts, concurrency, max_tokens, temperature, served[key]))
               for key, engine in engines.items()]
     turn = 0
@@ -274,30 +275,24 @@ def main(argv=None) -> int:
                     serve(engine, prompts[:concurrency], concurrency, 8, args.temperature)
                     if args.warm_full:  # every shape of the timed queue seen once (a GPU plans each new one)
                         serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
-            totals = {k: [0, 0.0, [], []] for k in engines}
+            totals = {k: Served() for k in engines}  # summed over rounds
             for r in range(args.rounds):
                 if args.lockstep:
-                    results = serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature,
-                                             variants)
-                    passes = [(key, (x.tokens, x.seconds, x.taus, x.firsts)) for key, x in results.items()]
-                else:
-                    passes = []
-                    for key, engine in list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]:
-                        with policy_constants(variants.get(key, {})):
-                            passes.append((key, serve(engine, prompts, concurrency, args.max_tokens,
-                                                      args.temperature)))
-                for key, (n, seconds, taus, firsts) in passes:
-                    totals[key][0] += n
-                    totals[key][1] += seconds
-                    totals[key][2] += taus
-                    totals[key][3] += firsts
-            plain = totals["plain"][0] / totals["plain"][1]
+                    serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature, variants, totals)
+                    continue
+                for key, engine in list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]:
+                    with policy_constants(variants.get(key, {})):
+                        for _ in serving(engine, prompts, concurrency, args.max_tokens, args.temperature,
+                                         totals[key]):
+                            pass
+            plain = totals["plain"].tokens / totals["plain"].seconds
             cell = {"set": name, "concurrency": concurrency, "plain_tok_s": round(plain, 1)}
             shown = []
             for key in columns:
-                n, seconds, taus, firsts = totals[key]
-                tau = sum(taus) / len(taus) if taus else 1.0
-                first_cycles = [[f[i] for f in firsts if len(f) > i] for i in range(FIRST_CYCLES)]
+                x = totals[key]
+                n, seconds = x.tokens, x.seconds
+                tau = sum(x.taus) / len(x.taus) if x.taus else 1.0
+                first_cycles = [[f[i] for f in x.firsts if len(f) > i] for i in range(FIRST_CYCLES)]
                 cell[key] = {"ratio": round(n / seconds / plain, 3), "tok_s": round(n / seconds, 1),
                              "tau": round(tau, 2),
                              "first_cycles": [round(sum(c) / len(c), 2) if c else None for c in first_cycles]}
