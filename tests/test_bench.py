@@ -77,6 +77,13 @@ def test_every_method_in_process(pair, tmp_path, capsys):
     for name in ("dflash", "hf-dflash", "hf-assisted"):  # every cycle drafts, so cycles = drafts; tau in [1, k+1]
         assert m[name]["num_drafts"] > 0 and 1.0 <= m[name]["tau"] <= len(m[name]["acceptance_histogram"])
         assert sum(m[name]["acceptance_histogram"]) == m[name]["num_drafts"]
+    # tau per prompt as a distribution over the prompts that drafted
+    for name in ("dflash", "hf-dflash"):
+        taus = sorted(r["tau"] for r in m[name]["prompts"] if r["tau"] is not None)
+        d = m[name]["tau_per_prompt"]
+        assert d["prompts"] == len(taus) and d["min"] == round(taus[0], 3) and d["min"] <= d["p10"] <= d["median"]
+        assert d["mean"] == pytest.approx(np.mean(taus), abs=1e-3)
+    assert m["ar"]["tau_per_prompt"] is None
     # the same drafter: our engine and transformers' DFlash accept exactly the same drafts
     ours = [r["acceptance_lengths"] for r in m["dflash"]["prompts"]]
     theirs = [r["acceptance_lengths"] for r in m["hf-dflash"]["prompts"]]
@@ -407,3 +414,116 @@ def test_sampling_skips_the_equality_check_and_parser_mounts(pair, tmp_path):
     args = parser.parse_args(["bench", "--methods", "ar,dflash", "--concurrency", "1,8"])
     assert args.func is run_bench and args.methods == ["ar", "dflash"] and args.concurrency == [1, 8]
     assert main(_args(pair, tmp_path / "u", "--methods", "ar,medusa")) == 2
+
+
+# z-lab's package cannot be installed beside ours (it pins transformers 5.15), so CI runs the `zlab` method's runner
+# (`flashdraft/bench/zlab_runner.py`, unchanged) against this stand-in of the `dflash` API it calls: plain greedy or
+# sampled decoding through the target, one token per "cycle". It checks the plumbing (loading, the line protocol,
+# stop ids, seeds, timing fields, the process's end), not their algorithm; tests/test_zlab_roundtrip.py runs their
+# real package where its side environment exists.
+FAKE_DFLASH_MODEL = '''
+import json, time, types
+from pathlib import Path
+
+import torch
+
+_cuda_time = None  # the runner swaps in time.perf_counter on CPU, as for their real module
+
+
+class DFlashDraftModel:
+    @classmethod
+    def from_pretrained(cls, path, attn_implementation=None, dtype=None):
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        model = cls()
+        model.block_size, model.dtype = cfg["block_size"], dtype
+        model.mask_token_id = cfg["dflash_config"]["mask_token_id"]
+        model.target_layer_ids = cfg["dflash_config"]["target_layer_ids"]
+        return model
+
+    def to(self, device):
+        return self
+
+    def eval(self):
+        return self
+
+
+def dflash_generate(model, target, input_ids, max_new_tokens, stop_token_ids, temperature=0.0, top_p=1.0,
+                    top_k=0, block_size=None, return_stats=False):
+    start = _cuda_time()
+    ids, first = input_ids, None
+    for _ in range(max_new_tokens):
+        logits = target(ids).logits[:, -1].double()
+        if temperature > 0:
+            token = torch.multinomial(torch.softmax(logits / temperature, -1), 1)
+        else:
+            token = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, token], dim=1)
+        first = first or _cuda_time() - start
+        if stop_token_ids and int(token) in stop_token_ids:
+            break
+    steps = ids.shape[1] - input_ids.shape[1]
+    return types.SimpleNamespace(output_ids=ids, acceptance_lengths=[1] * (steps - 1), time_to_first_token=first)
+'''
+
+
+@pytest.fixture
+def fake_zlab(tmp_path, monkeypatch):
+    """Our python as the 'side environment', with the stand-in `dflash` package on its path."""
+    package = tmp_path / "fake_zlab" / "dflash"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from dflash.model import DFlashDraftModel\n")
+    (package / "model.py").write_text(FAKE_DFLASH_MODEL)
+    (package.parent / "dflash-0.1.0.dist-info").mkdir()
+    (package.parent / "dflash-0.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: dflash\n"
+                                                                       "Version: 0.1.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(package.parent))
+    return sys.executable
+
+
+def test_zlab_method_runs_their_generate_in_its_own_process(pair, fake_zlab):
+    from flashdraft.bench.reference import target_greedy_generate
+    from flashdraft.bench.zlab import ZlabMethod, zlab_python
+    from flashdraft.engine import SamplingParams
+
+    assert zlab_python("/nonexistent/python") is None and zlab_python(fake_zlab) == Path(fake_zlab)
+    tok = load_tokenizer()
+    target = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float64).eval()
+    prompt = tok.encode(PROMPTS[1])
+    greedy = SamplingParams(max_new_tokens=12, stop_token_ids=(tok.eos_token_id,))
+    method = ZlabMethod(fake_zlab, str(pair / "target"), str(pair / "drafter"), greedy, "float64", threads=1)
+    try:
+        assert method.max_draft == 3 and method.describe()["zlab"]["dflash_version"] == "0.1.0"
+        out = method.run(prompt, 12)
+        assert out.token_ids == target_greedy_generate(target, prompt, greedy)
+        assert out.wall_time > 0 and 0 < out.ttft <= out.wall_time
+        assert out.acceptance_lengths == [1] * (len(out.token_ids) - 1) and out.drafted == [3] * (len(out.token_ids) - 1)
+    finally:
+        method.close()
+    assert method.runner.proc.poll() == 0  # the runner ended on "quit"
+    # sampling: seeded in their process before every prompt, so a run repeats; another seed gives another text
+    runs = {}
+    for seed in (5, 5, 6):
+        sampled = SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed, stop_token_ids=())
+        method = ZlabMethod(fake_zlab, str(pair / "target"), str(pair / "drafter"), sampled, "float64", threads=1)
+        try:
+            runs.setdefault(seed, []).append(method.run(prompt, 24).token_ids)
+        finally:
+            method.close()
+    assert runs[5][0] == runs[5][1] and runs[5][0] != runs[6][0] and len(runs[6][0]) == 24  # stop ids () never stop
+
+
+def test_bench_runs_the_peer_beside_ours(pair, tmp_path, fake_zlab):
+    out = tmp_path / "out"
+    code = main(_args(pair, out, "--methods", "dflash,zlab", "--zlab-python", fake_zlab, "--strict", "--no-plots"))
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in res["methods"]] == ["ar", "dflash", "zlab"] and res["losslessness"]["passed"]
+    m = res["datasets"]["prompts"]["methods"]
+    assert m["zlab"]["mismatches"] == 0 and m["zlab"]["tau"] == 1.0
+    assert m["zlab"]["tau_per_prompt"] == {"min": 1.0, "p10": 1.0, "median": 1.0, "mean": 1.0, "prompts": 4}
+    # without a side environment the peer is skipped with a note, and the rest runs
+    code = main(_args(pair, tmp_path / "none", "--methods", "zlab", "--zlab-python", str(tmp_path / "no-python"),
+                      "--no-plots"))
+    res = json.loads((tmp_path / "none" / "results.json").read_text())
+    assert code == 0 and [m["name"] for m in res["methods"]] == ["ar"]
+    assert any(n.startswith("zlab skipped: no side environment") for n in res["notes"])

@@ -52,13 +52,17 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all but dflash-fixed, "
-                        "dflash-chain, dflash-tree, dflash-drafter and dflash-no-lookup-steps; ar always runs)")
+                        "dflash-chain, dflash-tree, dflash-drafter, dflash-no-lookup-steps and zlab; ar always runs)")
     m.add_argument("--num-assistant-tokens", type=positive_int, default=5,
                    help="hf-assisted: draft tokens per cycle, fixed (schedule constant, confidence threshold 0)")
     m.add_argument("--prompt-lookup-num-tokens", type=positive_int, default=10,
                    help="prompt-lookup: draft tokens per cycle")
     m.add_argument("--max-matching-ngram-size", type=positive_int, default=2,
                    help="prompt-lookup: longest n-gram matched")
+    m.add_argument("--zlab-python", default=None,
+                   help="zlab: the python of a side environment with z-lab's `dflash` package (default: "
+                        "$FLASHDRAFT_ZLAB_PYTHON, else ~/.cache/flashdraft/venv-zlab; scripts/speed/setup_zlab_env.sh "
+                        "makes it)")
 
     d = p.add_argument_group("prompts and decoding")
     d.add_argument("--dataset", type=_csv, default=["default"],
@@ -140,7 +144,7 @@ def _environment(target=None, drafter=None, assistant=None) -> dict:
 
     import flashdraft
 
-    env = {"dflash": flashdraft.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+    env = {"flashdraft": flashdraft.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "platform": platform.platform(), "torch_threads":
            torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if target is not None:
@@ -253,7 +257,7 @@ def run_bench(args, extra_methods=None, console=None) -> int:
                               prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
                               max_matching_ngram_size=args.max_matching_ngram_size, device=args.device,
                               dtype=args.dtype, draft_dtype=args.draft_dtype, engine=engine_config(args),
-                              cache_dir=args.cache_dir)
+                              cache_dir=args.cache_dir, zlab_python=args.zlab_python)
             if cfg.target is None:
                 from flashdraft.loading import default_pair_paths
 

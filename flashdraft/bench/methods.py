@@ -16,6 +16,8 @@
                   a fixed number of draft tokens per cycle (`num_assistant_tokens`, schedule "constant",
                   confidence threshold 0: no early stop of the draft), so every cycle is comparable.
 - `prompt-lookup` transformers' prompt-lookup decoding (`prompt_lookup_num_tokens`): n-gram copies from the prompt.
+- `zlab`          z-lab's own `dflash` package (`dflash_generate`, batch 1) in a side environment (`zlab.py`), on the
+                  same target and drafter directories.
 
 Each run returns the new token ids, wall time, time to first token and, per verification cycle that carried
 drafts, the acceptance length (accepted drafts + 1 bonus) and the number of drafted tokens. For transformers'
@@ -35,12 +37,12 @@ import torch
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
 LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter",
-                    "dflash-no-lookup-steps", "hf-dflash", "hf-assisted", "prompt-lookup")
+                    "dflash-no-lookup-steps", "hf-dflash", "hf-assisted", "prompt-lookup", "zlab")
 ALL_METHODS = LOSSLESS_METHODS
 DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps",
-                   "hf-dflash")  # need one
-# side-by-side variants
-ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps")
+                   "hf-dflash", "zlab")  # need one
+# side-by-side variants, and the peer that needs a side environment
+ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps", "zlab")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ON_REQUEST_METHODS)
 
 

@@ -4,6 +4,8 @@
   vLLM's 1 + accepted / drafts. Cycles without drafts (prompt lookup found no n-gram, the last token) don't count.
 - acceptance rate = accepted drafts / drafted tokens; per-position acceptance rate[i] = share of cycles whose draft
   position i+1 was accepted; histogram[j] = cycles with acceptance length j + 1.
+- tau per prompt: each prompt's own tau, reported as a distribution over prompts (min, p10, median, mean): acceptance
+  is bimodal across prompts, so one pooled mean hides the prompts where drafting fails.
 - tokens/s = output tokens / wall time summed over prompts (prompts run one at a time); speedup = tokens/s over
   `ar`'s tokens/s on the same prompts in the same run; TTFT = time from the call to the first new token; TPOT
   (time per output token) = (wall - TTFT) / (tokens - 1).
@@ -63,6 +65,16 @@ def percentile(values: list[float], q: float) -> float | None:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def prompt_distribution(records: list[dict]) -> dict | None:
+    """Tau per prompt (the records' "tau": their drafting cycles' mean; prompts that never drafted left out) as a
+    distribution: min, p10, median, mean and how many prompts; None if no prompt drafted."""
+    taus = [r["tau"] for r in records if r.get("tau") is not None]
+    if not taus:
+        return None
+    return {"min": round(min(taus), 3), "p10": round(percentile(taus, 0.1), 3),
+            "median": round(percentile(taus, 0.5), 3), "mean": round(statistics.fmean(taus), 3), "prompts": len(taus)}
 
 
 def from_counters(delta: dict) -> dict:

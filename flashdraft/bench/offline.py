@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+import torch
+
 from flashdraft.bench.datasets import dataset_label, load_prompts
 from flashdraft.bench.methods import (ALL_METHODS, DRAFTER_METHODS, EngineMethod, Method, hf_assisted, hf_dflash,
                                       prompt_lookup)
-from flashdraft.bench.metrics import acceptance_summary, timing_summary
+from flashdraft.bench.metrics import acceptance_summary, prompt_distribution, timing_summary
 from flashdraft.bench.reference import TARGET_GENERATE, first_difference, target_greedy_generate
 from flashdraft.engine import EngineConfig, SamplingParams
 from flashdraft.loading import DEFAULT_PAIR_DIR
@@ -48,6 +50,7 @@ class BenchConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # how `ar` and `dflash` run our engine
     cache_dir: str | None = None
     warmup: bool = True
+    zlab_python: str | None = None  # the side environment of the `zlab` method (`zlab.zlab_python`)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,12 +101,36 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
                              "`python -m flashdraft.bench.assistant`)")
                 continue
             methods.append(hf_assisted(target, assistant, tokenizer, params, cfg.num_assistant_tokens))
+        elif name == "zlab":
+            method = _zlab_method(target, drafter, params, cfg)
+            if isinstance(method, str):
+                notes.append(method)
+                continue
+            methods.append(method)
         elif name == "prompt-lookup":
             methods.append(prompt_lookup(target, tokenizer, params, cfg.prompt_lookup_num_tokens,
                                          cfg.max_matching_ngram_size))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
     return methods, notes
+
+
+def _zlab_method(target, drafter, params: SamplingParams, cfg: BenchConfig):
+    """z-lab's package on the same checkpoints (`zlab.py`), or why it cannot run here (a note)."""
+    from flashdraft.bench.zlab import ZlabMethod, zlab_python
+    from flashdraft.loading import default_pair_paths
+
+    if drafter is None:
+        raise ValueError("method zlab needs a drafter (--draft)")
+    python = zlab_python(cfg.zlab_python)
+    if python is None:
+        return ("zlab skipped: no side environment with z-lab's package (bash scripts/speed/setup_zlab_env.sh, or "
+                "--zlab-python / $FLASHDRAFT_ZLAB_PYTHON)")
+    paths = (cfg.target, cfg.draft) if cfg.target is not None else default_pair_paths()
+    # their loop cannot mix dtypes: target and drafter in the target's; their process gets as many threads as ours
+    dtype = str(target.dtype).removeprefix("torch.")
+    return ZlabMethod(python, str(paths[0]), str(cfg.draft or paths[1]), params, dtype, torch.get_num_threads(),
+                      str(target.device))
 
 
 def load_models(cfg: BenchConfig):
@@ -154,12 +181,31 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
     encoded = {label: [p.encode(tokenizer, cfg.chat) for p in prompts] for label, prompts in datasets.items()}
     greedy = cfg.temperature == 0
 
-    if cfg.warmup:
-        first = next(iter(encoded.values()))[0]
-        for m in methods:
-            m.warmup()
-            m.run(first, min(8, cfg.max_new_tokens))
+    try:
+        if cfg.warmup:
+            first = next(iter(encoded.values()))[0]
+            for m in methods:
+                m.warmup()
+                m.run(first, min(8, cfg.max_new_tokens))
+        per_dataset = _run_prompts(cfg, target, params, methods, encoded, greedy, progress)
+    finally:
+        for m in methods:  # hooks off the target, the peer's process ended
+            m.close()
+    summary = _overall(methods, per_dataset)
+    return {
+        "mode": "offline",
+        "config": cfg.to_json(),
+        "notes": notes,
+        "methods": [m.describe() for m in methods],
+        "datasets": per_dataset,
+        "summary": summary,
+        "losslessness": _lossless_verdict(methods, per_dataset, greedy),
+    }
 
+
+def _run_prompts(cfg: BenchConfig, target, params: SamplingParams, methods: list[Method], encoded: dict,
+                 greedy: bool, progress) -> dict:
+    """Every method on every prompt, rotating the order; per dataset label the methods' summaries and records."""
     total = sum(len(v) for v in encoded.values()) * len(methods)
     task = progress.add_task("bench", total=total) if progress is not None else None
     per_dataset = {}
@@ -197,16 +243,7 @@ def run_offline(cfg: BenchConfig, target, tokenizer, drafter=None, assistant=Non
         per_dataset[label] = {"num_prompts": len(prompt_ids), "methods": _summaries(methods, records)}
         for name, recs in records.items():
             per_dataset[label]["methods"][name]["prompts"] = recs
-    summary = _overall(methods, per_dataset)
-    return {
-        "mode": "offline",
-        "config": cfg.to_json(),
-        "notes": notes,
-        "methods": [m.describe() for m in methods],
-        "datasets": per_dataset,
-        "summary": summary,
-        "losslessness": _lossless_verdict(methods, per_dataset, greedy),
-    }
+    return per_dataset
 
 
 def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
@@ -216,7 +253,7 @@ def _summaries(methods: list[Method], records: dict[str, list[dict]]) -> dict:
         lengths = [a for r in recs for a in r["acceptance_lengths"]]
         drafted = [d for r in recs for d in r["drafted"]]
         s = {"lossless": m.lossless, **timing_summary(recs), **acceptance_summary(lengths, drafted, m.max_draft),
-             **_step_counts(recs)}
+             "tau_per_prompt": prompt_distribution(recs), **_step_counts(recs)}
         checked = [r for r in recs if "identical_to_target" in r]
         s["mismatches"] = sum(not r["identical_to_target"] for r in checked) if checked else None
         s["mismatched_prompts"] = [r["index"] for r in checked if not r["identical_to_target"]]
@@ -242,7 +279,7 @@ def _overall(methods: list[Method], per_dataset: dict) -> dict:
         mism = [d["methods"][m.name]["mismatches"] for d in per_dataset.values()]
         out[m.name] = {"lossless": m.lossless, **timing_summary(recs),
                        **acceptance_summary(lengths, drafted, m.max_draft),
-                       **_step_counts(recs),
+                       "tau_per_prompt": prompt_distribution(recs), **_step_counts(recs),
                        "mismatches": None if any(x is None for x in mism) else sum(mism),
                        "num_prompts": len(recs)}
     base = out.get("ar", {}).get("tokens_per_second")

@@ -27,8 +27,8 @@ def _lossless_cell(s: dict, rich: bool) -> str:
     return f"[bold red]{text}[/bold red]" if rich else text
 
 
-OFFLINE_COLUMNS = ["dataset", "method", "tau", "accept rate", "verify w", "1-token steps (+ lookup)", "tok/s",
-                   "speedup", "TTFT ms", "TPOT ms", "greedy = target"]
+OFFLINE_COLUMNS = ["dataset", "method", "tau", "tau per prompt (min/p10/med/mean)", "accept rate", "verify w",
+                   "1-token steps (+ lookup)", "tok/s", "speedup", "TTFT ms", "TPOT ms", "greedy = target"]
 
 
 def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
@@ -42,11 +42,16 @@ def offline_rows(results: dict, rich: bool = False) -> list[list[str]]:
             if d is not None:
                 s["num_prompts"] = d["num_prompts"]
             width = 1 + s["num_draft_tokens"] / s["num_drafts"] if s.get("num_drafts") else None
-            rows.append([label, name, _fmt(s["tau"]), _fmt(s["acceptance_rate"]), _fmt(width, ".1f"),
+            rows.append([label, name, _fmt(s["tau"]), _distribution_cell(s.get("tau_per_prompt")),
+                         _fmt(s["acceptance_rate"]), _fmt(width, ".1f"),
                          _steps_cell(s), _fmt(s["tokens_per_second"], ".1f"),
                          _fmt(s["speedup"], ".2f") + ("x" if s["speedup"] is not None else ""),
                          _fmt(s["ttft_ms"], ".1f"), _fmt(s["tpot_ms"], ".2f"), _lossless_cell(s, rich)])
     return rows
+
+
+def _distribution_cell(d: dict | None) -> str:
+    return "-" if not d else f"{d['min']:.2f} / {d['p10']:.2f} / {d['median']:.2f} / {d['mean']:.2f}"
 
 
 def _steps_cell(s: dict) -> str:

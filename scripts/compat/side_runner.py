@@ -5,7 +5,7 @@ Runs with a side environment's python and imports nothing from flashdraft:
 - `--mode zlab`: z-lab's own package (PyPI `dflash` 0.1.0, transformers 5.15): the drafter through
   `dflash.DFlashDraftModel.from_pretrained` (`dflash.DFlash2DraftModel` for a config naming that architecture;
   its drafts are then the candidate selector's), decoding with their `dflash.model.dflash_generate`, unmodified (their
-  CUDA timer is swapped for `time.perf_counter` on CPU, as in scripts/speed/zlab_runner.py).
+  CUDA timer is swapped for `time.perf_counter` on CPU, as in flashdraft/bench/zlab_runner.py).
 - `--mode remote`: the remote-code line of z-lab's hub checkpoints, `AutoModel.from_pretrained(drafter,
   trust_remote_code=True)` (the `dflash.py` beside the weights), decoding with its `spec_generate`; meant for a
   transformers 4.57 environment.

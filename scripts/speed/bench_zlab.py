@@ -5,7 +5,7 @@
 
 Their package pins transformers==5.15.0 (`dflash[local]`) and datasets==5.0.1, ours needs transformers>=5.23, so it
 cannot live in our venv: it runs in a side venv (default ~/.cache/flashdraft/venv-zlab, or --zlab-python /
-$FLASHDRAFT_ZLAB_PYTHON) as a persistent subprocess (`zlab_runner.py`, which imports nothing of ours) that
+$FLASHDRAFT_ZLAB_PYTHON) as a persistent subprocess (`flashdraft/bench/zlab_runner.py`, which imports nothing of ours) that
 loads the same target and drafter directories with their own loader and decodes with their `dflash_generate`.
 
 Methods, on the same checkpoint and prompts (default: the shipped pair, 8 held-out prompts, 128 new tokens,
@@ -38,44 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RUNNER = HERE / "zlab_runner.py"
-DEFAULT_ZLAB_PYTHON = Path.home() / ".cache" / "flashdraft" / "venv-zlab" / "bin" / "python"
+from flashdraft.bench.zlab import DEFAULT_ZLAB_PYTHON, RUNNER, ZlabRunner
 PAUSE_S = 0.3  # between methods: lets the other process's OpenMP threads stop spinning
-
-
-class ZlabRunner:
-    """The side venv's `zlab_runner.py`, kept alive across rounds (models loaded once)."""
-
-    def __init__(self, python: str, target: str, draft: str, threads: int | None, dtype: str, env=None,
-                 extra: tuple[str, ...] = ()):
-        cmd = [python, str(RUNNER), "--target", target, "--draft", draft, "--dtype", dtype, *extra]
-        if threads:
-            cmd += ["--threads", str(threads)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-                                     if env else None, text=True, env=env)
-        self.info = self._read()
-
-    def _read(self):
-        line = self.proc.stdout.readline()
-        if not line:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"z-lab runner exited (rc {self.proc.wait()}): {err[-2000:]}")
-        return json.loads(line)
-
-    def request(self, **req):
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.proc.kill()
 
 
 def kernel_summary(log: str) -> dict:
