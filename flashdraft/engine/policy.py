@@ -189,7 +189,8 @@ class Curve:
         self.seen: set[int] = set()
         self.measured_at: dict[int, int] = {}  # bucket -> the timing count when it was last measured
         self.timings = 0
-        self._xy: tuple[np.ndarray, np.ndarray] | None = None
+        self._lists: tuple[list[float], list[float]] | None = None  # the curve's points, made non-decreasing
+        self._xy: tuple[np.ndarray, np.ndarray] | None = None  # the same as arrays, built when an array call needs them
 
     def record(self, size: int, seconds: float) -> None:
         """The first observation of a bucket is a warm-up (cold caches, a graph compiled) and is not kept."""
@@ -207,7 +208,7 @@ class Curve:
         stale = [k for k, t in self.measured_at.items() if self.timings - t > STALE_AFTER]
         for k in stale:
             del self.points[k], self.measured_at[k], self.window[k]
-        self._xy = None
+        self._lists = self._xy = None
 
     def known(self, size: int) -> bool:
         return bucket(size) in self.points
@@ -231,15 +232,19 @@ class Curve:
         None before any point was measured."""
         if not self.points:
             return None
-        if self._xy is None:
+        if self._lists is None:  # in plain Python: the curve changes every cycle, and numpy costs ~30 us a build
             pts = sorted(self.points.values())
-            ys = np.array([y for _, y in pts])
             # more work never takes less time: a size measured in a bad moment and not since (the plan avoids it
             # because it looked slow) is capped by the larger sizes measured after it
-            self._xy = np.array([x for x, _ in pts]), np.minimum.accumulate(ys[::-1])[::-1]
-            self._lists = self._xy[0].tolist(), self._xy[1].tolist()
+            ys, low = [], math.inf
+            for _, y in reversed(pts):
+                low = min(low, y)
+                ys.append(low)
+            self._lists = [float(x) for x, _ in pts], ys[::-1]
         if isinstance(sizes, NUMBER):  # the same line in plain Python: numpy costs ~30 us per call
             return self._at(float(sizes))
+        if self._xy is None:
+            self._xy = np.array(self._lists[0]), np.array(self._lists[1])
         xs, ys = self._xy
         sizes = np.asarray(sizes, dtype=np.float64)
         if len(xs) == 1:
@@ -627,7 +632,6 @@ class AdaptiveWidth:
         """One verify width per row; `pending`: per row, the context positions its draft would write first (the
         target features of what it committed since it last drafted)."""
         n = len(rows)
-        pending = np.zeros(n, dtype=np.int64) if pending is None else np.asarray(pending, dtype=np.int64)
         # a row left at one-token steps long enough is probed: judged optimistically once. One probe per cycle:
         # rows that join together come due together, and probed all at once the optimistic prior priced drafting
         # for the whole batch (16 rows on CPU: 16 drafting rows in a 63 ms cycle that gave a third less than
@@ -651,6 +655,7 @@ class AdaptiveWidth:
             if probe is None and not joined:
                 self.decision = "held" if self.costs.goodput.holding(n) else "kept"
                 return [1] * n
+        pending = np.zeros(n, dtype=np.int64) if pending is None else np.asarray(pending, dtype=np.int64)
         plan = np.ones(n, dtype=np.int64)
         if not self.costs.goodput.allows(n):  # drafting gave less than one-token steps at this load, lately
             self.decision = "held"  # every row steps (a probe among them is declined below)
