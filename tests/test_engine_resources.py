@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashdraft import SamplingParams, SpecEngine
-from flashdraft.engine.detokenize import LOOKBACK, IncrementalText
+from flashdraft.engine.detokenize import LOOKBACK, IncrementalText, text_decoder
 from flashdraft.model.target import TargetModel
 from flashdraft.train.evaluate import evaluate_tau
 from tiny import greedy_reference, load_tokenizer, make_drafter, make_target
@@ -164,6 +164,26 @@ def random_tokens(tok, rng: random.Random, length: int) -> list[int]:
         else:
             out.append(rng.randrange(100, 300))  # low ids: single bytes, often a lone part of a character
     return out[:length]
+
+
+def test_text_decoder_calls_the_backend_only_where_it_decodes_alike(tok):
+    rng = random.Random(7)
+    samples = [random_tokens(tok, rng, rng.randint(1, 40)) for _ in range(50)]
+    want = [tok.decode(ids, skip_special_tokens=True) for ids in samples]
+    fast = text_decoder(tok)
+    tok.decode = lambda *args, **kwargs: pytest.fail("transformers' decode wrapper was called")
+    try:  # the backend alone, decoding as transformers' decode does
+        assert [fast(ids) for ids in samples] == want
+    finally:
+        del tok.decode
+    # a tokenizer that cleans up tokenization spaces (or any other decode) keeps its own decode
+    import copy
+
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    calls = []
+    cleaning.decode = lambda ids, **kw: calls.append(kw) or "x"
+    assert text_decoder(cleaning)([1, 2]) == "x" and calls == [{"skip_special_tokens": True}]
 
 
 def test_tokenizer_splits_characters(tok):
