@@ -3,8 +3,8 @@
 For each prompt, each method runs once (the method order rotates from prompt to prompt) so machine drift and
 thermal or cache effects spread over all methods instead of biasing the ones that ran last. Every method gets one
 short untimed warm-up first. With greedy decoding, each lossless method's output is compared token for token with
-`ar`'s output for the same prompt (plain decoding through our engine; that it equals the target's own transformers
-`generate` is what `flashdraft demo` and `flashdraft generate --compare` check).
+the target's own transformers `generate` on the same prompt (`reference.py`: unpacked weights, none of our fast
+path). Every method is closed at the end (hooks off the target; the `zlab` method's process ended).
 
 What this module does not know about: HTTP servers (`server.py`), tables and plots (`report.py`).
 """
