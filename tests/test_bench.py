@@ -527,3 +527,10 @@ def test_bench_runs_the_peer_beside_ours(pair, tmp_path, fake_zlab):
     res = json.loads((tmp_path / "none" / "results.json").read_text())
     assert code == 0 and [m["name"] for m in res["methods"]] == ["ar"]
     assert any(n.startswith("zlab skipped: no side environment") for n in res["notes"])
+
+
+def test_a_side_environment_without_their_package_is_a_one_line_error(pair, tmp_path, capsys):
+    code = main(_args(pair, tmp_path / "out", "--methods", "zlab", "--zlab-python", sys.executable, "--no-plots"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("flashdraft bench: error: ")
+    assert "No module named 'dflash'" in err[0] and "setup_zlab_env.sh" in err[0]

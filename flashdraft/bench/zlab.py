@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from flashdraft.bench.methods import Method, RunOutput
@@ -34,6 +35,10 @@ def zlab_python(path: str | None = None) -> Path | None:
     return chosen if chosen.is_file() else None
 
 
+class ZlabUnavailable(ValueError):
+    """The side environment could not start z-lab's runner (no `dflash` there, a broken venv, models it cannot load)."""
+
+
 class ZlabRunner:
     """The side environment's `zlab_runner.py`, kept alive across prompts (models loaded once)."""
 
@@ -43,15 +48,26 @@ class ZlabRunner:
                "--device", device, *extra]
         if threads:
             cmd += ["--threads", str(threads)]
+        # its log goes to a file (a pipe nobody reads would fill and stop it), whose last line explains a failed start
+        self.log = tempfile.TemporaryFile(mode="w+") if env is None else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE if env else None, text=True, env=env)
-        self.info = self._read()
+                                     stderr=subprocess.PIPE if env else self.log, text=True, env=env)
+        try:
+            self.info = self._read()
+        except (RuntimeError, json.JSONDecodeError) as exc:
+            self.close()
+            raise ZlabUnavailable(f"{python}: z-lab's runner did not start ({exc}); the side environment needs z-lab's "
+                                  "`dflash` 0.1.0 (bash scripts/speed/setup_zlab_env.sh)") from None
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"z-lab runner exited (rc {self.proc.wait()}): {err[-2000:]}")
+            if self.proc.stderr:
+                err = self.proc.stderr.read()[-2000:]
+            else:
+                self.log.seek(0)
+                err = ([t for t in self.log.read().splitlines() if t.strip()] or [""])[-1]
+            raise RuntimeError(f"z-lab runner exited (rc {self.proc.wait()}): {err}")
         return json.loads(line)
 
     def request(self, **req) -> dict:
@@ -67,6 +83,8 @@ class ZlabRunner:
                 self.proc.wait(timeout=30)
             except Exception:
                 self.proc.kill()
+        if self.log is not None:
+            self.log.close()
 
 
 class ZlabMethod(Method):
