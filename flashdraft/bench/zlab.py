@@ -43,15 +43,14 @@ class ZlabRunner:
     """The side environment's `zlab_runner.py`, kept alive across prompts (models loaded once)."""
 
     def __init__(self, python: str | Path, target: str, draft: str, threads: int | None = None,
-                 dtype: str = "float32", env: dict | None = None, extra: tuple[str, ...] = (), device: str = "cpu"):
+                 dtype: str = "float32", device: str = "cpu"):
         cmd = [str(python), str(RUNNER), "--target", str(target), "--draft", str(draft), "--dtype", dtype,
-               "--device", device, *extra]
+               "--device", device]
         if threads:
             cmd += ["--threads", str(threads)]
         # its log goes to a file (a pipe nobody reads would fill and stop it), whose last line explains a failed start
-        self.log = tempfile.TemporaryFile(mode="w+") if env is None else None
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE if env else self.log, text=True, env=env)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         try:
             self.info = self._read()
         except (RuntimeError, json.JSONDecodeError) as exc:
@@ -62,11 +61,8 @@ class ZlabRunner:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            if self.proc.stderr:
-                err = self.proc.stderr.read()[-2000:]
-            else:
-                self.log.seek(0)
-                err = ([t for t in self.log.read().splitlines() if t.strip()] or [""])[-1]
+            self.log.seek(0)
+            err = ([t for t in self.log.read().splitlines() if t.strip()] or [""])[-1]
             raise RuntimeError(f"z-lab runner exited (rc {self.proc.wait()}): {err}")
         return json.loads(line)
 
@@ -83,8 +79,7 @@ class ZlabRunner:
                 self.proc.wait(timeout=30)
             except Exception:
                 self.proc.kill()
-        if self.log is not None:
-            self.log.close()
+        self.log.close()
 
 
 class ZlabMethod(Method):

@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashdraft.bench.zlab import DEFAULT_ZLAB_PYTHON, RUNNER, ZlabRunner
+from flashdraft.bench.zlab import RUNNER, ZlabRunner, zlab_python
 PAUSE_S = 0.3  # between methods: lets the other process's OpenMP threads stop spinning
 
 
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--zlab-python", default=os.environ.get("FLASHDRAFT_ZLAB_PYTHON", str(DEFAULT_ZLAB_PYTHON)))
+    ap.add_argument("--zlab-python", default=None,
+                    help="default: $FLASHDRAFT_ZLAB_PYTHON, else ~/.cache/flashdraft/venv-zlab (`zlab.zlab_python`)")
     ap.add_argument("--zlab-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-compile", action="store_true", help="skip our compiled methods")
     ap.add_argument("--no-kernel-probe", action="store_true")
@@ -129,10 +130,12 @@ def main(argv=None) -> int:
         ap.error("--draft is required with --target")
     if args.probe_ours:
         return probe_ours(args)
-    if not Path(args.zlab_python).exists():
-        print(f"no side venv python at {args.zlab_python}: run scripts/speed/setup_zlab_env.sh "
+    python = zlab_python(args.zlab_python)
+    if python is None:
+        print(f"no side venv python at {args.zlab_python or 'the default place'}: run scripts/speed/setup_zlab_env.sh "
               "(or pass --zlab-python)", file=sys.stderr)
         return 2
+    args.zlab_python = str(python)
 
     import torch
 
