@@ -184,8 +184,8 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 
 def add_device_args(p) -> None:
-    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --exact, --sampler, --draft-policy and --tree-budget (also
-    `flashdraft bench`)."""
+    """--device, --dtype, --draft-dtype, --compile, --pack-weights, --screen-greedy, --exact, --sampler, --draft-policy
+    and --tree-budget (also `flashdraft bench`)."""
     p.add_argument("--device", type=device_arg, default="auto",
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", type=dtype_arg, default="auto",
@@ -197,6 +197,10 @@ def add_device_args(p) -> None:
     p.add_argument("--pack-weights", choices=("auto", "on", "off"), default="auto",
                    help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when both "
                         "paths, timed on the weights at start-up, favour it and the copies stay under 2 GiB)")
+    p.add_argument("--screen-greedy", choices=("auto", "on", "off"), default="auto",
+                   help="CPU, fp32 lm_head: greedy verifies read the target's argmax through a bf16 copy of its "
+                        "lm_head, certified to be the fp32 argmax (auto: on a CPU with native bf16, AVX512-BF16 or "
+                        "AMX; on: an error where it cannot run)")
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant target forward: output bit-identical to plain decoding in --exact mode, "
                         "whatever the block or batch (eager only; costs speed, see BENCHMARKS.md)")
@@ -241,6 +245,10 @@ def pack_weights_arg(args) -> bool | None:
     return {"auto": None, "on": True, "off": False}[getattr(args, "pack_weights", "auto")]
 
 
+def screen_greedy_arg(args) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[getattr(args, "screen_greedy", "auto")]
+
+
 def histogram_lines(histogram: list[int], width: int = 40) -> list[str]:
     total = max(1, sum(histogram))
     peak = max(1, max(histogram))
@@ -280,7 +288,8 @@ def engine_config(args, plain: bool = False):
     from flashdraft.engine import EngineConfig
 
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
-                          pack_weights=pack_weights_arg(args), draft_policy=getattr(args, "draft_policy", "adaptive"),
+                          pack_weights=pack_weights_arg(args), screen_greedy=screen_greedy_arg(args),
+                          draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
                           lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),

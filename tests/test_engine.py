@@ -347,3 +347,33 @@ def test_a_bad_joining_request_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.check([[10 ** 6]])
     assert [r.n_cached for r in batch.rows] == held and batch.kv.num_rows == 1
+
+
+def test_drafting_projections_fused_follow_weight_updates():
+    """Without autograd the drafter runs q/k/v, gate/up and the context K/V as fused projections (cached copies):
+    equal to the separate projections autograd runs, and rebuilt after the weights change in place (training
+    between evals)."""
+    from tiny import make_drafter, make_target
+
+    drafter = make_drafter(make_target(), block_size=4)
+    torch.manual_seed(0)
+    width = len(drafter.target_layer_ids) * drafter.config.hidden_size
+    inputs = (torch.randn(2, 4, drafter.config.hidden_size, dtype=torch.float64), torch.arange(8, 12).repeat(2, 1),
+              torch.randn(2, 8, width, dtype=torch.float64), torch.arange(8).repeat(2, 1))
+
+    def fused_and_separate():
+        with torch.no_grad():
+            fused = drafter(*inputs)
+        separate = drafter(*inputs)  # autograd on: the projections stay apart
+        assert separate.requires_grad
+        return fused, separate.detach()
+
+    fused, separate = fused_and_separate()
+    torch.testing.assert_close(fused, separate)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.k_proj.weight.mul_(1.5)
+            layer.mlp.up_proj.weight.add_(0.01)
+    fused_after, separate_after = fused_and_separate()
+    torch.testing.assert_close(fused_after, separate_after)
+    assert not torch.allclose(fused_after, fused)

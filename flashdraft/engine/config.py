@@ -28,6 +28,9 @@ class EngineConfig:
     compile: bool = False
     # CPU: the widest projections through oneDNN on packed weight copies (None: when packable and small enough)
     pack_weights: bool | None = None
+    # CPU, fp32 lm_head, fast path: greedy rows' verifies read the target's argmax through a bf16 copy of the
+    # lm_head, certified to be the fp32 argmax (`greedy_readout.py`; None: on a CPU with native bf16)
+    screen_greedy: bool | None = None
     # how many tokens each row verifies per cycle (`policy.py`): "adaptive" = per row, what maximises the batch's
     # committed tokens per second under measured acceptance and costs (1 = a one-token step, no draft);
     # "fixed" = the whole block, every row, every cycle
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.exact and self.compile:
             raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+        if self.screen_greedy is not None and not isinstance(self.screen_greedy, bool):
+            raise ValueError(f"screen_greedy must be True, False or None, got {self.screen_greedy!r}")
         if self.exact and self.fast_path is False:
             raise ValueError("exact=True needs the fast target path; it cannot be combined with fast_path=False")
 

@@ -59,10 +59,11 @@ from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInpu
 from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
 from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
                                     best_first, lookup_continuation, stack, tree_attention_mask)
-from flashdraft.engine.verify import SamplingParams, sample_tokens, verify, verify_tree
+from flashdraft.engine.verify import SamplingParams, accept_chosen, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
+from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
 from flashdraft.model.target import TargetModel, validate_pair
 
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
@@ -276,7 +277,8 @@ class SpecEngine:
         if exact and not use_fast:
             raise ValueError(f"exact=True needs the fast target path (Llama/Mistral/Qwen2/Qwen3), and {reason}")
         self.exact = exact
-        self.fast = FastTarget(self.target, pack_weights, exact=exact) if use_fast else None
+        self.fast = (FastTarget(self.target, pack_weights, exact=exact, screened=self._screened(config, use_fast))
+                     if use_fast else None)
         if proposer is not None:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
@@ -305,6 +307,8 @@ class SpecEngine:
         self.costs = CostModel()
         self.acceptance_priors = AcceptancePriors(self.block_size)
         self.ragged = self.fast is not None and self.block_step is None
+        # greedy batches' verifies return the target's argmax, not its logits (`_target_forward`)
+        self.screens_greedy = self.fast is not None and self.fast.screened is not None and self.block_step is None
         # token trees (`tree.py`): the eager fast path verifies them; elsewhere rows verify the chain
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
         # prompt lookup continuing drafters' chains (`lookup.py`): min n-gram length, 0 = off (and without drafts)
@@ -344,6 +348,22 @@ class SpecEngine:
         self.cycle_trace: Callable[[dict], None] | None = None
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
         self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
+
+    def _screened(self, config: EngineConfig, use_fast: bool) -> ScreenedArgmax | None:
+        """The greedy read-out through a bf16 copy of the target's lm_head (`greedy_readout.py`), or None: asked
+        for (`screen_greedy=True`: where it cannot run, an error), or by default where it runs on a CPU with native
+        bf16."""
+        why_not = (("it needs the fast target path" if not use_fast else None)
+                   or ("exact mode keeps its per-token products" if config.exact else None)
+                   or ("compiled steps keep the full read-out" if config.compile else None)
+                   or screening_unavailable(self.target.lm_head))
+        if config.screen_greedy is False or (why_not and config.screen_greedy is None):
+            return None
+        if why_not:
+            raise ValueError(f"screen_greedy=True but {why_not}")
+        if config.screen_greedy is None and not screening_pays():
+            return None
+        return ScreenedArgmax(self.target.lm_head)
 
     @property
     def scratch_slots(self) -> int:
@@ -973,16 +993,19 @@ class SpecEngine:
         return best
 
     def _target_forward(self, batch: Batch, block, positions, groups, prompts=()):
-        """The target over each row's block: logits [g, w, V] per width group, features [b, W, F] (or None), and
-        (last logits [1, 1, V], features [1, n, F] or None) per prompt of `prompts` (`_seat`) prefilled beside."""
+        """The target over each row's block: logits [g, w, V] per width group (where every row is greedy and the
+        target screens its read-out: the greedy token ids [g, w]), features [b, W, F] (or None), and (last logits
+        [1, 1, V], features [1, n, F] or None) per prompt of `prompts` (`_seat`) prefilled beside."""
         capture = self.proposer.needs_features
         end = max(r.n_cached for r in batch.rows) + block.shape[1]  # 1 + the largest position in the blocks
+        greedy = self.screens_greedy and all(r.params.greedy for r in batch.rows)
         if len(groups) == 1 and not prompts:
-            logits, features = batch.kv.forward_block(block, positions, capture, end)
+            logits, features = (batch.kv.forward_block(block, positions, capture, end, greedy=True) if greedy
+                                else batch.kv.forward_block(block, positions, capture, end))
             return [logits], features, []
         if self.ragged:
             outputs = batch.kv.forward_ragged([(idx, block[idx, :w], positions[idx, :w]) for w, idx in groups],
-                                              capture, end, prompts)
+                                              capture, end, prompts, greedy=greedy)
             outputs, prompt_outputs = outputs[:len(groups)], outputs[len(groups):]
             features = None
             if capture:
@@ -991,7 +1014,8 @@ class SpecEngine:
                 for (w, idx), (_, f) in zip(groups, outputs):
                     features[idx, :w] = f
             return [lg for lg, _ in outputs], features, prompt_outputs
-        logits, features = batch.kv.forward_block(block, positions, capture, end)  # every row padded to the widest
+        logits, features = (batch.kv.forward_block(block, positions, capture, end, greedy=True) if greedy  # every
+                            else batch.kv.forward_block(block, positions, capture, end))  # row padded to the widest
         return [logits.index_select(0, idx)[:, :w] for w, idx in groups], features, []
 
     def _seat(self, batch: Batch, rows: Sequence[_Row]):
@@ -1018,7 +1042,8 @@ class SpecEngine:
             self._pend_prompts(batch, rows, [features[0].clone() for _, features in outputs])
 
     def _verify(self, rows, groups, logits, block, drafting, draft_probs, noise) -> tuple[list[int], list[int]]:
-        """The shared verifier over each width group: per row the accepted drafts and the next token."""
+        """The shared verifier over each width group: per row the accepted drafts and the next token. `logits`:
+        per group the target's logits, or (a screened greedy read-out) its greedy token ids [g, w]."""
         accepted, next_tokens = [0] * len(rows), [0] * len(rows)
         draft_row = {r: j for j, r in enumerate(drafting)}  # row -> its row in draft_probs
         for (w, idx), group_logits in zip(groups, logits):
@@ -1033,8 +1058,11 @@ class SpecEngine:
                                          .to(draft_probs.dtype) for i in members])
             group_noise = torch.stack([noise[i][:w] for i in members]) if noise is not None else None
             drafts = block[:, 1:w] if len(members) == len(rows) else block.index_select(0, idx)[:, 1:w]
-            verdict = verify(group_logits, drafts, [rows[i].params for i in members],
-                             [rows[i].generator for i in members], probs, group_noise)
+            if group_logits.dim() == 2:  # the target's greedy token ids
+                verdict = accept_chosen(group_logits, drafts)
+            else:
+                verdict = verify(group_logits, drafts, [rows[i].params for i in members],
+                                 [rows[i].generator for i in members], probs, group_noise)
             for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
                 accepted[i], next_tokens[i] = a, t
         return accepted, next_tokens

@@ -130,8 +130,10 @@ class PagedTargetKV:
         return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], _prompt_features(features, positions,
                                                                                                valid)
 
-    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
-        """Logits and features of the live rows' blocks; `end` = 1 + the largest position in them."""
+    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
+                      greedy: bool = False):
+        """Logits (with `greedy`, where the target screens its read-out: greedy token ids) and features of the
+        live rows' blocks; `end` = 1 + the largest position in them."""
         n, rows = block.shape[0], self.kv.batch
         if rows > n:  # padding rows decode zeros at positions 0..w-1 into the trash page: never read
             block = self.buckets.pad(block, rows)
@@ -140,17 +142,18 @@ class PagedTargetKV:
         if self.compiled_forward is not None:
             logits, features = self.compiled_forward(block, positions, self.kv, capture=capture)
         else:
-            logits, features = self.fast.forward(block, positions, self.kv, capture=capture, key_len=end)
+            logits, features = self.fast.forward(block, positions, self.kv, capture=capture, key_len=end,
+                                                 greedy=greedy)
         if rows > n:
             logits, features = logits[:n], (features[:n] if features is not None else None)
         return logits, features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int,
-                       prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()):
+                       prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (), greedy: bool = False):
         """Rows of different widths in one eager forward (`FastTarget.forward_ragged`): groups of (live rows,
         blocks [g, w], positions [g, w]), and `prompts` of rows added by `add_rows` (their last logits only);
         (logits, features) per group, then per prompt group."""
-        return self.fast.forward_ragged(groups, self.kv, capture, prompts)
+        return self.fast.forward_ragged(groups, self.kv, capture, prompts, greedy)
 
     def add_rows(self, lengths: list[int]) -> None:
         """Fresh rows below the live ones, with pages for `lengths` positions each: rows whose prompts the next

@@ -130,11 +130,10 @@ def verify(
             chosen = race(probs, pick(noise))
         else:
             chosen = argmax(logits)
-        acc = (pick(draft_tokens) == chosen[:, :k]).long().cumprod(dim=1).sum(dim=1)
-        chosen_next = chosen.gather(1, acc[:, None])[:, 0]
+        verdict = accept_chosen(chosen, pick(draft_tokens))
         if idx is None:
-            return Verdict(acc, chosen_next)
-        num_accepted[idx], next_tokens[idx] = acc, chosen_next
+            return verdict
+        num_accepted[idx], next_tokens[idx] = verdict.num_accepted, verdict.next_tokens
     done = set(greedy) | set(raced)
     for row, p in enumerate(params):
         if row in done:
@@ -170,6 +169,14 @@ def verify(
         num_accepted[row] = acc
         next_tokens[row] = torch.multinomial(dist, 1, generator=gen)[0]
     return Verdict(num_accepted, next_tokens)
+
+
+def accept_chosen(chosen: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+    """Rows whose target token at every block position is already known, chosen [b, k+1] (its argmax, or its
+    race winner under the row's noise): drafts [b, k] are accepted while they equal it, then it comes next."""
+    k = draft_tokens.shape[1]
+    acc = (draft_tokens == chosen[:, :k]).long().cumprod(dim=1).sum(dim=1)
+    return Verdict(acc, chosen.gather(1, acc[:, None])[:, 0])
 
 
 @dataclass

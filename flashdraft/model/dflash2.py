@@ -37,6 +37,7 @@ from flashdraft.model.drafter import (
     DFlashDecoderLayer,
     DFlashDraftModel,
     _dflash_value,
+    gated_mlp,
     make_draft_config,
 )
 
@@ -172,7 +173,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         h, kernel = self.attention_conv.prepare(self.input_layernorm(x), self.segment)
         x = x + self.attention_conv.finish(self.self_attn(h, ctx_kv, cos, sin, mask), kernel, self.segment)
         h, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x), self.segment)
-        return x + self.mlp_conv.finish(self.mlp(h), kernel, self.segment)
+        return x + self.mlp_conv.finish(gated_mlp(self.mlp, h), kernel, self.segment)
 
 
 class CandidateSelector(nn.Module):

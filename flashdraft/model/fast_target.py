@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
+from flashdraft.model.greedy_readout import ScreenedArgmax
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel
 
@@ -77,7 +78,8 @@ def packable_weights(model) -> list[torch.Tensor]:
 class FastTarget:
     """Lean forward over a supported transformers model's own weights; see the module docstring."""
 
-    def __init__(self, target: TargetModel, pack_weights: bool | None = None, exact: bool = False):
+    def __init__(self, target: TargetModel, pack_weights: bool | None = None, exact: bool = False,
+                 screened: ScreenedArgmax | None = None):
         reason = fast_path_unsupported(target.model)
         if reason:
             raise ValueError(f"no fast path for this model: {reason}")
@@ -102,6 +104,9 @@ class FastTarget:
                  packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
                 for layer in self.layers]
         self.exact = exact
+        # greedy verifies read their argmax through a bf16 copy of an fp32 lm_head (`greedy_readout.py`), certified
+        # to be the fp32 argmax; None: the full read-out. Exact mode keeps its per-token products
+        self.screened = None if exact else screened
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         cfg = target.config
@@ -125,8 +130,10 @@ class FastTarget:
         capture: bool = True,
         key_len: int | None = None,
         exact: bool | None = None,
+        greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H].
+        """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H];
+        with `greedy` and a screened read-out (`screened`), the greedy token ids [b, q] in place of the logits.
 
         Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
         steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact`
@@ -148,11 +155,13 @@ class FastTarget:
         x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, exact, capture)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        if greedy and self.screened is not None and not exact:
+            return self.screened(x), features
         return (per_token if exact else _call)(self.lm_head, x), features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
-                       capture: bool = True, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()
-                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                       capture: bool = True, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+                       greedy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
         packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
@@ -160,7 +169,8 @@ class FastTarget:
         [g, 1, w, key_len]): its tokens' K/V go to those slots and attend as the mask says (context and ancestors),
         not causally by position. `prompts`: more groups of the same form, prompts prefilled in the same forward
         (rows joining a batch), whose logits are their last position's only. Returns (logits [g, w, V] (prompts:
-        [g, 1, V]), features [g, w, F] or None) per group, then per prompt group."""
+        [g, 1, V]), features [g, w, F] or None) per group, then per prompt group. With `greedy` and a screened
+        read-out, the groups' (not the prompts') greedy token ids [g, w] in place of their logits."""
         last_only = [False] * len(groups) + [True] * len(prompts)
         groups = list(groups) + list(prompts)
         sizes = [group[1].numel() for group in groups]
@@ -193,10 +203,17 @@ class FastTarget:
         hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
                   for h, group, last in zip(x[0].split(sizes), groups, last_only)]
         read = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]) if any(last_only) else x[0]
-        logits = (per_token if self.exact else _call)(self.lm_head, read[None])[0].split([h.shape[0] * h.shape[1]
-                                                                                          for h in hidden])
+        counts = [h.shape[0] * h.shape[1] for h in hidden]
+        if greedy and self.screened is not None:  # blocks: their argmax; prompts: their last logits, as without
+            blocks = len(counts) - len(prompts)
+            split = sum(counts[:blocks])
+            logits = list(self.screened(read[:split]).split(counts[:blocks]))
+            if prompts:
+                logits += self.lm_head(read[split:][None])[0].split(counts[blocks:])
+        else:
+            logits = (per_token if self.exact else _call)(self.lm_head, read[None])[0].split(counts)
         features = features[0].split(sizes) if features is not None else [None] * len(groups)
-        return [(lg.view(*h.shape[:2], -1), f.view(*group[2].shape, -1) if f is not None else None)
+        return [(lg.view(*h.shape[:2], *lg.shape[1:]), f.view(*group[2].shape, -1) if f is not None else None)
                 for lg, f, h, group in zip(logits, features, hidden, groups)]
 
     def _attention(self, i: int, qs, keys, values, positions, mask, exact: bool) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""The target's greedy choice without its full-precision logits: an fp32 lm_head screened through a bf16 copy.
+
+A greedy row needs one thing from the lm_head, the argmax of its logits, yet a verify computes all V of them for
+every position: on CPU in fp32 the read-out is the widest GEMM of the forward (the shipped target: 8192 x 256, 40 %
+of its parameters; 16 positions 1.1-1.6 ms, 256 positions 9-13 ms on one core of an AMX Xeon, against 0.4-0.5 ms
+and 1.5-2.2 ms in bf16). `ScreenedArgmax` computes the logits through a bf16 copy of the weight (fp32 accumulation,
+as CPU kernels do), then certifies the choice: with u = 2^-8 (bf16's unit roundoff), each approximate logit is
+within `bound` = (3u + 2K 2^-24) ||x|| max_i ||w_i|| (x and w rounded to bf16, the sum's rounding, the result
+rounded to bf16, the fp32 reference's own rounding; |w_i . x| <= ||w_i|| ||x||), times a safety factor, of the
+fp32 logit. Every token whose approximate logit is within twice that bound of the approximate maximum is a
+candidate; outside them no logit can reach the maximum. A row with one candidate takes it; a row with several gets
+their fp32 logits (one dot product each) and takes the largest, the lowest id among equals (the first maximum, as
+argmax takes it). So the choice is the argmax of fp32 logits, computed by another summation order than a full
+fp32 GEMM, as a GEMM of another row count already is (greedy output still equals the target's own `generate`,
+which the tests check). A row whose approximate logits are not finite falls back to the full fp32 read-out.
+
+What this module does not know about: sampled rows (they need the whole distribution, and keep the full read-out),
+GPUs (their lm_heads run in bf16 already), exact mode's per-token products (`fast_target.py` keeps them), training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from flashdraft.loading import native_bf16_cpu
+from flashdraft.model.cpu_linear import can_pack, packed_linear, packing_pays
+
+UNIT_ROUNDOFF = 2.0 ** -8  # bf16: 8 significant bits, round to nearest
+SAFETY = 1.5  # the certified window is this much wider than the derived bound: a looser bound only adds candidates
+# fewer positions per call take the full read-out: one row's read-out is memory-bound and the screening's passes
+# over the approximate logits cost more than the bf16 copy saves (1 row: 494 us against 421 on the AMX Xeon)
+MIN_ROWS = 8
+# undecided candidates in one call beyond which their rows take the full fp32 read-out instead of dot products
+EXACT_CANDIDATES = 2048
+
+
+def screening_pays() -> bool:
+    """Whether the bf16 copy is the faster read-out by default: on a CPU that multiplies bf16 natively (AVX512-BF16,
+    AMX). Timing it on made-up hidden states misleads: how many tokens the screening hands to fp32 depends on how
+    peaked the logits are, which only a trained model's hidden states show."""
+    return native_bf16_cpu()
+
+
+def screening_unavailable(lm_head: nn.Module) -> str | None:
+    """None where `ScreenedArgmax` can stand in for `lm_head`'s argmax; otherwise why not."""
+    if not isinstance(lm_head, nn.Linear):
+        return f"the lm_head is a {type(lm_head).__name__}, not a plain Linear"
+    if lm_head.weight.device.type != "cpu":
+        return "the lm_head is not on the CPU"
+    if lm_head.weight.dtype != torch.float32:
+        return f"the lm_head is in {lm_head.weight.dtype}, not float32"
+    if lm_head.bias is not None:
+        return "the lm_head has a bias"
+    return None
+
+
+class ScreenedArgmax:
+    """`argmax(lm_head(x))` for an fp32 CPU `lm_head`, through a bf16 copy and fp32 dot products where the copy
+    cannot decide (module docstring). Inference only: the copy does not follow later changes to the weight."""
+
+    def __init__(self, lm_head: nn.Linear, pack: bool | None = None):
+        reason = screening_unavailable(lm_head)
+        if reason:
+            raise ValueError(f"cannot screen this lm_head: {reason}")
+        weight = lm_head.weight.detach()
+        self.weight = weight.numpy()  # a view: the fp32 reference rows of candidates
+        self.vocab, width = weight.shape
+        low = nn.Linear(width, self.vocab, bias=False).to(torch.bfloat16)
+        with torch.no_grad():
+            low.weight.copy_(weight)
+        low.requires_grad_(False)
+        if pack is None:
+            pack = can_pack(low.weight) and packing_pays([low.weight], rows=(16, 64))
+        self.low = packed_linear(low) if pack else low
+        rounded = low.weight.float()
+        self.rounded_norms = rounded.norm(dim=1).numpy()  # ||w^_i||
+        self.rounding_norms = (weight - rounded).norm(dim=1).numpy()  # ||w_i - w^_i||
+        self.accumulation = 2 * width * 2.0 ** -24 / (1 - width * 2.0 ** -24)  # the two fp32 sums' rounding
+        self.full = lm_head
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] (float32) -> the greedy token ids [...] (int64)."""
+        shape = x.shape[:-1]
+        flat = x.detach().reshape(-1, x.shape[-1])
+        n = flat.shape[0]
+        if n < MIN_ROWS:
+            return self._full_argmax(flat).reshape(shape)
+        rounded = flat.to(torch.bfloat16)
+        approx = self.low(rounded).float().numpy()
+        best = approx.argmax(axis=1)
+        top = approx[np.arange(n), best]
+        if not np.isfinite(top).all():  # inf / NaN in the hidden states: no bound holds, the full read-out decides
+            return self._full_argmax(flat).reshape(shape)
+        norms = torch.linalg.vector_norm(flat, dim=-1).numpy()
+        residual = torch.linalg.vector_norm(flat - rounded.float(), dim=-1).numpy()
+        # 1. the window every row's tokens are judged by (the largest weight norms): one pass over the logits
+        window = 2 * self.bound(self.rounded_norms.max(), self.rounding_norms.max(), norms, residual, np.abs(top))
+        window = window / (1 - 2 * UNIT_ROUNDOFF)  # the bf16 rounding of a candidate below the top, too
+        candidates = np.flatnonzero(approx >= (top - window)[:, None])  # row-major: rows, then ids ascending
+        rows, ids = np.divmod(candidates, self.vocab)
+        # 2. the candidates by their own weight norms: those whose highest possible logit is below some candidate's
+        # lowest possible one drop out (the approximate maximum never does)
+        z = approx[rows, ids]
+        bound = self.bound(self.rounded_norms[ids], self.rounding_norms[ids], norms[rows], residual[rows], np.abs(z))
+        floor = np.full(n, -np.inf, dtype=np.float32)
+        np.maximum.at(floor, rows, z - bound)
+        alive = z + bound >= floor[rows]
+        rows, ids = rows[alive], ids[alive]
+        # 3. rows left with several: their fp32 logits decide
+        several = np.bincount(rows, minlength=n)[rows] > 1
+        if several.any():
+            rows, ids = rows[several], ids[several]
+            if len(ids) > EXACT_CANDIDATES:  # flat distributions: the rows' full fp32 read-out is cheaper
+                undecided = np.unique(rows)
+                best[undecided] = self._full_argmax(flat[torch.from_numpy(undecided)]).numpy()
+            else:
+                exact = np.einsum("ij,ij->i", flat.numpy()[rows], self.weight[ids])
+                # per row: the largest fp32 logit, the lowest id among equals
+                order = np.lexsort((ids, -exact, rows))
+                first = np.ones(len(order), dtype=bool)
+                first[1:] = rows[order][1:] != rows[order][:-1]
+                winners = order[first]
+                best[rows[winners]] = ids[winners]
+        return torch.from_numpy(best.astype(np.int64)).reshape(shape)
+
+    def bound(self, rounded_norm, rounding_norm, norm, residual, magnitude):
+        """How far a bf16 logit z^ of magnitude |z^| can be from the fp32 one, with x^ = bf16(x), w^ = bf16(w):
+        w . x - w^ . x^ = w^ . (x - x^) + (w - w^) . x, so before the GEMM's own rounding it is off by at most
+        ||w^|| ||x - x^|| + ||w - w^|| ||x||; the two fp32 sums add gamma ||w^|| ||x||, the bf16 result u |z^|
+        (over 1 - u); all of it widened by SAFETY."""
+        u = UNIT_ROUNDOFF
+        e0 = rounded_norm * residual + rounding_norm * norm + self.accumulation * rounded_norm * norm * (1 + u)
+        return SAFETY * (e0 + u * magnitude / (1 - u))
+
+    def _full_argmax(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.full(flat).numpy().argmax(axis=-1).astype(np.int64))

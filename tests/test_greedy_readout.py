@@ -1,0 +1,111 @@
+"""The greedy read-out through a bf16 copy of an fp32 lm_head (`model/greedy_readout.py`): certified to be the
+argmax of the fp32 logits, on real hidden states, random ones and near-ties built to be close; greedy output through
+the engine equals the target's own `generate` with it on."""
+
+import pytest
+import torch
+from torch import nn
+
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.loading import load_pair
+from flashdraft.model.greedy_readout import MIN_ROWS, ScreenedArgmax, screening_unavailable
+
+
+@pytest.fixture(scope="module")
+def pair():
+    torch.manual_seed(0)
+    return load_pair()
+
+
+def fp32_argmax(lm_head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return lm_head(x).argmax(dim=-1)
+
+
+def near_ties(weight: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """Hidden states whose logits for two tokens a, b differ by 1e-4..1e-1 and lead: x between the two rows' directions,
+    moved along w_a - w_b until (w_a - w_b) . x is that gap. bf16 logits cannot order such pairs; the screening must
+    hand them to fp32 dot products."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, weight.shape[0], (rows,), generator=g)
+    b = torch.randint(0, weight.shape[0], (rows,), generator=g)
+    unit = weight / weight.norm(dim=1, keepdim=True)
+    x = (4 + 8 * torch.rand(rows, 1, generator=g)) * (unit[a] + unit[b])
+    gap = 10 ** (-4 + 3 * torch.rand(rows, generator=g)) * torch.sign(torch.randn(rows, generator=g))
+    d = weight[a] - weight[b]
+    t = (gap - (d * x).sum(1)) / (d * d).sum(1).clamp_min(1e-6)
+    return x + t[:, None] * d
+
+
+@torch.inference_mode()
+def test_screened_argmax_is_the_fp32_argmax(pair):
+    target, tokenizer, _ = pair
+    lm_head = target.lm_head
+    screened = ScreenedArgmax(lm_head)
+    prompts = [tokenizer.encode(p.text) for spec in ("default", "ood-code-nl") for p in load_prompts(spec, 6)]
+    hidden = torch.cat([target.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
+    assert hidden.shape[0] > 200
+    assert torch.equal(screened(hidden), fp32_argmax(lm_head, hidden))
+    for seed in range(4):  # random directions and scales, and shapes with leading dimensions
+        x = torch.randn(3, 16, lm_head.in_features, generator=torch.Generator().manual_seed(seed)) * (1 + 10 * seed)
+        assert torch.equal(screened(x), fp32_argmax(lm_head, x))
+
+
+@torch.inference_mode()
+def test_near_ties_go_to_fp32_and_a_bf16_argmax_alone_would_not_do(pair):
+    lm_head = pair[0].lm_head
+    screened = ScreenedArgmax(lm_head)
+    x = near_ties(lm_head.weight.detach(), 512, seed=1)
+    want = fp32_argmax(lm_head, x)
+    # the set discriminates: the bf16 copy's own argmax gets a share of these wrong
+    bf16_choice = screened.low(x.to(torch.bfloat16)).float().argmax(dim=-1)
+    assert (bf16_choice != want).sum() >= 10
+    assert torch.equal(screened(x), want)
+
+
+@torch.inference_mode()
+def test_small_calls_and_non_finite_rows_take_the_full_read_out(pair):
+    lm_head = pair[0].lm_head
+    screened = ScreenedArgmax(lm_head)
+    x = torch.randn(MIN_ROWS - 1, lm_head.in_features) * 5
+    assert torch.equal(screened(x), fp32_argmax(lm_head, x))
+    x = torch.randn(2 * MIN_ROWS, lm_head.in_features) * 5
+    x[3, 7] = float("inf")
+    assert torch.equal(screened(x), fp32_argmax(lm_head, x))
+
+
+def test_what_cannot_be_screened_says_why():
+    assert "bias" in screening_unavailable(nn.Linear(4, 8))
+    assert "bfloat16" in screening_unavailable(nn.Linear(4, 8, bias=False).to(torch.bfloat16))
+    assert "Embedding" in screening_unavailable(nn.Embedding(8, 4))
+    assert screening_unavailable(nn.Linear(4, 8, bias=False)) is None
+    with pytest.raises(ValueError, match="cannot screen"):
+        ScreenedArgmax(nn.Linear(4, 8))
+
+
+def test_engine_flag(pair):
+    target, tokenizer, drafter = pair
+    with pytest.raises(ValueError, match="screen_greedy=True but exact mode"):
+        SpecEngine(target, drafter, tokenizer, screen_greedy=True, exact=True)
+    with pytest.raises(ValueError, match="screen_greedy must be"):
+        SpecEngine(target, drafter, tokenizer, screen_greedy="yes")
+    assert SpecEngine(target, drafter, tokenizer, screen_greedy=False).fast.screened is None
+    assert SpecEngine(target, drafter, tokenizer, exact=True).fast.screened is None  # auto: not in exact mode
+
+
+@torch.inference_mode()
+def test_greedy_output_equals_generate_with_the_screened_read_out(pair):
+    """Drafting (ragged widths, lookup steps) and plain decoding, batch > 1, against the target's own generate."""
+    target, tokenizer, drafter = pair
+    prompts = [tokenizer.encode(p.text) for spec in ("ood-code-nl", "default") for p in load_prompts(spec, 4)]
+    params = SamplingParams(max_new_tokens=48)
+    for engine in (SpecEngine(target, drafter, tokenizer, screen_greedy=True),
+                   SpecEngine(target, None, tokenizer, screen_greedy=True)):
+        assert engine.screens_greedy
+        results = engine.generate(prompts, params)
+        for prompt, result in zip(prompts, results):
+            ids = torch.tensor([prompt])
+            want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+            assert result.token_ids == want[:len(result.token_ids)]
+        engine.close()
