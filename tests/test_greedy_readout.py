@@ -2,6 +2,8 @@
 argmax of the fp32 logits, on real hidden states, random ones and near-ties built to be close; greedy output through
 the engine equals the target's own `generate` with it on."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +111,36 @@ def test_greedy_output_equals_generate_with_the_screened_read_out(pair):
                                    pad_token_id=0)[0, len(prompt):].tolist()
             assert result.token_ids == want[:len(result.token_ids)]
         engine.close()
+
+
+@torch.inference_mode()
+def test_greedy_requests_joining_a_running_batch_with_the_screened_read_out(pair, monkeypatch):
+    """Greedy requests whose prompts ride a cycle's forward: the running rows' blocks are read out screened (the
+    read-out is called on them), the joining prompts' last logits in full; every output equals the target's own
+    `generate`."""
+    target, tokenizer, drafter = pair
+    prompts = [tokenizer.encode(p.text) for p in load_prompts("ood-code-nl", 5)]
+    engine = SpecEngine(target, drafter, tokenizer, screen_greedy=True)
+    calls = []
+    screened_call = ScreenedArgmax.__call__
+    monkeypatch.setattr(ScreenedArgmax, "__call__", lambda self, x: calls.append(x.shape) or screened_call(self, x))
+    params = SamplingParams(max_new_tokens=40)
+    batch = engine.open_batch()
+    results = {}
+    list(engine.add(batch, prompts[:2], params, request_ids=[0, 1]))
+    engine.step(batch)
+    for i in range(2, 5):  # one request joins per step, riding the running rows' cycle
+        assert engine.rides_cycle(batch, [SimpleNamespace(prompt=prompts[i])])
+        for ev in engine.step(batch, [prompts[i]], [params], request_ids=[i]):
+            if ev.finished:
+                results[ev.index] = ev.result.token_ids
+    while batch.rows:
+        for ev in engine.step(batch):
+            if ev.finished:
+                results[ev.index] = ev.result.token_ids
+    assert calls  # the screened read-out ran
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert results[i] == want[:len(results[i])]

@@ -1000,8 +1000,7 @@ class SpecEngine:
         end = max(r.n_cached for r in batch.rows) + block.shape[1]  # 1 + the largest position in the blocks
         greedy = self.screens_greedy and all(r.params.greedy for r in batch.rows)
         if len(groups) == 1 and not prompts:
-            logits, features = (batch.kv.forward_block(block, positions, capture, end, greedy=True) if greedy
-                                else batch.kv.forward_block(block, positions, capture, end))
+            logits, features = batch.kv.forward_block(block, positions, capture, end, greedy)
             return [logits], features, []
         if self.ragged:
             outputs = batch.kv.forward_ragged([(idx, block[idx, :w], positions[idx, :w]) for w, idx in groups],
@@ -1014,8 +1013,7 @@ class SpecEngine:
                 for (w, idx), (_, f) in zip(groups, outputs):
                     features[idx, :w] = f
             return [lg for lg, _ in outputs], features, prompt_outputs
-        logits, features = (batch.kv.forward_block(block, positions, capture, end, greedy=True) if greedy  # every
-                            else batch.kv.forward_block(block, positions, capture, end))  # row padded to the widest
+        logits, features = batch.kv.forward_block(block, positions, capture, end, greedy)  # padded to the widest
         return [logits.index_select(0, idx)[:, :w] for w, idx in groups], features, []
 
     def _seat(self, batch: Batch, rows: Sequence[_Row]):

@@ -56,7 +56,8 @@ class DynamicTargetKV:
         logits, features = target.forward(ids, positions, mask.long(), cache, logits_to_keep=1, capture=capture)
         return cls(target, cache, mask), logits[:, -1], _prompt_features(features, positions, mask)
 
-    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int):
+    def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
+                      greedy: bool = False):  # (transformers' forward: always the logits)
         attention = torch.cat([self.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
         return self.target.forward(block, positions, attention, self.cache, capture=capture)
 
