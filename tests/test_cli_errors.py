@@ -135,6 +135,8 @@ def test_cuda_without_cuda(pair, capsys):
     (["--top-k", "-1"], "--top-k"),
     (["--min-tau", "0.5"], "--min-tau"),
     (["--threads", "two"], "expected an integer"),
+    (["--screen-greedy", "maybe"], "--screen-greedy"),
+    (["--screen-greedy", "on", "--exact"], "screen_greedy=True but exact mode"),
 ])
 def test_out_of_range_flags(pair, capsys, flags, needle):
     _one_line_error(capsys, _gen(pair, *flags), [needle])
