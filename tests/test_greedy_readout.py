@@ -144,3 +144,26 @@ def test_greedy_requests_joining_a_running_batch_with_the_screened_read_out(pair
         want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
                                pad_token_id=0)[0, len(prompt):].tolist()
         assert results[i] == want[:len(results[i])]
+
+
+@torch.inference_mode()
+def test_flat_logits_hand_the_read_out_back_to_fp32_and_are_probed_again(pair):
+    """Where most rows stay undecided (near-ties everywhere) the bf16 pass is wasted: the screening steps aside for
+    the full read-out, and tries again every REPROBE_EVERY-th call; the choices stay the fp32 argmax throughout."""
+    from flashdraft.model import greedy_readout
+
+    lm_head = pair[0].lm_head
+    screened = ScreenedArgmax(lm_head)
+    x = near_ties(lm_head.weight.detach(), 64, seed=2)
+    want = fp32_argmax(lm_head, x)
+    low_calls = []
+    low = screened.low
+    screened.low = lambda h: low_calls.append(1) or low(h)
+    for _ in range(6):
+        assert torch.equal(screened(x), want)
+    assert screened.undecided > greedy_readout.UNDECIDED_LIMIT
+    screened_calls = len(low_calls)
+    assert screened_calls < 6  # stepped aside once the share was known
+    for _ in range(2 * greedy_readout.REPROBE_EVERY):
+        assert torch.equal(screened(x), want)
+    assert len(low_calls) - screened_calls == 2  # the probes
