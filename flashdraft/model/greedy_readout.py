@@ -3,18 +3,20 @@
 A greedy row needs one thing from the lm_head, the argmax of its logits, yet a verify computes all V of them for
 every position: on CPU in fp32 the read-out is the widest GEMM of the forward (the shipped target: 8192 x 256, 40 %
 of its parameters; 16 positions 1.1-1.6 ms, 256 positions 9-13 ms on one core of an AMX Xeon, against 0.4-0.5 ms
-and 1.5-2.2 ms in bf16). `ScreenedArgmax` computes the logits through a bf16 copy of the weight (fp32 accumulation,
-as CPU kernels do), then certifies the choice: with u = 2^-8 (bf16's unit roundoff), each approximate logit is
-within `bound` = (3u + 2K 2^-24) ||x|| max_i ||w_i|| (x and w rounded to bf16, the sum's rounding, the result
-rounded to bf16, the fp32 reference's own rounding; |w_i . x| <= ||w_i|| ||x||), times a safety factor, of the
-fp32 logit. Every token whose approximate logit is within twice that bound of the approximate maximum is a
-candidate; outside them no logit can reach the maximum. A row with one candidate takes it; a row with several gets
-their fp32 logits (one dot product each) and takes the largest, the lowest id among equals (the first maximum, as
-argmax takes it). So the choice is the argmax of fp32 logits, computed by another summation order than a full
-fp32 GEMM, as a GEMM of another row count already is (greedy output still equals the target's own `generate`,
-which the tests check). A row whose approximate logits are not finite falls back to the full fp32 read-out.
+and 1.5-3.5 ms in bf16). `ScreenedArgmax` computes the logits through a bf16 copy of the weight (fp32 accumulation,
+as CPU kernels do), then certifies the choice. `bound` says how far a bf16 logit can be from the fp32 one: with x^,
+w^ the inputs rounded to bf16 (u = 2^-8), w . x - w^ . x^ = w^ . (x - x^) + (w - w^) . x, at most
+||w^|| ||x - x^|| + ||w - w^|| ||x|| by Cauchy-Schwarz (both differences known exactly), plus the two fp32 sums'
+rounding and the bf16 result's u |z^|, times SAFETY. (1) Every token within twice the bound (largest weight norms)
+of a row's bf16 maximum is a candidate; outside them no logit can reach the maximum. (2) Each candidate's own bound
+drops those that cannot reach some other candidate's lowest value. (3) A row left with one takes it; a row left
+with several gets their fp32 dot products and takes the largest, the lowest id among equals (as argmax does). So
+the choice is the argmax of fp32 logits summed in another order than a full fp32 GEMM, as a GEMM of another row
+count already is (greedy output still equals the target's own `generate`, which the tests check). Rows whose bf16
+logits are not finite, calls of fewer than MIN_ROWS positions, and models whose logits leave most rows undecided
+take the full fp32 read-out.
 
-What this module does not know about: sampled rows (they need the whole distribution, and keep the full read-out),
+What this module does not know about: sampled rows (the verifier's race and rejection sampling keep the full read-out),
 GPUs (their lm_heads run in bf16 already), exact mode's per-token products (`fast_target.py` keeps them), training.
 """
 
