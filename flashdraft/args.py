@@ -241,12 +241,9 @@ def tree_budget_arg(value: str):
     return budget
 
 
-def pack_weights_arg(args) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[getattr(args, "pack_weights", "auto")]
-
-
-def screen_greedy_arg(args) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[getattr(args, "screen_greedy", "auto")]
+def auto_on_off(args, name: str) -> bool | None:
+    """An auto / on / off flag as the engine takes it: None, True, False."""
+    return {"auto": None, "on": True, "off": False}[getattr(args, name, "auto")]
 
 
 def histogram_lines(histogram: list[int], width: int = 40) -> list[str]:
@@ -288,7 +285,8 @@ def engine_config(args, plain: bool = False):
     from flashdraft.engine import EngineConfig
 
     config = EngineConfig(block_size=getattr(args, "block_size", None), compile=getattr(args, "compile", False),
-                          pack_weights=pack_weights_arg(args), screen_greedy=screen_greedy_arg(args),
+                          pack_weights=auto_on_off(args, "pack_weights"),
+                          screen_greedy=auto_on_off(args, "screen_greedy"),
                           draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
