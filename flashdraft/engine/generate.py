@@ -277,8 +277,7 @@ class SpecEngine:
         if exact and not use_fast:
             raise ValueError(f"exact=True needs the fast target path (Llama/Mistral/Qwen2/Qwen3), and {reason}")
         self.exact = exact
-        self.fast = (FastTarget(self.target, pack_weights, exact=exact, screened=self._screened(config, use_fast))
-                     if use_fast else None)
+        self.fast = FastTarget(self.target, pack_weights, exact=exact) if use_fast else None
         if proposer is not None:
             self.proposer = proposer
         elif drafter is not None and (block_size is None or block_size > 1):
@@ -289,6 +288,8 @@ class SpecEngine:
             self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_draft)
         else:
             self.proposer = NoProposer()
+        if self.fast is not None:  # after the proposer: the drafter's bf16 read-out may be the copy it reads through
+            self.fast.screened = self._screened(config, use_fast)
         if isinstance(self.proposer, NoProposer):
             self.block_size = 1
         else:
@@ -363,7 +364,13 @@ class SpecEngine:
             raise ValueError(f"screen_greedy=True but {why_not}")
         if config.screen_greedy is None and not screening_pays():
             return None
-        return ScreenedArgmax(self.target.lm_head)
+        # the drafter reads out through a bf16 copy of the same lm_head (unless it has its own): share it, one copy
+        # less in memory and in the caches every cycle
+        read_out = getattr(self.proposer, "lm_head", None)
+        shared = (read_out if self.drafter is not None and getattr(self.drafter, "lm_head", None) is None
+                  and read_out is not None and read_out.weight.dtype == torch.bfloat16
+                  and read_out.weight.shape == self.target.lm_head.weight.shape else None)
+        return ScreenedArgmax(self.target.lm_head, low=shared)
 
     @property
     def scratch_slots(self) -> int:

@@ -67,21 +67,28 @@ class ScreenedArgmax:
     """`argmax(lm_head(x))` for an fp32 CPU `lm_head`, through a bf16 copy and fp32 dot products where the copy
     cannot decide (module docstring). Inference only: the copy does not follow later changes to the weight."""
 
-    def __init__(self, lm_head: nn.Linear, pack: bool | None = None):
+    def __init__(self, lm_head: nn.Linear, pack: bool | None = None, low: nn.Module | None = None):
+        """`low`: a bf16 copy of `lm_head` to compute through (a module with `.weight` = bf16(lm_head.weight), e.g.
+        a drafter's read-out of the same lm_head); None: one of its own, packed for oneDNN where that is faster."""
         reason = screening_unavailable(lm_head)
         if reason:
             raise ValueError(f"cannot screen this lm_head: {reason}")
         weight = lm_head.weight.detach()
         self.weight = weight.numpy()  # a view: the fp32 reference rows of candidates
         self.vocab, width = weight.shape
-        low = nn.Linear(width, self.vocab, bias=False).to(torch.bfloat16)
-        with torch.no_grad():
-            low.weight.copy_(weight)
-        low.requires_grad_(False)
-        if pack is None:
-            pack = can_pack(low.weight) and packing_pays([low.weight], rows=(16, 64))
-        self.low = packed_linear(low) if pack else low
-        rounded = low.weight.float()
+        if low is not None and not torch.equal(low.weight.detach(), weight.to(torch.bfloat16)):
+            raise ValueError("the bf16 read-out to share is not this lm_head rounded to bf16")
+        if low is None:
+            low = nn.Linear(width, self.vocab, bias=False).to(torch.bfloat16)
+            with torch.no_grad():
+                low.weight.copy_(weight)
+            low.requires_grad_(False)
+            if pack is None:
+                pack = can_pack(low.weight) and packing_pays([low.weight], rows=(16, 64))
+            if pack:
+                low = packed_linear(low)
+        self.low = low
+        rounded = low.weight.detach().float()
         self.rounded_norms = rounded.norm(dim=1).numpy()  # ||w^_i||
         self.rounding_norms = (weight - rounded).norm(dim=1).numpy()  # ||w_i - w^_i||
         self.accumulation = 2 * width * 2.0 ** -24 / (1 - width * 2.0 ** -24)  # the two fp32 sums' rounding
