@@ -85,6 +85,16 @@ def test_what_cannot_be_screened_says_why():
         ScreenedArgmax(nn.Linear(4, 8))
 
 
+def test_the_drafters_bf16_read_out_is_shared_not_copied(pair):
+    target, tokenizer, drafter = pair
+    engine = SpecEngine(target, drafter, tokenizer, screen_greedy=True)
+    assert engine.fast.screened.low is engine.proposer.lm_head  # the same bf16 copy of the target's lm_head
+    assert SpecEngine(target, None, tokenizer, screen_greedy=True).fast.screened.low is not None  # its own
+    other = nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="not this lm_head"):
+        ScreenedArgmax(target.lm_head, low=other)
+
+
 def test_engine_flag(pair):
     target, tokenizer, drafter = pair
     with pytest.raises(ValueError, match="screen_greedy=True but exact mode"):
