@@ -370,7 +370,7 @@ class SpecEngine:
         shared = (read_out if self.drafter is not None and getattr(self.drafter, "lm_head", None) is None
                   and read_out is not None and read_out.weight.dtype == torch.bfloat16
                   and read_out.weight.shape == self.target.lm_head.weight.shape else None)
-        return ScreenedArgmax(self.target.lm_head, low=shared)
+        return ScreenedArgmax(self.target.lm_head, low=shared, full=self.fast.lm_head)  # (packed where it pays)
 
     @property
     def scratch_slots(self) -> int:

@@ -67,9 +67,12 @@ class ScreenedArgmax:
     """`argmax(lm_head(x))` for an fp32 CPU `lm_head`, through a bf16 copy and fp32 dot products where the copy
     cannot decide (module docstring). Inference only: the copy does not follow later changes to the weight."""
 
-    def __init__(self, lm_head: nn.Linear, pack: bool | None = None, low: nn.Module | None = None):
+    def __init__(self, lm_head: nn.Linear, pack: bool | None = None, low: nn.Module | None = None,
+                 full: nn.Module | None = None):
         """`low`: a bf16 copy of `lm_head` to compute through (a module with `.weight` = bf16(lm_head.weight), e.g.
-        a drafter's read-out of the same lm_head); None: one of its own, packed for oneDNN where that is faster."""
+        a drafter's read-out of the same lm_head); None: one of its own, packed for oneDNN where that is faster.
+        `full`: the fp32 read-out small or undecidable calls take (e.g. the target's packed twin of `lm_head`);
+        None: `lm_head` itself."""
         reason = screening_unavailable(lm_head)
         if reason:
             raise ValueError(f"cannot screen this lm_head: {reason}")
@@ -92,7 +95,7 @@ class ScreenedArgmax:
         self.rounded_norms = rounded.norm(dim=1).numpy()  # ||w^_i||
         self.rounding_norms = (weight - rounded).norm(dim=1).numpy()  # ||w_i - w^_i||
         self.accumulation = 2 * width * 2.0 ** -24 / (1 - width * 2.0 ** -24)  # the two fp32 sums' rounding
-        self.full = lm_head
+        self.full = lm_head if full is None else full
         self.undecided = 0.0  # moving share of rows the bf16 logits left undecided
         self.calls = 0
 
@@ -154,4 +157,6 @@ class ScreenedArgmax:
         return SAFETY * (e0 + u * magnitude / (1 - u))
 
     def _full_argmax(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.full(flat).numpy().argmax(axis=-1).astype(np.int64))
+        from flashdraft.engine.argmax import argmax  # (the engine package imports this module)
+
+        return argmax(self.full(flat))
