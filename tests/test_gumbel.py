@@ -58,6 +58,25 @@ def test_noise_is_counter_based_and_exponential():
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1]) < 0.1
 
 
+def test_the_top_draw_never_lets_a_token_of_probability_zero_win():
+    """The top 24-bit draw's uniform rounds to 1 in float32, whose -log is -0.0: a race divided by it, and a token
+    outside top-k / top-p or whose probability underflowed won (0 / -0 is NaN, the maximum to argmax) at 1 in
+    2^24 / V positions (~1 in 2,000 at vocabulary 8,192; ~1 in 110 at 152k)."""
+    top = exponential(torch.tensor([2.0**24 - 1, 2.0**24 - 2, 0.0]))
+    assert (top > 0).all() and float(top[0]) == 2.0**-25 and float(top[0]) < float(top[1])
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 256, 500
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    draws = torch.randint(0, 2**24, (rows, vocab), generator=g).float()
+    banned = logits.argsort(dim=-1)[:, :10]  # outside every top-k below, and far down at a low temperature
+    draws.scatter_(1, banned[:, :1], 2.0**24 - 1)  # one banned token per row takes the top draw
+    noise = exponential(draws)
+    for probs in (target_probs(logits, 1.0, top_k=20), target_probs(logits, 1.0, top_p=0.5),
+                  target_probs(logits, 0.02)):
+        winners = race(probs, noise)
+        assert (probs.gather(1, winners[:, None]) > 0).all()
+
+
 def test_race_samples_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
     seeds = torch.arange(20000)

@@ -10,8 +10,8 @@ distribution q (argmax_y q(y) / E(y)) proposes the target's winner with probabil
 p(argmax q) for an argmax draft.
 
 The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of the seed, the output position
-and the token id, turned into a uniform with 24 bits (so the race is exact but for events of probability about
-2^-25 per token) and then into Exp(1) by -log u.
+and the token id, turned into a uniform with 24 bits (float32 keeps 23 of them above 1/2, so the race is exact but
+for events of probability about 2^-23 per token) and then into Exp(1) by -log u.
 
 What this module does not know about: models, temperature or top-k/top-p (applied to p and q by the caller).
 """
@@ -26,6 +26,7 @@ import torch
 from flashdraft.engine.argmax import argmax
 
 _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
+SMALLEST_EXPONENTIAL = 2.0 ** -25  # -log(1 - 2^-25), the noise of the top draw (`exponential`)
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +99,14 @@ def _draws_torch(slot_key: torch.Tensor, vocab: int, device: torch.device | str)
 
 
 def exponential(draws: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise from 24-bit draws, in place: -log of the uniform at the draw's cell centre."""
-    return draws.add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_()
+    """Exp(1) noise from 24-bit draws, in place: -log of the uniform at the draw's cell centre. The top draw's
+    centre, 1 - 2^-25, rounds to 1 in float32, whose -log is -0.0: a race divides by it (p / -0 = -inf, and 0 / -0 =
+    NaN, which argmax takes as the maximum), so a token outside top-k / top-p or whose probability underflowed won
+    at 1 in 2^24 / V positions. It gets its centre's value, 2^-25, instead (every other draw's noise is >= 1.2e-7)."""
+    return draws.add_(0.5).mul_(1.0 / (1 << 24)).log_().neg_().clamp_min_(SMALLEST_EXPONENTIAL)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The token winning each position's exponential race: argmax p / E (distributed as p)."""
     return argmax(probs / noise)
+
