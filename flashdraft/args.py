@@ -198,9 +198,10 @@ def add_device_args(p) -> None:
                    help="CPU: run the wide projections through oneDNN on packed weight copies (auto: when both "
                         "paths, timed on the weights at start-up, favour it and the copies stay under 2 GiB)")
     p.add_argument("--screen-greedy", choices=("auto", "on", "off"), default="auto",
-                   help="CPU, fp32 lm_head: greedy verifies read the target's argmax through a bf16 copy of its "
-                        "lm_head, certified to be the fp32 argmax (auto: on a CPU with native bf16, AVX512-BF16 or "
-                        "AMX; on: an error where it cannot run)")
+                   help="CPU, fp32 lm_head: greedy verifies (and sampled ones' race under --sampler gumbel, "
+                        "without top-k / top-p) read the target's argmax through a bf16 copy of its lm_head, "
+                        "certified to be the fp32 argmax (auto: on a CPU with native bf16, AVX512-BF16 or AMX; on: "
+                        "an error where it cannot run)")
     p.add_argument("--exact", action="store_true",
                    help="batch-invariant target forward: output bit-identical to plain decoding in --exact mode, "
                         "whatever the block or batch (eager only; costs speed, see BENCHMARKS.md)")

@@ -28,8 +28,9 @@ class EngineConfig:
     compile: bool = False
     # CPU: the widest projections through oneDNN on packed weight copies (None: when packable and small enough)
     pack_weights: bool | None = None
-    # CPU, fp32 lm_head, fast path: greedy rows' verifies read the target's argmax through a bf16 copy of the
-    # lm_head, certified to be the fp32 argmax (`greedy_readout.py`; None: on a CPU with native bf16)
+    # CPU, fp32 lm_head, fast path: verifies of greedy rows (and of sampled rows' race under counter-based noise)
+    # read the target's argmax through a bf16 copy of the lm_head, certified to be the fp32 argmax
+    # (`greedy_readout.py`; None: on a CPU with native bf16)
     screen_greedy: bool | None = None
     # how many tokens each row verifies per cycle (`policy.py`): "adaptive" = per row, what maximises the batch's
     # committed tokens per second under measured acceptance and costs (1 = a one-token step, no draft);

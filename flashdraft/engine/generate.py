@@ -53,7 +53,7 @@ from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
-from flashdraft.engine.noise import exponential_noise, random_seed
+from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
 from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
@@ -308,8 +308,8 @@ class SpecEngine:
         self.costs = CostModel()
         self.acceptance_priors = AcceptancePriors(self.block_size)
         self.ragged = self.fast is not None and self.block_step is None
-        # greedy batches' verifies return the target's argmax, not its logits (`_target_forward`)
-        self.screens_greedy = self.fast is not None and self.fast.screened is not None and self.block_step is None
+        # verifies of greedy rows and raced sampled rows return the target's choices, not its logits (`_chooses`)
+        self.screens_readout = self.fast is not None and self.fast.screened is not None and self.block_step is None
         # token trees (`tree.py`): the eager fast path verifies them; elsewhere rows verify the chain
         self.tree_budget = config.tree_budget if self.block_size > 1 else 0
         # prompt lookup continuing drafters' chains (`lookup.py`): min n-gram length, 0 = off (and without drafts)
@@ -735,7 +735,7 @@ class SpecEngine:
             groups = width_groups(verified, block.device)
             seated = self._seat(batch, joining) if joining else None
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
-                                                                    seated[1] if seated else ())
+                                                                    seated[1] if seated else (), noise)
             prof.mark("target")
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
@@ -999,19 +999,22 @@ class SpecEngine:
                 best, best_rate = size, gain / seconds
         return best
 
-    def _target_forward(self, batch: Batch, block, positions, groups, prompts=()):
-        """The target over each row's block: logits [g, w, V] per width group (where every row is greedy and the
-        target screens its read-out: the greedy token ids [g, w]), features [b, W, F] (or None), and (last logits
-        [1, 1, V], features [1, n, F] or None) per prompt of `prompts` (`_seat`) prefilled beside."""
+    def _target_forward(self, batch: Batch, block, positions, groups, prompts=(), noise=None):
+        """The target over each row's block: logits [g, w, V] per width group (where the target screens its
+        read-out and every row takes its argmax, `_chooses`: the chosen token ids [g, w]), features [b, W, F] (or
+        None), and (last logits [1, 1, V], features [1, n, F] or None) per prompt of `prompts` (`_seat`) prefilled
+        beside. `noise`: the rows' noise windows (`_noise`)."""
         capture = self.proposer.needs_features
         end = max(r.n_cached for r in batch.rows) + block.shape[1]  # 1 + the largest position in the blocks
-        greedy = self.screens_greedy and all(r.params.greedy for r in batch.rows)
+        choose = self._chooses(batch.rows, noise)
+        offsets = [self._race_offsets(batch.rows, noise, w, idx) for w, idx in groups] if choose else None
         if len(groups) == 1 and not prompts:
-            logits, features = batch.kv.forward_block(block, positions, capture, end, greedy)
+            logits, features = batch.kv.forward_block(block, positions, capture, end, choose,
+                                                      offsets[0] if offsets else None)
             return [logits], features, []
         if self.ragged:
             outputs = batch.kv.forward_ragged([(idx, block[idx, :w], positions[idx, :w]) for w, idx in groups],
-                                              capture, end, prompts, greedy=greedy)
+                                              capture, end, prompts, greedy=choose, offsets=offsets)
             outputs, prompt_outputs = outputs[:len(groups)], outputs[len(groups):]
             features = None
             if capture:
@@ -1020,8 +1023,24 @@ class SpecEngine:
                 for (w, idx), (_, f) in zip(groups, outputs):
                     features[idx, :w] = f
             return [lg for lg, _ in outputs], features, prompt_outputs
-        logits, features = batch.kv.forward_block(block, positions, capture, end, greedy)  # padded to the widest
+        logits, features = batch.kv.forward_block(block, positions, capture, end)  # padded to the widest
         return [logits.index_select(0, idx)[:, :w] for w, idx in groups], features, []
+
+    def _chooses(self, rows: list[_Row], noise) -> bool:
+        """Whether the target's screened read-out picks every row's tokens this cycle: each row greedy, or sampled
+        by the race under counter-based noise at plain temperature (top-k / top-p need the distribution)."""
+        return self.screens_readout and all(
+            r.params.greedy or (noise is not None and r.params.top_k == 0 and r.params.top_p == 1.0) for r in rows)
+
+    @staticmethod
+    def _race_offsets(rows: list[_Row], noise, width: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """The width group's offsets to its logits that make their argmax each sampled row's race winner [g, w, V]
+        (`noise.race_offsets`); None when every row is greedy."""
+        members = idx.tolist()
+        if noise is None or all(rows[i].params.greedy for i in members):
+            return None
+        temperatures = torch.tensor([max(rows[i].params.temperature, 1e-6) for i in members])
+        return race_offsets(torch.stack([noise[i][:width] for i in members]), temperatures)
 
     def _seat(self, batch: Batch, rows: Sequence[_Row]):
         """Target cache rows, after the live ones, for rows whose prompts this cycle's forward prefills (pages for

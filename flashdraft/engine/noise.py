@@ -110,3 +110,9 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The token winning each position's exponential race: argmax p / E (distributed as p)."""
     return argmax(probs / noise)
 
+
+def race_offsets(noise: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """What rows' logits z add for their argmax to be the race winner: with p = softmax(z / T), argmax p / E =
+    argmax z / T - log E = argmax z - T log E. noise [g, w, V], temperatures [g] (> 0; greedy rows, whose noise is
+    1, get 0 whatever their temperature) -> offsets [g, w, V]."""
+    return noise.log().mul_(-temperatures.to(noise.dtype)[:, None, None])

@@ -57,7 +57,7 @@ class DynamicTargetKV:
         return cls(target, cache, mask), logits[:, -1], _prompt_features(features, positions, mask)
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
-                      greedy: bool = False):  # (transformers' forward: always the logits)
+                      greedy: bool = False, offsets=None):  # (transformers' forward: always the logits)
         attention = torch.cat([self.slot_mask, torch.ones_like(block, dtype=torch.bool)], dim=1).long()
         return self.target.forward(block, positions, attention, self.cache, capture=capture)
 
@@ -132,9 +132,10 @@ class PagedTargetKV:
                                                                                                valid)
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
-                      greedy: bool = False):
-        """Logits (with `greedy`, where the target screens its read-out: greedy token ids) and features of the
-        live rows' blocks; `end` = 1 + the largest position in them."""
+                      greedy: bool = False, offsets: torch.Tensor | None = None):
+        """Logits (with `greedy`, where the target screens its read-out: the token ids of their argmax, plus
+        `offsets` [n, w, V] where given) and features of the live rows' blocks; `end` = 1 + the largest position
+        in them."""
         n, rows = block.shape[0], self.kv.batch
         if rows > n:  # padding rows decode zeros at positions 0..w-1 into the trash page: never read
             block = self.buckets.pad(block, rows)
@@ -143,18 +144,21 @@ class PagedTargetKV:
         if self.compiled_forward is not None:
             logits, features = self.compiled_forward(block, positions, self.kv, capture=capture)
         else:
+            if offsets is not None and rows > n:
+                offsets = torch.cat([offsets, offsets.new_zeros(rows - n, *offsets.shape[1:])])
             logits, features = self.fast.forward(block, positions, self.kv, capture=capture, key_len=end,
-                                                 greedy=greedy)
+                                                 greedy=greedy, offsets=offsets)
         if rows > n:
             logits, features = logits[:n], (features[:n] if features is not None else None)
         return logits, features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], capture: bool, end: int,
-                       prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (), greedy: bool = False):
+                       prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (), greedy: bool = False,
+                       offsets: list[torch.Tensor | None] | None = None):
         """Rows of different widths in one eager forward (`FastTarget.forward_ragged`): groups of (live rows,
         blocks [g, w], positions [g, w]), and `prompts` of rows added by `add_rows` (their last logits only);
         (logits, features) per group, then per prompt group."""
-        return self.fast.forward_ragged(groups, self.kv, capture, prompts, greedy)
+        return self.fast.forward_ragged(groups, self.kv, capture, prompts, greedy, offsets)
 
     def add_rows(self, lengths: list[int]) -> None:
         """Fresh rows below the live ones, with pages for `lengths` positions each: rows whose prompts the next

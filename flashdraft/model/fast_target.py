@@ -131,9 +131,11 @@ class FastTarget:
         key_len: int | None = None,
         exact: bool | None = None,
         greedy: bool = False,
+        offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H];
-        with `greedy` and a screened read-out (`screened`), the greedy token ids [b, q] in place of the logits.
+        with `greedy` and a screened read-out (`screened`), the token ids [b, q] of the logits' argmax in their
+        place (of the logits plus `offsets` [b, q, V] where given: sampled rows' race, `ScreenedArgmax`).
 
         Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
         steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact`
@@ -156,12 +158,13 @@ class FastTarget:
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         if greedy and self.screened is not None and not exact:
-            return self.screened(x), features
+            return self.screened(x, offsets), features
         return (per_token if exact else _call)(self.lm_head, x), features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
                        capture: bool = True, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
-                       greedy: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                       greedy: bool = False, offsets: list[torch.Tensor | None] | None = None,
+                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
         packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
@@ -170,7 +173,8 @@ class FastTarget:
         not causally by position. `prompts`: more groups of the same form, prompts prefilled in the same forward
         (rows joining a batch), whose logits are their last position's only. Returns (logits [g, w, V] (prompts:
         [g, 1, V]), features [g, w, F] or None) per group, then per prompt group. With `greedy` and a screened
-        read-out, the groups' (not the prompts') greedy token ids [g, w] in place of their logits."""
+        read-out, the token ids [g, w] of the groups' (not the prompts') argmax in place of their logits (of the
+        logits plus each group's `offsets` [g, w, V], where any group has them: zeros for those without)."""
         last_only = [False] * len(groups) + [True] * len(prompts)
         groups = list(groups) + list(prompts)
         sizes = [group[1].numel() for group in groups]
@@ -207,7 +211,12 @@ class FastTarget:
         if greedy and self.screened is not None:  # blocks: their argmax; prompts: their last logits, as without
             blocks = len(counts) - len(prompts)
             split = sum(counts[:blocks])
-            logits = list(self.screened(read[:split]).split(counts[:blocks]))
+            if offsets is not None and any(o is not None for o in offsets):
+                offsets = torch.cat([read.new_zeros(n, self.screened.vocab) if o is None else o.reshape(n, -1)
+                                     for o, n in zip(offsets, counts)])
+            else:
+                offsets = None
+            logits = list(self.screened(read[:split], offsets).split(counts[:blocks]))
             if prompts:
                 logits += self.lm_head(read[split:][None])[0].split(counts[blocks:])
         else:
