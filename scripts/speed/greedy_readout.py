@@ -62,14 +62,14 @@ def forward_costs(fast, text: list[int], rows_list: list[int], width: int = 16, 
             for greedy in ((False, True) if i % 2 else (True, False)):
                 started = time.thread_time()
                 offsets = race_offsets(noise, torch.full((rows,), temperature)) if noise is not None and greedy else None
-                out, _ = fast.forward(block, positions, kv, capture=True, key_len=context + width, greedy=greedy,
+                logits, _ = fast.forward(block, positions, kv, capture=True, key_len=context + width, greedy=greedy,
                                       offsets=offsets)
                 if noise is not None and not greedy:
-                    race(torch.softmax(out / temperature, dim=-1), noise)
+                    race(torch.softmax(logits / temperature, dim=-1), noise)
                 if i >= 2:
                     times[greedy].append(time.thread_time() - started)
         full, screened = (1e3 * statistics.median(times[k]) for k in (False, True))
-        out.append({"rows": rows, "tokens": rows * width, "full_ms": round(full, 3), "screened_ms": round(screened, 3),
+        out.append({"rows": rows, "width": width, "tokens": rows * width, "full_ms": round(full, 3), "screened_ms": round(screened, 3),
                     "ratio": round(screened / full, 3)})
     return out
 
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seeded by prompt")
+    ap.add_argument("--forward-reps", type=int, default=30, help="interleaved calls per forward timing")
+    ap.add_argument("--forward-only", action="store_true", help="the forward timings only, no engines")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -132,10 +134,16 @@ def main(argv: list[str] | None = None) -> int:
                "dflash_screened": SpecEngine(target, drafter, tokenizer, screen_greedy=True,
                                              draft_policy=args.draft_policy)}
     text = [t for p in load_prompts(args.sets.split(",")[0], 64) for t in tokenizer.encode(p.text)]
-    verify = forward_costs(engines["dflash_screened"].fast, text, batches, temperature=args.temperature)
-    print("| rows x 16 tokens | verify forward, full read-out | screened | ratio |\n|---|---|---|---|")
-    for v in verify:
-        print(f"| {v['rows']} | {v['full_ms']:.2f} ms | {v['screened_ms']:.2f} ms | {v['ratio']:.2f} |", flush=True)
+    print("| rows x tokens | target forward, full read-out | screened | ratio |\n|---|---|---|---|")
+    verify = []
+    for width in (1, 16):  # a one-token step per row, a drafting cycle's verify
+        for v in forward_costs(engines["dflash_screened"].fast, text, batches, width, temperature=args.temperature,
+                               reps=args.forward_reps):
+            verify.append(v)
+            print(f"| {v['rows']} x {width} | {v['full_ms']:.2f} ms | {v['screened_ms']:.2f} ms | {v['ratio']:.2f} |",
+                  flush=True)
+    if args.forward_only:
+        batches = []
     cells = []
     print("| set | batch | plain tok/s (full / screened) | DFlash tok/s (full / screened) | DFlash / plain, full "
           "read-out | DFlash / plain, screened | outputs equal |")
