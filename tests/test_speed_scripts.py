@@ -200,3 +200,26 @@ def test_policy_trace_smoke(tmp_path):
     for p in report["prompts"]:  # every token came from a drafting cycle or a one-token step
         assert p["one_token_steps"] + p["cycles"] >= 1
     assert report["body_ms"] and report["profile_plain"]["cycles"] > 0
+
+
+def test_greedy_readout_script_smoke(tmp_path, capsys):
+    """The read-out script, sampled: forward timings at one-token steps and 16-token verifies, then one cell whose
+    screened engines' seeded outputs equal their full twins' (exit 0 only then)."""
+    import greedy_readout
+
+    out = tmp_path / "readout.json"
+    assert greedy_readout.main(["--batch", "8", "--sets", "default", "--num-prompts", "8", "--max-new-tokens", "8",
+                                "--rounds", "1", "--forward-reps", "1", "--temperature", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(v["rows"], v["width"]) for v in report["verify_forward"]] == [(8, 1), (8, 16)]
+    assert report["cells"][0]["outputs_equal"]
+
+
+def test_excluded_tokens_script_smoke(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lossless"))
+    import excluded_tokens
+
+    out = tmp_path / "excluded.json"
+    assert excluded_tokens.main(["--num-prompts", "2", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(0 < r["tokens"] <= 16 and r["excluded"] == 0 for r in rows)

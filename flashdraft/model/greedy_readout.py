@@ -1,5 +1,5 @@
-"""The target's argmax (greedy rows, sampled rows' race) without full-precision logits: an fp32 lm_head screened through a
-bf16 copy.
+"""The target's argmax (greedy rows, sampled rows' race) without full-precision logits: an fp32 lm_head screened
+through a bf16 copy.
 
 A greedy row needs one thing from the lm_head, the argmax of its logits, and so does a sampled row under the
 default sampler: its token is the winner of an exponential race, argmax softmax(z / T) / E = argmax z - T log E
@@ -22,7 +22,8 @@ on z, widened by the fp32 rounding of the sum, and the window's bf16 term is siz
 candidate's logit need not be near the top's.
 
 What this module does not know about: top-k / top-p and rejection sampling (they need the distribution: the full
-read-out), GPUs (their lm_heads run in bf16 already), exact mode's per-token products (`fast_target.py` keeps them), training.
+read-out), GPUs (their lm_heads run in bf16 already), exact mode's per-token products (`fast_target.py` keeps
+them), training.
 """
 
 from __future__ import annotations

@@ -4,19 +4,20 @@ sampled under the default sampler's noise, each prompt seeded by its index.
 
     python scripts/speed/greedy_readout.py [--batch 1,4,16] [--sets default,ood-code,ood-code-nl] [--num-prompts 16]
         [--max-new-tokens 64] [--rounds 3] [--threads 1] [--draft-policy adaptive|fixed] [--temperature 0]
-        [--json ...]
+        [--forward-reps 30] [--forward-only] [--json ...]
 
-First the verify forward alone (`FastTarget.forward` over `rows` x 16 tokens of the first set's prompts after 192
-cached positions, capture on,
-as a drafting cycle runs it; sampled: with the race that picks the tokens, on softmax(logits / T) after the full
-read-out, through `race_offsets` before the screened one), full and screened read-out interleaved call by call,
-median thread CPU ms: what the read-out changes without the engine's or the policy's choices. Then each batch size runs each set's prompts as batches of that many rows (`SpecEngine.generate`), the four engines in
-turn (order reversed every round; `--draft-policy fixed`: every row verifies the whole block, so the two DFlash
-engines do the same work and differ only in the read-out, where the default policy's timing-driven choices differ
-between them), each timed by the process's own CPU time (what another process on a shared
-machine moves least) and by wall time. Every engine is warmed up for the batch size first, as a server is. Prints
-per set and batch size tokens/s of each engine, the two speedups of DFlash over plain decoding (full and
-screened read-out), and checks that each screened engine's outputs equal its full twin's token for token.
+First the target forward alone (`FastTarget.forward` over `rows` x 1 token, a one-token step, and `rows` x 16
+tokens, a drafting cycle's verify, of the first set's prompts after 192 cached positions, capture on; sampled:
+with the race that picks the tokens, on softmax(logits / T) after the full read-out, through `race_offsets` before
+the screened one), full and screened read-out interleaved call by call, median thread CPU ms: what the read-out
+changes without the engine's or the policy's choices (`--forward-only` stops there). Then each batch size runs
+each set's prompts as batches of that many rows (`SpecEngine.generate`), the four engines in turn (order reversed
+every round; `--draft-policy fixed`: every row verifies the whole block, so the two DFlash engines do the same work
+and differ only in the read-out, where the default policy's timing-driven choices differ between them), each timed
+by the process's own CPU time (what another process on a shared machine moves least) and by wall time. Every
+engine is warmed up for the batch size first, as a server is. Prints per set and batch size tokens/s of each
+engine, the two speedups of DFlash over plain decoding (full and screened read-out), and checks that each screened
+engine's outputs equal its full twin's token for token.
 
 What this script does not know about: top-k / top-p (those rows keep the full read-out), a server's joins and
 leaves (`engine_concurrency.py`), compiled steps (they keep the full read-out).
@@ -61,7 +62,9 @@ def forward_costs(fast, text: list[int], rows_list: list[int], width: int = 16, 
         for i in range(reps + 2):
             for greedy in ((False, True) if i % 2 else (True, False)):
                 started = time.thread_time()
-                offsets = race_offsets(noise, torch.full((rows,), temperature)) if noise is not None and greedy else None
+                offsets = None
+                if noise is not None and greedy:
+                    offsets = race_offsets(noise, torch.full((rows,), temperature))
                 logits, _ = fast.forward(block, positions, kv, capture=True, key_len=context + width, greedy=greedy,
                                       offsets=offsets)
                 if noise is not None and not greedy:
@@ -69,8 +72,8 @@ def forward_costs(fast, text: list[int], rows_list: list[int], width: int = 16, 
                 if i >= 2:
                     times[greedy].append(time.thread_time() - started)
         full, screened = (1e3 * statistics.median(times[k]) for k in (False, True))
-        out.append({"rows": rows, "width": width, "tokens": rows * width, "full_ms": round(full, 3), "screened_ms": round(screened, 3),
-                    "ratio": round(screened / full, 3)})
+        out.append({"rows": rows, "width": width, "tokens": rows * width, "full_ms": round(full, 3),
+                    "screened_ms": round(screened, 3), "ratio": round(screened / full, 3)})
     return out
 
 
