@@ -8,6 +8,8 @@ checked by the chi-square tests in tests/test_sampling.py, which run this sample
 
 import random
 
+import numpy as np
+
 import pytest
 import torch
 from scipy.stats import kstest
@@ -75,6 +77,23 @@ def test_the_top_draw_never_lets_a_token_of_probability_zero_win():
                   target_probs(logits, 0.02)):
         winners = race(probs, noise)
         assert (probs.gather(1, winners[:, None]) > 0).all()
+
+
+def test_slots_whose_keys_differ_by_less_than_the_vocabulary_get_unrelated_noise():
+    """Token ids XORed straight into a slot's key made two slots whose keys differ by some d < V see the same noise
+    permuted (token t at one = token t ^ d at the other), about one pair of positions in 2^32 / V: in a flat
+    distribution the second's winner was the first's XOR d. Token codes (`token_codes`) leave such slots unrelated."""
+    vocab, pairs = 8192, []
+    for seed in range(30):
+        keys = slot_keys(torch.tensor([seed]), torch.tensor([0]), 1000)[0].numpy().view(np.uint32)
+        near = np.argwhere(np.triu((keys[:, None] ^ keys[None, :]) < vocab, 1))
+        pairs += [(seed, int(i), int(j), int(keys[i] ^ keys[j])) for i, j in near]
+    assert len(pairs) >= 10  # ~0.9 per seed
+    tokens = torch.arange(vocab)
+    for seed, i, j, d in pairs:
+        noise = exponential_noise(torch.tensor([seed, seed]), torch.tensor([i, j]), 1, vocab)[:, 0]
+        assert int((noise[1] == noise[0][tokens ^ d]).sum()) < 16  # chance: ~V^2 / 2^24 = 4 shared values
+        assert int(noise[1].argmin()) != int(noise[0].argmin()) ^ d  # a flat race's winners
 
 
 def test_race_samples_the_distribution():

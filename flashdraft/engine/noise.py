@@ -9,15 +9,17 @@ distribution q (argmax_y q(y) / E(y)) proposes the target's winner with probabil
 (1 - TV(p, q)) / (1 + TV(p, q)) (drafter-invariant speculative decoding, Daliri, Musco and Suresh), instead of
 p(argmax q) for an argmax draft.
 
-The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of the seed, the output position
-and the token id, turned into a uniform with 24 bits (float32 keeps 23 of them above 1/2, so the race is exact but
-for events of probability about 2^-23 per token) and then into Exp(1) by -log u.
+The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of a slot key (mixed from the seed
+and the output position) XORed with the token's own code (its id mixed with a salt), turned into a uniform with 24
+bits (float32 keeps 23 of them above 1/2, so the race is exact but for events of probability about 2^-23 per token)
+and then into Exp(1) by -log u.
 
 What this module does not know about: models, temperature or top-k/top-p (applied to p and q by the caller).
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
 
 import numpy as np
@@ -27,6 +29,7 @@ from flashdraft.engine.argmax import argmax
 
 _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 SMALLEST_EXPONENTIAL = 2.0 ** -25  # -log(1 - 2^-25), the noise of the top draw (`exponential`)
+TOKEN_SALT = 0x9E3779B9  # the golden ratio's 32 bits: token ids are mixed with it into codes (`token_codes`)
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -84,17 +87,34 @@ def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int
     return exponential(draws)
 
 
+@functools.lru_cache(maxsize=8)
+def token_codes(vocab: int) -> np.ndarray:
+    """Each token id's code [V] (uint32, read-only): lowbias32(id ^ TOKEN_SALT), what a slot's key is XORed with
+    before the last mix. With the raw ids there, two slots whose keys differ by some d < V had noise that was a
+    permutation of each other's (token t at one = token t ^ d at the other): one pair of output positions in
+    2^32 / V pairs (one in a 1,000-token answer at V = 8192, ~17 at 152k; and as many between two requests), whose
+    races were then not independent. The codes are pseudo-random, so two slots share a value only by chance."""
+    codes = _mix32_numpy(np.arange(vocab, dtype=np.uint32) ^ np.uint32(TOKEN_SALT))
+    codes.setflags(write=False)
+    return codes
+
+
+@functools.lru_cache(maxsize=8)
+def _token_codes_on(vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(token_codes(vocab).view(np.int32).copy()).to(device)
+
+
 def _draws_numpy(slot_key: torch.Tensor, vocab: int) -> torch.Tensor:
     """The 24-bit draws [b, w, V] (as float32 integers) of every token at the slots `slot_key` [b, w], in numpy."""
-    bits = _mix32_numpy(slot_key.numpy().view(np.uint32)[:, :, None] ^ np.arange(vocab, dtype=np.uint32))
+    bits = _mix32_numpy(slot_key.numpy().view(np.uint32)[:, :, None] ^ token_codes(vocab))
     bits >>= np.uint32(8)
     return torch.from_numpy(bits.view(np.int32)).float()
 
 
 def _draws_torch(slot_key: torch.Tensor, vocab: int, device: torch.device | str) -> torch.Tensor:
     """`_draws_numpy` in torch operations on `device`."""
-    tokens = torch.arange(vocab, dtype=torch.int32, device=device)
-    bits = mix32_(slot_key.to(device)[:, :, None] ^ tokens)
+    codes = _token_codes_on(vocab, torch.device(device))
+    bits = mix32_(slot_key.to(codes.device)[:, :, None] ^ codes)
     return bits.bitwise_right_shift_(8).bitwise_and_(_MASK24).float()
 
 
