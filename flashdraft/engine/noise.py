@@ -92,7 +92,7 @@ def token_codes(vocab: int) -> np.ndarray:
     """Each token id's code [V] (uint32, read-only): lowbias32(id ^ TOKEN_SALT), what a slot's key is XORed with
     before the last mix. With the raw ids there, two slots whose keys differ by some d < V had noise that was a
     permutation of each other's (token t at one = token t ^ d at the other): one pair of output positions in
-    2^32 / V pairs (one in a 1,000-token answer at V = 8192, ~17 at 152k; and as many between two requests), whose
+    2^32 / V pairs (one in a 1,000-token answer at V = 8192, ~17 at 152k; ~2 between two such answers), whose
     races were then not independent. The codes are pseudo-random, so two slots share a value only by chance."""
     codes = _mix32_numpy(np.arange(vocab, dtype=np.uint32) ^ np.uint32(TOKEN_SALT))
     codes.setflags(write=False)
