@@ -8,7 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.model.slots import pages_for
-from tiny import OracleProposer, greedy_reference, load_tokenizer, make_drafter, make_target
+from tiny import OracleProposer, drain, finished, greedy_reference, load_tokenizer, make_drafter, make_target
 
 
 
@@ -296,13 +296,8 @@ def test_joining_prompts_ride_the_cycle_forward_and_stay_lossless(monkeypatch, u
         assert len(prefills) == 1 and len(forwards) == 1 and len(forwards[0]) == len(ids)
         assert {ev.index for ev in events if ev.index in ids} == set(ids)  # their first tokens, out of this step
         assert {r.index for r in batch.rows} >= set(ids)
-        for ev in events:
-            if ev.finished:
-                results[ev.index] = ev.result.token_ids
-    while batch.rows:
-        for ev in engine.step(batch):
-            if ev.finished:
-                results[ev.index] = ev.result.token_ids
+        results.update(finished(events))
+    results.update(drain(engine, batch))
     assert len(prefills) == 1
     assert [results[i] for i in range(6)] == alone
 

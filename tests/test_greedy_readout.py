@@ -14,6 +14,7 @@ from flashdraft.bench.datasets import load_prompts
 from flashdraft.engine.noise import exponential_noise, race, race_offsets
 from flashdraft.loading import load_pair
 from flashdraft.model.greedy_readout import MIN_ROWS, ScreenedArgmax, screening_unavailable
+from tiny import drain, finished
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +145,8 @@ def test_greedy_requests_joining_a_running_batch_with_the_screened_read_out(pair
     engine.step(batch)
     for i in range(2, 5):  # one request joins per step, riding the running rows' cycle
         assert engine.rides_cycle(batch, [SimpleNamespace(prompt=prompts[i])])
-        for ev in engine.step(batch, [prompts[i]], [params], request_ids=[i]):
-            if ev.finished:
-                results[ev.index] = ev.result.token_ids
-    while batch.rows:
-        for ev in engine.step(batch):
-            if ev.finished:
-                results[ev.index] = ev.result.token_ids
+        results.update(finished(engine.step(batch, [prompts[i]], [params], request_ids=[i])))
+    results.update(drain(engine, batch))
     assert calls  # the screened read-out ran
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])

@@ -144,3 +144,16 @@ def cache_row(kv, row: int, n: int) -> list:
         return []
     rows = kv.gather_rows(torch.tensor([row]), n)
     return [t[0] for layer in zip(rows.keys, rows.values) for t in layer]
+
+
+def finished(events) -> dict:
+    """The token ids of the requests that finished among stream events, by request index."""
+    return {ev.index: ev.result.token_ids for ev in events if ev.finished}
+
+
+def drain(engine, batch) -> dict:
+    """Step `batch` until every row is done; the token ids of the requests that finished meanwhile (`finished`)."""
+    results = {}
+    while batch.rows:
+        results.update(finished(engine.step(batch)))
+    return results
