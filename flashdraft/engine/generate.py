@@ -225,6 +225,11 @@ class _Row:
         return self.prompt + self.output
 
 
+def _group_noise(noise: list[torch.Tensor] | None, members: list[int], width: int) -> torch.Tensor | None:
+    """The noise [g, width, V] of a width group's rows (`SpecEngine._noise` windows), or None without noise."""
+    return None if noise is None else torch.stack([noise[i][:width] for i in members])
+
+
 class SpecEngine:
     """Speculative generation for a transformers target with a drafting method (DFlash by default).
 
@@ -1040,7 +1045,7 @@ class SpecEngine:
         if noise is None or all(rows[i].params.greedy for i in members):
             return None
         temperatures = torch.tensor([max(rows[i].params.temperature, 1e-6) for i in members])
-        return race_offsets(torch.stack([noise[i][:width] for i in members]), temperatures)
+        return race_offsets(_group_noise(noise, members, width), temperatures)
 
     def _seat(self, batch: Batch, rows: Sequence[_Row]):
         """Target cache rows, after the live ones, for rows whose prompts this cycle's forward prefills (pages for
@@ -1067,26 +1072,25 @@ class SpecEngine:
 
     def _verify(self, rows, groups, logits, block, drafting, draft_probs, noise) -> tuple[list[int], list[int]]:
         """The shared verifier over each width group: per row the accepted drafts and the next token. `logits`:
-        per group the target's logits, or (a screened greedy read-out) its greedy token ids [g, w]."""
+        per group the target's logits, or (a screened read-out, `_chooses`) its chosen token ids [g, w]."""
         accepted, next_tokens = [0] * len(rows), [0] * len(rows)
         draft_row = {r: j for j, r in enumerate(drafting)}  # row -> its row in draft_probs
         for (w, idx), group_logits in zip(groups, logits):
             members = idx.tolist()
-            probs = None
-            if draft_probs is not None and w > 1:
-                if all(i in draft_row for i in members):
-                    probs = draft_probs[[draft_row[i] for i in members], :w - 1]
-                else:  # lookup continuations beside drafts with a q: one-hot, as the verifier reads argmax drafts
-                    probs = torch.stack([draft_probs[draft_row[i], :w - 1] if i in draft_row else
-                                         torch.nn.functional.one_hot(block[i, 1:w], draft_probs.shape[-1])
-                                         .to(draft_probs.dtype) for i in members])
-            group_noise = torch.stack([noise[i][:w] for i in members]) if noise is not None else None
             drafts = block[:, 1:w] if len(members) == len(rows) else block.index_select(0, idx)[:, 1:w]
-            if group_logits.dim() == 2:  # the target's greedy token ids
+            if group_logits.dim() == 2:  # the target's chosen token ids
                 verdict = accept_chosen(group_logits, drafts)
             else:
+                probs = None
+                if draft_probs is not None and w > 1:
+                    if all(i in draft_row for i in members):
+                        probs = draft_probs[[draft_row[i] for i in members], :w - 1]
+                    else:  # lookup continuations beside drafts with a q: one-hot, as the verifier reads argmax drafts
+                        probs = torch.stack([draft_probs[draft_row[i], :w - 1] if i in draft_row else
+                                             torch.nn.functional.one_hot(block[i, 1:w], draft_probs.shape[-1])
+                                             .to(draft_probs.dtype) for i in members])
                 verdict = verify(group_logits, drafts, [rows[i].params for i in members],
-                                 [rows[i].generator for i in members], probs, group_noise)
+                                 [rows[i].generator for i in members], probs, _group_noise(noise, members, w))
             for i, a, t in zip(members, verdict.num_accepted.tolist(), verdict.next_tokens.tolist()):
                 accepted[i], next_tokens[i] = a, t
         return accepted, next_tokens
