@@ -315,8 +315,7 @@ def fused_projection(owner: nn.Module, name: str, linears: list[nn.Linear]) -> t
     gate/up ~40). Cached on `owner` under `name`, rebuilt when a weight changes (training between evals); a graph
     being compiled concatenates in the graph."""
     if torch.compiler.is_compiling():
-        bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-        return torch.cat([m.weight for m in linears]), bias
+        return concatenated(linears)
     # (inference tensors, as weights loaded under inference mode are, keep no version: nothing trains them)
     key = tuple((m.weight.data_ptr(), -1 if m.weight.is_inference() else m.weight._version) for m in linears)
     cached = owner.__dict__.get(name)
@@ -327,6 +326,12 @@ def fused_projection(owner: nn.Module, name: str, linears: list[nn.Linear]) -> t
         cached = (key, torch.cat([m.weight.detach() for m in linears]), bias)
         owner.__dict__[name] = cached
     return cached[1], cached[2]
+
+
+def concatenated(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of `linears` side by side, concatenated now (autograd and compiled graphs see the cat)."""
+    bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+    return torch.cat([m.weight for m in linears]), bias
 
 
 def records_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -637,8 +642,7 @@ class DFlashDraftModel(nn.Module):
         attns = [layer.self_attn for layer in self.layers]
         projections = [p for a in attns for p in (a.k_proj, a.v_proj)]
         if records_grad(ctx, projections[0].weight):
-            weight = torch.cat([p.weight for p in projections])
-            bias = torch.cat([p.bias for p in projections]) if projections[0].bias is not None else None
+            weight, bias = concatenated(projections)
         else:
             weight, bias = fused_projection(self, "_fused_context_kv", projections)
         b, c, _ = ctx.shape
