@@ -356,9 +356,9 @@ class SpecEngine:
         self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
 
     def _screened(self, config: EngineConfig, use_fast: bool) -> ScreenedArgmax | None:
-        """The greedy read-out through a bf16 copy of the target's lm_head (`greedy_readout.py`), or None: asked
-        for (`screen_greedy=True`: where it cannot run, an error), or by default where it runs on a CPU with native
-        bf16."""
+        """The argmax read-out (greedy rows, raced sampled rows) through a bf16 copy of the target's lm_head
+        (`greedy_readout.py`), or None: asked for (`screen_greedy=True`: where it cannot run, an error), or by
+        default where it runs on a CPU with native bf16."""
         why_not = (("it needs the fast target path" if not use_fast else None)
                    or ("exact mode keeps its per-token products" if config.exact else None)
                    or ("compiled steps keep the full read-out" if config.compile else None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.engine.argmax import argmax
-from flashdraft.engine.noise import race
+from flashdraft.engine.noise import race, race_offsets
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,10 @@ def verify(
         pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))  # noqa: E731
         logits = pick(target_logits)
         if racing:
+            # the race on softmax(logits / T) as the argmax of logits - T log E: the form the screened read-out
+            # computes (`greedy_readout.py`), so both paths pick by the same expression
             temperatures = torch.tensor([max(params[r].temperature, 1e-6) for r in rows], device=device)
-            probs = torch.softmax(logits.float() / temperatures[:, None, None], dim=-1)  # = target_probs, per row
-            chosen = race(probs, pick(noise))
+            chosen = argmax(logits.float() + race_offsets(pick(noise), temperatures))
         else:
             chosen = argmax(logits)
         verdict = accept_chosen(chosen, pick(draft_tokens))
