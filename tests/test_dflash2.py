@@ -24,7 +24,8 @@ from flashdraft.engine.dflash2_proposer import DFlash2Proposer, greedy_choice, r
 from flashdraft.engine.proposers import DFlashProposer, ProposalInput
 from flashdraft.loading import load_drafter
 from flashdraft.model import CheckpointError, DFlash2DraftModel, TargetModel, make_dflash2_config
-from flashdraft.model.dflash2 import CODEBOOKS, DynamicCausalConv, dynamic_causal_conv, follow, tap_by_tap_conv
+from flashdraft.model.dflash2 import CODEBOOKS, CandidateSelector, DynamicCausalConv, dynamic_causal_conv, follow, \
+    tap_by_tap_conv, top_k
 
 PROMPTS = [[3, 4, 5, 6], [10, 11], [20, 21, 22, 23, 24, 25, 26]]
 
@@ -247,6 +248,78 @@ def test_the_selector_race_keeps_plain_decodings_seeded_text():
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
     with pytest.raises(ValueError, match="sampled_race"):
         DFlash2Proposer(drafter, view, sampled_race="argmax")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_of_wide_rows_is_torch_topks(dtype):
+    """The top-k through the blocks with the largest maxima returns torch.topk's values, largest first, at indices
+    that hold them, also where many values tie (integers: ties across the k-th place and inside one block)."""
+    torch.manual_seed(6)
+    rows = [torch.randn(2, 15, 8192) * 4, torch.randint(0, 40, (2, 15, 8192)).float(),
+            torch.randint(0, 3, (2, 15, 4096)).float()]
+    one_block = torch.full((1, 4096), -1.0)
+    one_block[0, 64:72] = torch.arange(8.0)  # every winner in one block of 64
+    for x in [r.to(dtype) for r in rows] + [one_block.to(dtype)]:
+        values, ids = top_k(x, 8)
+        assert values.dtype == dtype and torch.equal(values, torch.topk(x, 8, dim=-1).values)
+        assert torch.equal(x.gather(-1, ids), values)
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct entries
+    narrow = torch.randn(3, 500).to(dtype)  # too narrow to block: torch.topk itself
+    assert all(torch.equal(a, b) for a, b in zip(top_k(narrow, 8), torch.topk(narrow, 8, dim=-1)))
+
+
+def test_selector_walk_over_a_wide_vocabulary_is_the_sequential_one():
+    """Over a vocabulary wide enough for the blocked top-k (float32, as bf16 drafters draft), the walk drafts what
+    z-lab's loop over torch.topk's candidates drafts."""
+    torch.manual_seed(7)
+    selector = CandidateSelector(4096, 32, rank=8, top_k=8)
+    with torch.no_grad():
+        selector.hidden_projection.weight.normal_(0, 2.0)
+    hidden, logits = torch.randn(16, 15, 32), torch.randn(16, 15, 4096) * 2
+    anchor = torch.randint(0, 4096, (16,))
+    with torch.no_grad():
+        walk = selector.select(hidden, logits, anchor, greedy_choice)
+        tokens, rows = sequential_walk(selector, hidden, logits, anchor, lambda i, s, c: s.argmax(-1))
+    assert (tokens != logits.argmax(-1)).any()
+    assert torch.equal(walk["tokens"], tokens)
+    torch.testing.assert_close(walk["scores"], rows)
+
+
+def test_drafting_copies_follow_weight_updates(qwen3):
+    """Drafting convolves and walks with cached copies of the DFlash2 weights (taps reversed, float32 or wider):
+    equal to what autograd's path computes, and rebuilt after the weights change in place (training between
+    evals)."""
+    drafter = make_dflash2(qwen3, block_size=4)
+    selector = drafter.candidate_selector
+    torch.manual_seed(8)
+    width = len(drafter.target_layer_ids) * drafter.config.hidden_size
+    inputs = (torch.randn(2, 4, drafter.config.hidden_size, dtype=torch.float64), torch.arange(8, 12).repeat(2, 1),
+              torch.randn(2, 8, width, dtype=torch.float64), torch.arange(8).repeat(2, 1))
+    hidden = torch.randn(4, 3, drafter.config.hidden_size, dtype=torch.float64)
+    logits = torch.randn(4, 3, qwen3.config.vocab_size, dtype=torch.float64)
+    anchor = torch.randint(0, qwen3.config.vocab_size, (4,))
+
+    def drafted_and_trained():
+        with torch.no_grad():
+            drafted = drafter(*inputs)
+            walk = selector.select(hidden, logits, anchor, greedy_choice)["tokens"]
+        trained = drafter(*inputs)  # autograd on: z-lab's tap-by-tap convolutions
+        assert trained.requires_grad
+        loop = sequential_walk(selector, hidden, logits, anchor, lambda i, s, c: s.argmax(-1))[0]
+        return drafted, trained.detach(), walk, loop
+
+    before = drafted_and_trained()
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.attention_conv.kernel_projection.weight.mul_(-1.5)
+            layer.mlp_conv.base_kernel.add_(0.3)
+        selector.predecessor_codebook.weight.mul_(-3.0)
+        selector.hidden_projection.weight.add_(0.5)
+    after = drafted_and_trained()
+    for drafted, trained, walk, loop in (before, after):
+        torch.testing.assert_close(drafted, trained)
+        assert torch.equal(walk, loop)
+    assert not torch.allclose(after[0], before[0]) and not torch.equal(after[2], before[2])
 
 
 def test_follow_composes_the_maps():

@@ -37,8 +37,10 @@ from flashdraft.model.drafter import (
     DFlashDecoderLayer,
     DFlashDraftModel,
     _dflash_value,
+    derived_weights,
     gated_mlp,
     make_draft_config,
+    records_grad,
 )
 
 SELECTOR_FIELDS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
@@ -65,32 +67,25 @@ def tap_by_tap_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, 
     return out.reshape(b, q, hidden)
 
 
-def causal_kernels(dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
-    """The per-position kernels of one or more convolutions: dynamic [b, q, ..., K, G] (one weight per position,
-    tap and channel group), base [..., K, H] (the static kernels) -> [b * q / segment, segment, ..., K, G, H / G],
-    taps in reverse order (the order `windowed_conv`'s windows hold them), rounded once to dynamic's dtype."""
-    taps, groups = dynamic.shape[-2:]
-    b, q = dynamic.shape[:2]
-    if base.dtype != dynamic.dtype:
-        base = base.to(dynamic.dtype)
-    kernels = base.view(*base.shape[:-1], groups, -1) + dynamic.reshape(b * q // segment, segment,
-                                                                         *dynamic.shape[2:], 1)
-    return kernels.flip(-3)
+def drafting_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype drafting computes the convolutions and the selector's walk in: float32, or wider inputs' own (both
+    are a few thousand products per block, and on CPUs bf16 elementwise arithmetic and GEMMs this small cost more
+    than float32's: a 16 x 256 x 32 projection ~40 us against ~12 us on one thread)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
-def windowed_conv(x: torch.Tensor, kernels: torch.Tensor, segment: int) -> torch.Tensor:
+def windowed_conv(x: torch.Tensor, kernels: torch.Tensor, segment: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [b, q, H] holding q / segment blocks of `segment` positions each, convolved causally inside each block with
-    `causal_kernels` [b * q / segment, segment, K, G, H / G]: one product and one sum (accumulated in float32) over
-    a windowed view of the zero-padded blocks."""
+    kernels [b * q / segment, segment, K, G, H / G] (one per position, taps in REVERSE order, the order the windows
+    hold them, in `drafting_dtype`): one product and one sum over a windowed view of the zero-padded blocks, in the
+    kernels' dtype, rounded once to `dtype` (x's by default)."""
     b, q, hidden = x.shape
     taps, groups = kernels.shape[-3:-1]
-    blocks = x.reshape(b * q // segment, segment, groups, hidden // groups)
+    blocks = x.to(kernels.dtype).reshape(b * q // segment, segment, groups, hidden // groups)
     # windows[n, t, j] = position t - (taps - 1) + j of block n (zeros before its start), which tap taps - 1 - j reads
     windows = torch.constant_pad_nd(blocks, (0, 0, 0, 0, taps - 1, 0)).unfold(1, taps, 1).permute(0, 1, 4, 2, 3)
-    products = kernels * windows
-    if products.dtype in (torch.bfloat16, torch.float16):  # the same float32 sum, ~1.5x faster with a float32 output
-        return products.sum(2, dtype=torch.float32).to(x.dtype).reshape(b, q, hidden)
-    return products.sum(2).reshape(b, q, hidden)
+    return (kernels * windows).sum(2).to(dtype or x.dtype).reshape(b, q, hidden)
 
 
 def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, segment: int) -> torch.Tensor:
@@ -102,11 +97,34 @@ def dynamic_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tens
     (`tap_by_tap_conv`), otherwise (drafting) one product and one sum over a windowed view of the blocks
     (`windowed_conv`): drafting convolves 16 positions at a time, where the loop's ~13 small operators per call cost
     more than their arithmetic, while the windowed form's K-times larger tensors would slow training's long batches
-    (fwd + bwd 3-4x). The windowed form rounds the kernel to x's dtype once (static + dynamic) and sums in float32,
-    where the loop rounds after every tap: in half precision it is the closer of the two to the exact result."""
+    (fwd + bwd 3-4x). The windowed form computes in float32 and rounds once, where the loop rounds after every tap:
+    in half precision it is the closer of the two to the exact result."""
     if dynamic.requires_grad or x.requires_grad:
         return tap_by_tap_conv(x, dynamic, base, segment)
-    return windowed_conv(x, causal_kernels(dynamic, base, segment), segment)
+    taps, groups = dynamic.shape[-2:]
+    dtype = drafting_dtype(x.dtype)
+    kernels = base.to(dtype).view(taps, groups, -1) + dynamic.to(dtype).reshape(-1, segment, taps, groups, 1)
+    return windowed_conv(x, kernels.flip(-3), segment)
+
+
+def top_k(x: torch.Tensor, k: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(x, k, dim=-1)` (values sorted, largest first) over a wide last dimension, on CPU through the
+    k blocks of `block` entries with the largest maxima: they hold the k largest values (a block with a larger
+    maximum than the k-th largest value has one of the larger values in it, so there are fewer than k such blocks,
+    and the blocks whose maximum equals it hold enough of the tied values), and the top-k of k * block entries
+    costs a fraction of the top-k of the whole row (a drafted block's bf16 logits [15, 8192] on one thread:
+    ~0.26 ms -> ~0.15 ms eager, less compiled). The values are torch.topk's; which of several tied entries are
+    returned may differ, as it does between torch's own CPU and CUDA kernels. Other devices and narrow rows use
+    torch.topk."""
+    width = x.shape[-1]
+    if x.device.type != "cpu" or width % block or width < 4 * k * block:
+        return torch.topk(x, k, dim=-1)
+    # in float32 (exact): CPU reductions over half-precision values are not vectorised
+    blocks = x.float().unflatten(-1, (width // block, block))
+    chosen = blocks.amax(-1).topk(k, dim=-1).indices  # [..., k] blocks
+    entries = blocks.gather(-2, chosen[..., None].expand(*chosen.shape, block)).flatten(-2)
+    values, index = entries.topk(k, dim=-1)
+    return values.to(x.dtype), chosen.gather(-1, index // block) * block + index % block
 
 
 def follow(steps: torch.Tensor) -> torch.Tensor:
@@ -144,19 +162,34 @@ class DynamicCausalConv(nn.Module):
 
     def prepare(self, x: torch.Tensor, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x convolved, and what `finish` convolves with: drafting builds both convolutions' kernels here at once
-        (one projection, one sum and one flip for the pair); training passes the dynamic half on
-        (`dynamic_causal_conv` says why the two differ)."""
-        dynamic = F.linear(x, self.kernel_projection.weight).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
-        if dynamic.requires_grad:
+        (one projection and one sum for the pair, in `drafting_dtype`, from weights kept with their taps reversed:
+        `drafting_weights`); training passes the dynamic half on (`dynamic_causal_conv` says why the two differ)."""
+        if records_grad(x, self.kernel_projection.weight):
+            dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
             return (tap_by_tap_conv(x, dynamic[..., 0, :, :], self.base_kernel[0], segment),
                     dynamic[..., 1, :, :])
-        kernels = causal_kernels(dynamic, self.base_kernel, segment)
-        return windowed_conv(x, kernels[:, :, 0], segment), kernels[:, :, 1]
+        projection, base = self.drafting_weights()
+        wide = x.to(projection.dtype)
+        dynamic = F.linear(wide, projection).view(-1, segment, 2, self.kernel_size, self.groups, 1)
+        kernels = base + dynamic  # [n, segment, 2, K, G, H / G]
+        return windowed_conv(wide, kernels[:, :, 0], segment, x.dtype), kernels[:, :, 1]
 
     def finish(self, x: torch.Tensor, kernel: torch.Tensor, segment: int) -> torch.Tensor:
         if kernel.requires_grad:  # the dynamic half (training)
             return tap_by_tap_conv(x, kernel, self.base_kernel[1], segment)
         return windowed_conv(x, kernel, segment)
+
+    def drafting_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel projection [2 * K * G, H] and the static kernels [2, K, G, H / G], taps reversed, in
+        `drafting_dtype` (cached: `derived_weights`)."""
+        taps, groups = self.kernel_size, self.groups
+
+        def build(projection, base):
+            dtype = drafting_dtype(projection.dtype)
+            projection = projection.view(2, taps, groups, -1).flip(1).reshape(2 * taps * groups, -1)
+            return projection.to(dtype), base.flip(1).to(dtype).view(2, taps, groups, -1)
+
+        return derived_weights(self, "_drafting_weights", [self.kernel_projection.weight, self.base_kernel], build)
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
@@ -207,12 +240,13 @@ class CandidateSelector(nn.Module):
         positions: every row of pair scores in one batched product, every choice in one call, then the chosen
         path by composing the per-position maps (`follow`). Eager drafting pays per operator; a loop is ~6 of them
         per position."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
-        query = self.hidden_projection(hidden)
+        unary, candidates = top_k(logits, self.top_k)
+        projection, predecessor_codebook, successor_codebook = self.drafting_weights()
+        query = F.linear(hidden.to(projection.dtype), projection)
         # who can precede each position's candidates: the anchor at 0, the previous position's candidates after
         previous = torch.cat([anchor[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], 1)
-        predecessors = self.predecessor_codebook(previous) * query[:, :, None]  # [b, k, previous, r]
-        successors = self.successor_codebook(candidates)  # [b, k, candidate, r]
+        predecessors = F.embedding(previous, predecessor_codebook) * query[:, :, None]  # [b, k, previous, r]
+        successors = F.embedding(candidates, successor_codebook)  # [b, k, candidate, r]
         if torch.compiler.is_compiling():  # one fused reduction with what follows, not an external bmm call
             pairs = (predecessors[:, :, :, None] * successors[:, :, None]).sum(-1)
         else:
@@ -224,6 +258,12 @@ class CandidateSelector(nn.Module):
             came_from = F.pad(index[:, :-1], (1, 0))  # position 0's rows are all alike: any one will do
             walk["scores"] = rows.gather(2, came_from[:, :, None, None].expand(-1, -1, 1, self.top_k))[:, :, 0]
         return walk
+
+    def drafting_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The hidden projection and the two codebooks in `drafting_dtype` (cached: `derived_weights`)."""
+        weights = [self.hidden_projection.weight, self.predecessor_codebook.weight, self.successor_codebook.weight]
+        return derived_weights(self, "_drafting_weights", weights,
+                               lambda *w: tuple(t.to(drafting_dtype(t.dtype)) for t in w))
 
     def teacher_forced(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
                        labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

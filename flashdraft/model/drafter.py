@@ -312,20 +312,25 @@ def make_draft_config(
 def fused_projection(owner: nn.Module, name: str, linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight, bias) of `linears` side by side, for drafting: one GEMM instead of several (on CPU a 16-position
     bf16 projection costs ~40-70 us whatever its width: q/k/v as one 256 -> 512 projection save ~80 us per layer,
-    gate/up ~40). Cached on `owner` under `name`, rebuilt when a weight changes (training between evals); a graph
-    being compiled concatenates in the graph."""
+    gate/up ~40). Cached on `owner` under `name` (`derived_weights`)."""
+    n = len(linears)
+    parts = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
+    return derived_weights(owner, name, parts, lambda *t: (torch.cat(t[:n]), torch.cat(t[n:]) if len(t) > n else None))
+
+
+def derived_weights(owner: nn.Module, name: str, weights: list[torch.Tensor], build):
+    """`build(*weights)` for drafting, cached on `owner` under `name` and rebuilt when one of `weights` changes
+    (training between evals); a graph being compiled builds it in the graph."""
     if torch.compiler.is_compiling():
-        return concatenated(linears)
+        return build(*weights)
     # (inference tensors, as weights loaded under inference mode are, keep no version: nothing trains them)
-    key = tuple((m.weight.data_ptr(), -1 if m.weight.is_inference() else m.weight._version) for m in linears)
+    key = tuple((w.data_ptr(), -1 if w.is_inference() else w._version) for w in weights)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:
-        bias = None
-        if linears[0].bias is not None:
-            bias = torch.cat([m.bias.detach() for m in linears])
-        cached = (key, torch.cat([m.weight.detach() for m in linears]), bias)
+        with torch.no_grad():
+            cached = (key, build(*(w.detach() for w in weights)))
         owner.__dict__[name] = cached
-    return cached[1], cached[2]
+    return cached[1]
 
 
 def concatenated(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
