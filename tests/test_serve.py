@@ -24,6 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.engine.noise import NOISE_VERSION  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
 from tiny import save_text_pair  # noqa: E402
@@ -209,6 +210,10 @@ def test_sampled_request_is_seeded_and_stop_strings(server, reference):
     a = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
     b = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
     assert a.choices[0].text == b.choices[0].text
+    # the noise's version, so that a client can tell when a seed's text may change (OpenAI's field for it)
+    assert a.system_fingerprint == b.system_fingerprint == f"flashdraft-noise{NOISE_VERSION}"
+    chunks = list(c.completions.create(model=MODEL, prompt="x = ", max_tokens=4, temperature=0.8, seed=7, stream=True))
+    assert {chunk.system_fingerprint for chunk in chunks} == {a.system_fingerprint}
     full = c.completions.create(model=MODEL, prompt="y = ", max_tokens=20, temperature=0).choices[0].text
     stop = full[5:8]
     if stop.strip():

@@ -9,8 +9,8 @@ distribution q (argmax_y q(y) / E(y)) proposes the target's winner with probabil
 (1 - TV(p, q)) / (1 + TV(p, q)) (drafter-invariant speculative decoding, Daliri, Musco and Suresh), instead of
 p(argmax q) for an argmax draft.
 
-The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of a slot key (mixed from the seed
-and the output position) XORed with the token's own code (its id mixed with a salt), turned into a uniform with 24
+The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of a slot key (mixed from the
+seed's two halves and the output position) XORed with the token's own code (its id mixed with a salt), turned into a uniform with 24
 bits (float32 keeps 23 of them above 1/2, so the race is exact but for events of probability about 2^-23 per token)
 and then into Exp(1) by -log u.
 
@@ -30,6 +30,11 @@ from flashdraft.engine.argmax import argmax
 _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 SMALLEST_EXPONENTIAL = 2.0 ** -25  # -log(1 - 2^-25), the noise of the top draw (`exponential`)
 TOKEN_SALT = 0x9E3779B9  # the golden ratio's 32 bits: token ids are mixed with it into codes (`token_codes`)
+SEED_HIGH_SALT = 0x5BD1E995  # what the position is mixed with before it meets the seed's high half (`slot_keys`)
+# Bumped whenever the noise of a (seed, output position, token) changes, and with it every seeded text: 1 the first
+# scheme, 2 the top draw's noise fixed (`exponential`), 3 token codes (`token_codes`), 4 both halves of the seed
+# mixed with every position (`slot_keys`). Served responses carry it as `system_fingerprint`.
+NOISE_VERSION = 4
 
 
 def mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -61,17 +66,21 @@ def _mix32_numpy(x: np.ndarray) -> np.ndarray:
 
 
 def slot_keys(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> torch.Tensor:
-    """The hash key [b, width] (int32, on the CPU) of row r's output position first_index[r] + i: a mix of its seed
-    and position that each token id is then mixed into. A few integers per row, so hashed in numpy on the host
-    whatever the device: as torch operations they were ~40 calls on tensors of a few elements (~0.2 ms on CPU,
-    70 % of a one-row, one-position noise call)."""
+    """The hash key [b, width] (int32, on the CPU) of row r's output position first_index[r] + i, that each token's
+    code is then mixed into: lowbias32 of the two halves of the seed, each mixed with the position on its own. Two
+    seeds differing in one half never share a key at a position; differing in both, they share one by chance, at each
+    position apart. (Before `NOISE_VERSION` 4 the seed was first folded into a 32-bit row key: two seeds with the same
+    row key shared the noise of every position, one pair in ~2^33 / N^2 of N unseeded requests, ~1 per 93,000.)
+    A few integers per row, so hashed in numpy on the host whatever the device: as torch operations they were ~40
+    calls on tensors of a few elements (~0.2 ms on CPU, 70 % of a one-row, one-position noise call)."""
     low32 = np.uint64(0xFFFFFFFF)
     seeds64 = seeds.cpu().numpy().astype(np.uint64)
     seed_lo, seed_hi = (seeds64 & low32).astype(np.uint32), ((seeds64 >> np.uint64(32)) & low32).astype(np.uint32)
-    row_key = _mix32_numpy(_mix32_numpy(seed_lo) ^ _mix32_numpy(seed_hi ^ np.uint32(0x5BD1E995)))
     positions = ((first_index.cpu().numpy().astype(np.uint64)[:, None] + np.arange(width, dtype=np.uint64)[None])
                  & low32).astype(np.uint32)
-    keys = _mix32_numpy(row_key[:, None] ^ _mix32_numpy(positions))
+    position_lo = _mix32_numpy(positions.copy())
+    position_hi = _mix32_numpy(positions ^ np.uint32(SEED_HIGH_SALT))
+    keys = _mix32_numpy(_mix32_numpy(seed_lo[:, None] ^ position_lo) ^ _mix32_numpy(seed_hi[:, None] ^ position_hi))
     return torch.from_numpy(np.ascontiguousarray(keys).view(np.int32))
 
 

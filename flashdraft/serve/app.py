@@ -46,6 +46,7 @@ from starlette.requests import ClientDisconnect
 
 from flashdraft import memory
 from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.noise import NOISE_VERSION
 from flashdraft.memory import engine_bytes_per_position
 from flashdraft.serve import protocol
 from flashdraft.serve.metrics import Metrics
@@ -75,6 +76,13 @@ class ServeConfig:
     kv_cache_bytes: int | None = None  # target + drafter K/V budget; admission waits beyond it (None: no bound)
 
 
+def system_fingerprint(engine: SpecEngine) -> str | None:
+    """`system_fingerprint` of every response: the sampling noise's version under the seed-reproducible sampler
+    (a seeded request's text changes when it does, `noise.NOISE_VERSION`), None under rejection sampling, whose
+    seeded text is not reproducible across batches anyway."""
+    return f"flashdraft-noise{NOISE_VERSION}" if engine.config.sampler == "gumbel" else None
+
+
 class Server:
     """What the routes share: engine facts, the scheduler, metrics, the tokenizer threads."""
 
@@ -102,6 +110,7 @@ class Server:
         self.eos_ids = _eos_ids(engine)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())
+        self.fingerprint = system_fingerprint(engine)
         self.draining = False
         self._closing: asyncio.Event | None = None  # set when draining starts (created on the serving loop)
 
@@ -537,7 +546,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             raise _failure(item)
         result = item.result
         return protocol.completion_body(rid, cfg.model_name, chat, result.text or "", result.finish_reason,
-                                        protocol.usage(prompt_len, len(result.token_ids)), server.stats(result))
+                                        protocol.usage(prompt_len, len(result.token_ids)), server.stats(result),
+                                        server.fingerprint)
 
     async def _stream(handle, rid: str, prompt_len: int, chat: bool, opts):
         include_usage = bool(opts and opts.include_usage)
@@ -545,7 +555,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         created, finished, n_out = int(time.time()), False, 0
 
         def chunk(text, finish_reason=None, first=False, choices=True, use=None):
-            body = protocol.chunk_body(rid, cfg.model_name, chat, created, text, finish_reason, first, choices)
+            body = protocol.chunk_body(rid, cfg.model_name, chat, created, text, finish_reason, first, choices,
+                                       server.fingerprint)
             if include_usage:
                 body["usage"] = use if use is not None else (
                     protocol.usage(prompt_len, n_out) if continuous else None)

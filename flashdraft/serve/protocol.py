@@ -408,20 +408,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict, stats: dict) -> dict:
+def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict, stats: dict,
+                    fingerprint: str | None = None) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use, "dflash": stats}
+            "model": model, "system_fingerprint": fingerprint, "choices": [choice], "usage": use, "dflash": stats}
 
 
 def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None = None,
-               first: bool = False, choices: bool = True) -> dict:
+               first: bool = False, choices: bool = True, fingerprint: str | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-            "model": model, "choices": []}
+            "model": model, "system_fingerprint": fingerprint, "choices": []}
     if choices:
         if chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
@@ -456,10 +457,12 @@ _STATS = {"type": "object",
                          "per_position_acceptance": {"type": "array", "items": {"type": "number"}},
                          "block_size": {"type": "integer", "minimum": 1}}}
 _FINISH = {"enum": ["stop", "length"]}
+# what a seeded request's text depends on besides the model and the request (OpenAI's field for the purpose)
+_FINGERPRINT = {"type": ["string", "null"]}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage", "dflash"],
                "properties": {
                    "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion"]},
-                   "created": {"type": "integer"}, "model": {"type": "string"},
+                   "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": _FINGERPRINT,
                    "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
                        "type": "object", "required": ["index", "finish_reason"],
                        "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
@@ -469,7 +472,7 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
 _CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
           "properties": {
               "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion.chunk"]},
-              "created": {"type": "integer"}, "model": {"type": "string"},
+              "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": _FINGERPRINT,
               "choices": {"type": "array", "maxItems": 1, "items": {
                   "type": "object", "required": ["index", "finish_reason"],
                   "properties": {"index": {"const": 0}, "text": {"type": "string"},
