@@ -10,9 +10,9 @@ distribution q (argmax_y q(y) / E(y)) proposes the target's winner with probabil
 p(argmax q) for an argmax draft.
 
 The noise is a hash, not a random stream: `lowbias32` (a 32-bit integer mixer) of a slot key (mixed from the
-seed's two halves and the output position) XORed with the token's own code (its id mixed with a salt), turned into a uniform with 24
-bits (float32 keeps 23 of them above 1/2, so the race is exact but for events of probability about 2^-23 per token)
-and then into Exp(1) by -log u.
+seed's two halves and the output position) XORed with the token's own code (its id mixed with a salt), turned into
+a uniform with 24 bits (float32 keeps 23 of them above 1/2, so the race is exact but for events of probability
+about 2^-23 per token) and then into Exp(1) by -log u.
 
 What this module does not know about: models, temperature or top-k/top-p (applied to p and q by the caller).
 """
