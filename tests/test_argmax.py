@@ -1,11 +1,12 @@
 """`flashdraft.engine.argmax.argmax` picks exactly what torch's argmax picks: ties, NaNs, -inf rows, every float
-dtype, non-contiguous views, small and large tensors, and inside a compiled graph."""
+dtype, non-contiguous views, small and large tensors, and inside a compiled graph; `kth_largest` and
+`sort_descending` return torch.topk's k-th value and torch.sort's values on the same cases."""
 
 import pytest
 import torch
 
 from flashdraft.engine import argmax as argmax_module
-from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax
+from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax, kth_largest, sort_descending
 
 
 def _cases():
@@ -49,3 +50,18 @@ def test_argmax_compiles_without_a_graph_break():
     compiled = torch.compile(lambda x: argmax(x * 2), fullgraph=True, backend="eager")
     x = torch.randn(3, 8192)
     assert torch.equal(compiled(x), (x * 2).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_kth_largest_and_sort_descending_are_torchs(dtype):
+    for x in _cases():
+        x = x.to(dtype)
+        views = [x] + ([x.transpose(0, 1)] if x.dim() == 3 else [])
+        for view in views:
+            with torch.inference_mode():
+                sorted_values = sort_descending(view)
+                torch.testing.assert_close(sorted_values, view.sort(dim=-1, descending=True).values, rtol=0, atol=0,
+                                           equal_nan=True)
+                for k in (1, 5, view.shape[-1]):
+                    torch.testing.assert_close(kth_largest(view, k), torch.topk(view, k, dim=-1).values[..., -1:],
+                                               rtol=0, atol=0, equal_nan=True)

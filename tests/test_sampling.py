@@ -316,6 +316,38 @@ def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     assert torch.allclose(target_probs(logits, temperature, top_p, top_k), torch.softmax(scores, -1), atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 200, 0.6)])
+def test_target_probs_over_a_wide_vocabulary_match_transformers_warpers(temperature, top_k, top_p):
+    """A verify's rows [16, 8192]: top-k's k-th value and top-p's sort run through numpy on CPU (`argmax.py`);
+    the distribution is still transformers'."""
+    torch.manual_seed(1)
+    logits = torch.randn(16, 8192) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(target_probs(logits, temperature, top_p, top_k), torch.softmax(scores, -1),
+                               rtol=0, atol=1e-6)
+
+
+def test_top_p_keeps_or_drops_tied_tokens_together():
+    """Top-p keeps the smallest prefix, largest first, whose mass reaches top_p, and every token as probable as
+    its last one: with many tied probabilities (integer logits) the kept set is the one written out here in float64,
+    whatever order a sort put the ties in."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 6, (16, 8192), generator=g).float()
+    for top_p in (0.3, 0.5, 0.9):
+        probs = target_probs(logits, 1.0, top_p)
+        for row in range(16):
+            p = torch.softmax(logits[row].double(), -1)
+            values = p.sort(descending=True).values
+            taken = int(((values.cumsum(0) - values) < top_p).sum())
+            want = p >= values[taken - 1]
+            assert torch.equal(probs[row] > 0, want)
+            assert torch.allclose(probs[row].double(), torch.where(want, p, 0.0) / p[want].sum(), atol=1e-6)
+
+
 def test_seeded_sampling_is_reproducible(target, drafter):
     engine = SpecEngine(target, drafter)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)

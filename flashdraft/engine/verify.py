@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.engine.argmax import argmax
+from flashdraft.engine.argmax import argmax, kth_largest, sort_descending
 from flashdraft.engine.noise import race, race_offsets
 
 
@@ -74,15 +74,18 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, t
     scores = logits.float() / max(temperature, 1e-6)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        scores = scores.masked_fill(scores < kth_largest(scores, top_k), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it is kept)
-        keep_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
+        descending = sort_descending(probs)
+        # keep the smallest prefix (largest first) whose mass reaches top_p, the token that crosses it included, and
+        # every token as probable as the prefix's last: tied tokens are kept or dropped together, whatever order a
+        # sort put them in (only the sorted values are needed, and numpy sorts them ~20x faster on CPU). The mass
+        # before each place never decreases (a running sum of non-negative terms, less a non-increasing one), so
+        # the prefix's length is a binary search
+        before = descending.cumsum(dim=-1) - descending
+        length = torch.searchsorted(before, before.new_full((*before.shape[:-1], 1), top_p))
+        probs = probs * (probs >= descending.gather(-1, length - 1))
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
