@@ -31,9 +31,11 @@ _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 SMALLEST_EXPONENTIAL = 2.0 ** -25  # -log(1 - 2^-25), the noise of the top draw (`exponential`)
 TOKEN_SALT = 0x9E3779B9  # the golden ratio's 32 bits: token ids are mixed with it into codes (`token_codes`)
 SEED_HIGH_SALT = 0x5BD1E995  # what the position is mixed with before it meets the seed's high half (`slot_keys`)
-# Bumped whenever the noise of a (seed, output position, token) changes, and with it every seeded text: 1 the first
-# scheme, 2 the top draw's noise fixed (`exponential`), 3 token codes (`token_codes`), 4 both halves of the seed
-# mixed with every position (`slot_keys`). Served responses carry it as `system_fingerprint`.
+# Bumped whenever the noise of a (seed, output position, token) changes, or the rule that turns logits into the
+# distribution it races on, and with either every seeded text: 1 the first scheme, 2 the top draw's noise fixed
+# (`exponential`), 3 token codes (`token_codes`), 4 both halves of the seed mixed with every position (`slot_keys`),
+# and top-p keeping the tokens tied at its cut together (`verify.target_probs`). Served responses carry it as
+# `system_fingerprint`.
 NOISE_VERSION = 4
 
 
