@@ -313,14 +313,13 @@ def fused_projection(owner: nn.Module, name: str, linears: list[nn.Linear]) -> t
     """(weight, bias) of `linears` side by side, for drafting: one GEMM instead of several (on CPU a 16-position
     bf16 projection costs ~40-70 us whatever its width: q/k/v as one 256 -> 512 projection save ~80 us per layer,
     gate/up ~40). Cached on `owner` under `name` (`derived_weights`)."""
-    n = len(linears)
     parts = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
-    return derived_weights(owner, name, parts, lambda *t: (torch.cat(t[:n]), torch.cat(t[n:]) if len(t) > n else None))
+    return derived_weights(owner, name, parts, lambda *_: concatenated(linears))
 
 
 def derived_weights(owner: nn.Module, name: str, weights: list[torch.Tensor], build):
-    """`build(*weights)` for drafting, cached on `owner` under `name` and rebuilt when one of `weights` changes
-    (training between evals); a graph being compiled builds it in the graph."""
+    """`build(*weights)` for drafting (without autograd), cached on `owner` under `name` and rebuilt when one of
+    `weights` changes (training between evals); a graph being compiled builds it in the graph."""
     if torch.compiler.is_compiling():
         return build(*weights)
     # (inference tensors, as weights loaded under inference mode are, keep no version: nothing trains them)
