@@ -1,12 +1,14 @@
 """`flashdraft.engine.argmax.argmax` picks exactly what torch's argmax picks: ties, NaNs, -inf rows, every float
 dtype, non-contiguous views, small and large tensors, and inside a compiled graph; `kth_largest` and
-`sort_descending` return torch.topk's k-th value and torch.sort's values on the same cases."""
+`sort_descending` return torch.topk's k-th value and torch.sort's values on the same cases, `largest_sorted` the
+first m of that sort (also over probabilities, without zeros where it partitions first and with the long runs of
+zeros where it must not), `fill_below` what masked_fill does."""
 
 import pytest
 import torch
 
 from flashdraft.engine import argmax as argmax_module
-from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax, kth_largest, sort_descending
+from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax, fill_below, kth_largest, largest_sorted, sort_descending
 
 
 def _cases():
@@ -65,3 +67,28 @@ def test_kth_largest_and_sort_descending_are_torchs(dtype):
                 for k in (1, 5, view.shape[-1]):
                     torch.testing.assert_close(kth_largest(view, k), torch.topk(view, k, dim=-1).values[..., -1:],
                                                rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_largest_sorted_is_the_sorts_first_values(dtype):
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(6, 8192, generator=g) * 3, -1)  # no zeros: partitioned first
+    sparse = torch.softmax(torch.randn(6, 8192, generator=g) / 0.02, -1)  # most underflow to 0: sorted whole
+    bf16_ties = torch.softmax(torch.randn(6, 8192, generator=g).bfloat16().float(), -1)  # runs of equal values
+    for x in [*_cases(), probs, sparse, bf16_ties, probs[:, None].expand(6, 3, 8192)]:
+        x = x.to(dtype)
+        for m in (1, 7, 1024, x.shape[-1], x.shape[-1] + 5):
+            torch.testing.assert_close(largest_sorted(x, m), x.sort(dim=-1, descending=True).values[..., :m],
+                                       rtol=0, atol=0, equal_nan=True)
+
+
+def test_fill_below_is_masked_fill():
+    g = torch.Generator().manual_seed(4)
+    for x in _cases():
+        cut = x.nan_to_num(0.0).median(dim=-1, keepdim=True).values
+        for c in (cut, torch.full_like(cut, float("-inf")), torch.full_like(cut, float("nan"))):
+            for value in (0.0, float("-inf")):
+                torch.testing.assert_close(fill_below(x, c, value), x.masked_fill(x < c, value), rtol=0, atol=0,
+                                           equal_nan=True)
+    x = torch.randn(4, 8192, generator=g)
+    assert torch.equal(fill_below(x, x[:, :1], 0.0), x.masked_fill(x < x[:, :1], 0.0))

@@ -142,14 +142,18 @@ def test_noise_keys_are_lowbias32_of_seed_and_position():
         assert got.dtype == torch.int32 and [[k & 0xFFFFFFFF for k in row] for row in got.tolist()] == want
 
 
-def test_a_batch_verifies_every_row_as_it_would_alone():
-    """Greedy rows and rows racing on softmax(logits / T) are verified together: each row's verdict is the one it
-    gets alone, token for token, beside rows with top-k / top-p and without noise (rejection sampling)."""
+@pytest.mark.parametrize("vocab,trials", [(300, 20), (8192, 3)])
+def test_a_batch_verifies_every_row_as_it_would_alone(vocab, trials):
+    """Rows are verified together: greedy rows and rows racing on softmax(logits / T) at once, rows with top-k /
+    top-p through `target_probs` together; each row's verdict is the one it gets alone, token for token. At 8,192
+    tokens the numpy paths run, and top-p's prefix ends among the 1,024 most probable tokens, past them (T = 3) and
+    among underflowed zeros (T = 0.1)."""
     g = torch.Generator().manual_seed(0)
     params = [SamplingParams(), _sampled(1), _sampled(2, temperature=0.6), _sampled(3, top_k=5),
-              SamplingParams(), _sampled(4, top_p=0.8), _sampled(5, temperature=1.7)]
-    b, k, vocab = len(params), 6, 300
-    for trial in range(20):
+              SamplingParams(), _sampled(4, top_p=0.8), _sampled(5, temperature=1.7), _sampled(6, temperature=3.0,
+              top_p=0.95), _sampled(7, temperature=0.1, top_p=0.9), _sampled(8, top_k=40, top_p=0.8)]
+    b, k = len(params), 6
+    for trial in range(trials):
         logits = torch.randn(b, k + 1, vocab, generator=g) * 3
         noise = exponential_noise(torch.arange(b) + 100 * trial, torch.zeros(b, dtype=torch.long), k + 1, vocab)
         chosen = [logits[r].argmax(-1) if p.greedy else race(target_probs(logits[r], p.temperature, p.top_p, p.top_k),

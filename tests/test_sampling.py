@@ -308,27 +308,45 @@ def test_verifier_broken_after_the_first_cycle_is_detected_per_position(target, 
 def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     torch.manual_seed(0)
     logits = torch.randn(5, 50)
+    assert torch.allclose(target_probs(logits, temperature, top_p, top_k), _warped(logits, temperature, top_k, top_p),
+                          atol=1e-6)
+
+
+def _warped(logits, temperature, top_k, top_p):
+    """transformers' distribution: its temperature, top-k and top-p warpers, then a softmax."""
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    assert torch.allclose(target_probs(logits, temperature, top_p, top_k), torch.softmax(scores, -1), atol=1e-6)
+    return torch.softmax(scores, -1)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 200, 0.6)])
+# (3.0, 0, 0.95): top-p's prefix reaches past the 1,024 most probable tokens it looks among first; (0.1, 0, 0.9): most
+# probabilities underflow to 0
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 200, 0.6), (3.0, 0, 0.95),
+                                                     (0.1, 0, 0.9)])
 def test_target_probs_over_a_wide_vocabulary_match_transformers_warpers(temperature, top_k, top_p):
-    """A verify's rows [16, 8192]: top-k's k-th value and top-p's sort run through numpy on CPU (`argmax.py`);
-    the distribution is still transformers'."""
+    """A verify's rows [16, 8192]: top-k's k-th value, top-p's sort and the masks run through numpy on CPU
+    (`argmax.py`); the distribution is still transformers'."""
     torch.manual_seed(1)
     logits = torch.randn(16, 8192) * 3
-    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    torch.testing.assert_close(target_probs(logits, temperature, top_p, top_k), torch.softmax(scores, -1),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(target_probs(logits, temperature, top_p, top_k), _warped(logits, temperature, top_k,
+                                                                                         top_p), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_ps", [(0.9, 0.95, 0.5, 0.99, 0.8, 0.7), (0.9, 1.0, 0.5, 1.0, 0.8, 0.7)])
+def test_target_probs_take_each_rows_own_parameters(top_ps):
+    """Rows of several requests go through `target_probs` at once, each with its own temperature, top-k and top-p
+    (all rows filtered by top-p, or some): each row's distribution is transformers' for its own parameters, and
+    bit for bit the one it gets alone."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 4, 8192) * 3
+    temperatures, top_ks = (1.0, 3.0, 0.7, 0.1, 1.3, 1.0), (0, 0, 40, 0, 200, 40)
+    together = target_probs(logits, temperatures, top_ps, top_ks)
+    for row, (temperature, top_k, top_p) in enumerate(zip(temperatures, top_ks, top_ps)):
+        torch.testing.assert_close(together[row], _warped(logits[row], temperature, top_k, top_p), rtol=0, atol=1e-6)
+        assert torch.equal(together[row], target_probs(logits[row], temperature, top_p, top_k))
 
 
 def test_top_p_keeps_or_drops_tied_tokens_together():
