@@ -1,7 +1,8 @@
 """The engine under a server's load pattern, without the server: DFlash against plain decoding in one process.
 
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
-        [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--rounds 2] [--policies adaptive,fixed,never]
+        [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0] [--rounds 2]
+        [--policies adaptive,fixed,never]
         [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--no-cudnn-attention]
         [--lockstep] [--dtype bfloat16]
         [--json runs/engine_concurrency.json]
@@ -142,7 +143,7 @@ class Served:
 
 @torch.inference_mode()
 def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float,
-            served: Served, finished: list | None = None):
+            served: Served, finished: list | None = None, top_p: float = 1.0, top_k: int = 0):
     """Serve the queue `concurrency` at a time, yielding after every engine step; `served` adds up what each step
     gave and took (wall time of the step: admission, `SpecEngine.step`, the finished requests' bookkeeping), and
     every request's result is appended to `finished`, if given."""
@@ -153,7 +154,7 @@ def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_
         joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
         # all that join in one call, as the server admits them: their prompts ride the running rows' cycle
         # (`SpecEngine.step`), or, in an empty batch or where the engine cannot mix them in, one prefill first
-        params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+        params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=i if temperature > 0 else None) for i, _ in joining]
         events = engine.step(batch, [prompt for _, prompt in joining], params,
                              request_ids=[i for i, _ in joining]) if joining else engine.step(batch)
@@ -171,24 +172,26 @@ def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_
 
 
 def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int,
-          temperature: float, finished: list | None = None) -> tuple[int, float, list[float], list[list[int]]]:
+          temperature: float, finished: list | None = None, top_p: float = 1.0,
+          top_k: int = 0) -> tuple[int, float, list[float], list[list[int]]]:
     """(output tokens, seconds, tau per drafting request, first drafting cycles' acceptance lengths per drafting
     request) of the queue served `concurrency` at a time by one engine alone (`serving`)."""
     served = Served()
-    for _ in serving(engine, prompts, concurrency, max_tokens, temperature, served, finished):
+    for _ in serving(engine, prompts, concurrency, max_tokens, temperature, served, finished, top_p, top_k):
         pass
     return served.tokens, served.seconds, served.taus, served.firsts
 
 
 def serve_lockstep(engines: dict[str, SpecEngine], prompts: list[list[int]], concurrency: int, max_tokens: int,
                    temperature: float, constants: dict[str, dict] | None = None,
-                   served: dict[str, Served] | None = None) -> dict[str, Served]:
+                   served: dict[str, Served] | None = None, top_p: float = 1.0, top_k: int = 0) -> dict[str, Served]:
     """Every engine serves the same queue at once, one step each in turn (the order reversed every turn), each
     timed by its own steps (with its policy constants, `--variant`, set around each of them): a slowdown of the
     shared machine lasting longer than a few steps falls on all of them alike instead of on whichever pass it
     met. What each gave is added to `served` (new totals if None), which is returned."""
     served = served if served is not None else {key: Served() for key in engines}
-    passes = [(key, serving(engine, prompts, concurrency, max_tokens, temperature, served[key]))
+    passes = [(key, serving(engine, prompts, concurrency, max_tokens, temperature, served[key], top_p=top_p,
+                            top_k=top_k))
               for key, engine in engines.items()]
     turn = 0
     while passes:
@@ -209,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (the settings users serve: 0.9-0.95)")
+    p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")
     p.add_argument("--threads", type=int, default=1)
@@ -272,18 +277,20 @@ def main(argv=None) -> int:
                     engine.warmup(concurrency)
                     # and a short untimed pass: plain decoding's warmup runs nothing, so the first engine timed
                     # would carry the first launches (on an H100, `never` ran 1.46-4.17x plain decoding without it)
-                    serve(engine, prompts[:concurrency], concurrency, 8, args.temperature)
+                    serve(engine, prompts[:concurrency], concurrency, 8, args.temperature, None, args.top_p, args.top_k)
                     if args.warm_full:  # every shape of the timed queue seen once (a GPU plans each new one)
-                        serve(engine, prompts, concurrency, args.max_tokens, args.temperature)
+                        serve(engine, prompts, concurrency, args.max_tokens, args.temperature, None, args.top_p,
+                              args.top_k)
             totals = {k: Served() for k in engines}  # summed over rounds
             for r in range(args.rounds):
                 if args.lockstep:
-                    serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature, variants, totals)
+                    serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature, variants, totals,
+                                   args.top_p, args.top_k)
                     continue
                 for key, engine in list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]:
                     with policy_constants(variants.get(key, {})):
                         for _ in serving(engine, prompts, concurrency, args.max_tokens, args.temperature,
-                                         totals[key]):
+                                         totals[key], top_p=args.top_p, top_k=args.top_k):
                             pass
             plain = totals["plain"].tokens / totals["plain"].seconds
             cell = {"set": name, "concurrency": concurrency, "plain_tok_s": round(plain, 1)}
