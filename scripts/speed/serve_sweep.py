@@ -8,6 +8,7 @@ with other work the wall-time ratio of one cell moves by +-10-40 % between round
 
     python scripts/speed/serve_sweep.py                        # the full table (about 15 minutes on 2 cores)
     python scripts/speed/serve_sweep.py --concurrency 1,16 --temperatures 0 --serve-args="--draft-policy fixed"
+    python scripts/speed/serve_sweep.py --temperatures 0.7 --top-p 0.95    # the settings users serve
 
 Writes runs/serve_sweep/results.json, table.md and ratio.png. Extra `--serve-args` go to the drafting server
 only (e.g. `--draft-policy fixed` for the fixed-block behaviour); `--compare-args` starts a second drafting server
@@ -33,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from flashdraft.args import finite_float_in
+from flashdraft.args import finite_float_in, top_p_arg
 from flashdraft.bench.datasets import load_prompts
 from flashdraft.bench.server import local_server, run_servers
 
@@ -77,7 +78,7 @@ def busy_core(enabled: bool, cpus: set[int] | None = None):
 
 
 def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: int, rounds: int,
-         request_rate: float | None = None) -> dict:
+         request_rate: float | None = None, top_p: float = 1.0) -> dict:
     """One cell: every server at one concurrency level, `rounds` alternating rounds. The ratio is of throughputs
     summed over the rounds; each round's own ratio is kept too (`round_ratios`: their spread is this machine's
     run-to-run noise at that load), and tau is the mean of the rounds'. Where the servers report their CPU time
@@ -90,7 +91,8 @@ def cell(urls: dict, prompts, concurrency: int, temperature: float, max_tokens: 
     for r in range(rounds):
         order = list(urls.items()) if r % 2 == 0 else list(urls.items())[::-1]
         res = run_servers([f"{n}={u}" for n, u in order], prompts, [concurrency], max_tokens=max_tokens,
-                          temperature=temperature, seed=0, ignore_eos=True, request_rate=request_rate)["servers"]
+                          temperature=temperature, top_p=top_p, seed=0, ignore_eos=True,
+                          request_rate=request_rate)["servers"]
         for name, srv in res.items():
             level = srv["levels"][0]
             if level["errors"]:
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,4,16,32,64")
     p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--top-p", type=top_p_arg, default=1.0,
+                   help="every sampled request's top-p (the settings users serve: 0.9-0.95 at temperature 0.7-1)")
     p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets among {list(SETS)}")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per set (each dataset of a set shares them)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -191,7 +195,7 @@ def main(argv=None) -> int:
         for i, (s, t, c, busy) in enumerate(plan, 1):
             started = time.time()
             with busy_core(busy, all_cpus):
-                result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds, args.request_rate)
+                result = cell(urls, prompts[s], c, t, args.max_tokens, args.rounds, args.request_rate, args.top_p)
             row = {"set": s, "temperature": t, "concurrency": c, "busy_core": busy, **result}
             cells.append(row)
             compared = (f"; compare {row['compare_ratio']:.2f}x (tau {row.get('compare_tau')})"
