@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flashdraft.engine import argmax as argmax_module
-from flashdraft.engine.argmax import NUMPY_FROM_ELEMENTS, argmax, fill_below, kth_largest, largest_sorted, sort_descending
+from flashdraft.engine.argmax import (NUMPY_FROM_ELEMENTS, argmax, fill_below, kth_largest, largest_sorted,
+                                      sort_descending)
 
 
 def _cases():

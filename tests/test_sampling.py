@@ -304,14 +304,6 @@ def test_verifier_broken_after_the_first_cycle_is_detected_per_position(target, 
     assert min(pvalues[N_TOKENS:]) < P_MIN / N_LONG, pvalues
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.9, 4, 0.8)])
-def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
-    torch.manual_seed(0)
-    logits = torch.randn(5, 50)
-    assert torch.allclose(target_probs(logits, temperature, top_p, top_k), _warped(logits, temperature, top_k, top_p),
-                          atol=1e-6)
-
-
 def _warped(logits, temperature, top_k, top_p):
     """transformers' distribution: its temperature, top-k and top-p warpers, then a softmax."""
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
@@ -320,6 +312,14 @@ def _warped(logits, temperature, top_k, top_p):
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
     return torch.softmax(scores, -1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.9, 4, 0.8)])
+def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    assert torch.allclose(target_probs(logits, temperature, top_p, top_k), _warped(logits, temperature, top_k, top_p),
+                          atol=1e-6)
 
 
 # (3.0, 0, 0.95): top-p's prefix reaches past the 1,024 most probable tokens it looks among first; (0.1, 0, 0.9): most

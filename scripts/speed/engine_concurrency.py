@@ -212,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (the settings users serve: 0.9-0.95)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="every request's top-p (the settings users serve: 0.9-0.95)")
     p.add_argument("--top-k", type=int, default=0, help="every request's top-k (0: off)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--policies", default="adaptive,never", help=f"comma-separated among {POLICIES}")

@@ -16,37 +16,56 @@ import engine_concurrency as ec
 from flashdraft.loading import load_pair
 from flashdraft.bench.datasets import load_prompts
 torch.set_num_threads(1)
-conc = int(sys.argv[1]); setname = sys.argv[2]; T = float(sys.argv[3]); TP = float(sys.argv[4])
+PHASES = ("draft", "target", "verify", "commit")
+conc, setname, T, TP = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
 target, tok, drafter = load_pair(None, None, "cpu")
-prompts = [tok.encode(q.text) for spec in ec.SETS[setname] for q in load_prompts(spec, 32 // len(ec.SETS[setname]))]
-engines = {"plain": ec.build_engine(target, tok, drafter, None), "never": ec.build_engine(target, tok, drafter, "never"),
-           "adaptive": ec.build_engine(target, tok, drafter, "adaptive")}
+per = 32 // len(ec.SETS[setname])
+prompts = [tok.encode(q.text) for spec in ec.SETS[setname] for q in load_prompts(spec, per)]
+engines = {name: ec.build_engine(target, tok, drafter, policy)
+           for name, policy in (("plain", None), ("never", "never"), ("adaptive", "adaptive"))}
 recs = {k: [] for k in engines}
 for name, eng in engines.items():
-    eng.warmup(conc); ec.serve(eng, prompts[:conc], conc, 8, T, None, TP)
-    prof = eng.profiler; prof.enabled = True
+    eng.warmup(conc)
+    ec.serve(eng, prompts[:conc], conc, 8, T, None, TP)
+    prof = eng.profiler
+    prof.enabled = True
     cur = {}
-    def mark(phase, prof=prof, cur=cur):
-        now = prof._now(); cur[phase] = cur.get(phase, 0.0) + now - prof._last; prof._last = now
+
+    def mark(phase, prof=prof, cur=cur):  # each phase's time, kept per cycle instead of summed
+        now = prof._now()
+        cur[phase] = cur.get(phase, 0.0) + now - prof._last
+        prof._last = now
+
+    def trace(c, cur=cur, name=name):  # the cycle's trace record, with its phases
+        recs[name].append((c, dict(cur)))
+        cur.clear()
+
     prof.mark = mark
-    def trace(c, cur=cur, name=name):
-        recs[name].append((c, dict(cur))); cur.clear()
     eng.cycle_trace = trace
 tot = {k: ec.Served() for k in engines}
-for r in range(int(sys.argv[5]) if len(sys.argv) > 5 else 3):
+for r in range(rounds):
     ec.serve_lockstep(engines, prompts, conc, 64, T, None, tot, top_p=TP)
-print({k: round(v.tokens / v.seconds / (tot["plain"].tokens / tot["plain"].seconds), 3) for k, v in tot.items()})
+plain_rate = tot["plain"].tokens / tot["plain"].seconds
+print({k: round(v.tokens / v.seconds / plain_rate, 3) for k, v in tot.items()})
 for name in engines:
     by = collections.defaultdict(list)
     for c, ph in recs[name]:
         drafting = sum(w > 1 for w in c["widths"])
-        kind = ("join " if c["joined"] else "") + ("plain" if drafting == 0 else f"draft{drafting}") + ("+lk" if c["lookups"] else "")
+        kind = (("join " if c["joined"] else "") + ("plain" if drafting == 0 else f"draft{drafting}")
+                + ("+lk" if c["lookups"] else ""))
         by[kind].append(ph)
     for kind, phs in sorted(by.items(), key=lambda kv: -len(kv[1])):
-        med = {p: round(1000 * statistics.mean([ph.get(p, 0) for ph in phs]), 2) for p in ("draft", "target", "verify", "commit")}
-        print(f"{name:9s} {kind:14s} cycles {len(phs):4d}  mean ms {med} sum {sum(med.values()):.2f} total {sum(sum(ph.values()) for ph in phs)*1000:.0f}")
+        mean = {p: round(1000 * statistics.mean([ph.get(p, 0) for ph in phs]), 2) for p in PHASES}
+        total = sum(sum(ph.values()) for ph in phs) * 1000
+        print(f"{name:9s} {kind:14s} cycles {len(phs):4d}  mean ms {mean} sum {sum(mean.values()):.2f} "
+              f"total {total:.0f}")
     lk = [c for c, _ in recs[name] if c["lookups"]]
-    print(name, "lookup cycles", len(lk), "copy tokens verified", sum(sum(v - 1 for v in c["lookups"]) for c in lk), "accepted in those cycles", sum(sum(c["accepted"]) for c in lk), "decisions", collections.Counter(c.get("decision") for c in lk))
+    print(name, "lookup cycles", len(lk), "copy tokens verified", sum(sum(v - 1 for v in c["lookups"]) for c in lk),
+          "accepted in those cycles", sum(sum(c["accepted"]) for c in lk),
+          "decisions", collections.Counter(c.get("decision") for c in lk))
     dr = [c for c, _ in recs[name] if any(w > 1 for w in c["widths"])]
-    print(name, "drafting cycles", len(dr), "rows drafting", sum(sum(w > 1 for w in c["widths"]) for c in dr), "accepted", sum(sum(c["accepted"]) for c in dr), "decisions", collections.Counter(c.get("decision") for c in dr))
+    print(name, "drafting cycles", len(dr), "rows drafting", sum(sum(w > 1 for w in c["widths"]) for c in dr),
+          "accepted", sum(sum(c["accepted"]) for c in dr),
+          "decisions", collections.Counter(c.get("decision") for c in dr))
     print(name, "all cycles", len(recs[name]), "total ms", round(sum(sum(ph.values()) for _, ph in recs[name]) * 1000))
