@@ -1,8 +1,8 @@
 """`flashdraft.engine.argmax.argmax` picks exactly what torch's argmax picks: ties, NaNs, -inf rows, every float
 dtype, non-contiguous views, small and large tensors, and inside a compiled graph; `kth_largest` and
 `sort_descending` return torch.topk's k-th value and torch.sort's values on the same cases, `largest_sorted` the
-first m of that sort (also over probabilities, without zeros where it partitions first and with the long runs of
-zeros where it must not), `fill_below` what masked_fill does."""
+first m of that sort or all of it (also over probabilities: partitioned first without zeros, sorted whole with the
+long runs of zeros that slow a partition), `fill_below` what masked_fill does."""
 
 import pytest
 import torch
@@ -76,10 +76,14 @@ def test_largest_sorted_is_the_sorts_first_values(dtype):
     probs = torch.softmax(torch.randn(6, 8192, generator=g) * 3, -1)  # no zeros: partitioned first
     sparse = torch.softmax(torch.randn(6, 8192, generator=g) / 0.02, -1)  # most underflow to 0: sorted whole
     bf16_ties = torch.softmax(torch.randn(6, 8192, generator=g).bfloat16().float(), -1)  # runs of equal values
+    if dtype == torch.float32:
+        assert largest_sorted(probs, 1024).shape[-1] == 1024 and largest_sorted(sparse, 1024).shape[-1] == 8192
     for x in [*_cases(), probs, sparse, bf16_ties, probs[:, None].expand(6, 3, 8192)]:
         x = x.to(dtype)
         for m in (1, 7, 1024, x.shape[-1], x.shape[-1] + 5):
-            torch.testing.assert_close(largest_sorted(x, m), x.sort(dim=-1, descending=True).values[..., :m],
+            got = largest_sorted(x, m)
+            assert got.shape[-1] in (min(m, x.shape[-1]), x.shape[-1])  # the m largest, or the whole row sorted
+            torch.testing.assert_close(got, x.sort(dim=-1, descending=True).values[..., :got.shape[-1]],
                                        rtol=0, atol=0, equal_nan=True)
 
 

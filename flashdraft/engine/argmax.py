@@ -1,5 +1,5 @@
 """Selections over the last dimension through numpy on CPU: `argmax(x)` (`x.argmax(dim=-1)`), `kth_largest` (the
-value `torch.topk` would end on), `sort_descending` (a row sort's values) and `largest_sorted` (its first m); and
+value `torch.topk` would end on), `sort_descending` (a row sort's values) and `largest_sorted` (its first m, or all); and
 `fill_below`, the masking that follows them (`x.masked_fill(x < cut, value)`).
 
 torch's CPU argmax over the last dimension is not vectorised: on the AMD EPYC our benchmarks run on (one thread) it
@@ -59,13 +59,14 @@ def sort_descending(x: torch.Tensor) -> torch.Tensor:
 
 
 def largest_sorted(x: torch.Tensor, m: int) -> torch.Tensor:
-    """The m largest values of each row of x [..., n], largest first: `sort_descending(x)[..., :m]`, partitioned
-    first through numpy on CPU so that only those m are sorted, where every value is > 0 (numpy's partition slows ~10x
-    when a long run of equal values holds the split, as the zeros of probabilities under top-k or a low temperature
-    do; its sort does not)."""
+    """The m largest values of each row of x [..., n], largest first, partitioned first through numpy on CPU so that
+    only those m are sorted; where that does not pay, the whole rows sorted (`sort_descending(x)`, width n): other
+    devices and dtypes, m >= n, and rows holding a value <= 0 (numpy's partition slows ~10x when a long run of equal
+    values holds the split, as the zeros of probabilities under top-k or a low temperature do; its sort does not).
+    Either way the first m columns are `sort_descending(x)[..., :m]`."""
     n = x.shape[-1]
     if m >= n or not _through_numpy(x) or x.dtype not in (torch.float32, torch.float64) or not x.numpy().min() > 0:
-        return sort_descending(x)[..., :m]
+        return sort_descending(x)
     top = np.partition(x.numpy(), n - m, axis=-1)[..., n - m:]
     return torch.from_numpy(np.sort(top, axis=-1)[..., ::-1].copy())
 

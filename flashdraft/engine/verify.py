@@ -125,9 +125,10 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         length = torch.searchsorted(before, mass)
         return descending.gather(-1, length - 1), length
 
-    cut, length = prefix_last(largest_sorted(rows, TOP_P_CANDIDATES), mass)
-    if TOP_P_CANDIDATES < rows.shape[-1]:
-        longer = (length[:, 0] >= TOP_P_CANDIDATES).nonzero()[:, 0]
+    largest = largest_sorted(rows, TOP_P_CANDIDATES)
+    cut, length = prefix_last(largest, mass)
+    if largest.shape[-1] < rows.shape[-1]:  # only the largest were sorted: rows whose prefix reaches past them
+        longer = (length[:, 0] >= largest.shape[-1]).nonzero()[:, 0]
         if len(longer):
             cut[longer] = prefix_last(sort_descending(rows[longer]), mass[longer])[0]
     kept = fill_below(rows, cut, 0.0)
