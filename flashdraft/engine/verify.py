@@ -27,6 +27,7 @@ What this module does not know about: KV caches, positions, stop conditions (the
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +137,10 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def _per_row(value, logits: torch.Tensor) -> list:
-    """A number as one per row of logits; a sequence as it is (its length checked)."""
-    if isinstance(value, (int, float)):
+    """A number (numpy's and 0-d tensors too) as one per row of logits; a sequence as it is (its length checked)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if isinstance(value, numbers.Number):
         return [value] * logits.shape[0]
     value = list(value)
     if len(value) != logits.shape[0]:
