@@ -126,12 +126,14 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         length = torch.searchsorted(before, mass)
         return descending.gather(-1, length - 1), length
 
-    largest = largest_sorted(rows, TOP_P_CANDIDATES)
-    cut, length = prefix_last(largest, mass)
-    if largest.shape[-1] < rows.shape[-1]:  # only the largest were sorted: rows whose prefix reaches past them
-        longer = (length[:, 0] >= largest.shape[-1]).nonzero()[:, 0]
+    m = TOP_P_CANDIDATES
+    largest = largest_sorted(rows, m)  # the m largest, or the whole rows sorted
+    cut, length = prefix_last(largest[:, :m], mass)
+    if m < rows.shape[-1]:  # rows whose prefix reaches past the m largest: from the whole sort
+        longer = (length[:, 0] >= m).nonzero()[:, 0]
         if len(longer):
-            cut[longer] = prefix_last(sort_descending(rows[longer]), mass[longer])[0]
+            whole = largest[longer] if largest.shape[-1] == rows.shape[-1] else sort_descending(rows[longer])
+            cut[longer] = prefix_last(whole, mass[longer])[0]
     kept = fill_below(rows, cut, 0.0)
     return (kept / kept.sum(dim=-1, keepdim=True)).view(probs.shape)
 
