@@ -97,3 +97,10 @@ def test_fill_below_is_masked_fill():
                                            equal_nan=True)
     x = torch.randn(4, 8192, generator=g)
     assert torch.equal(fill_below(x, x[:, :1], 0.0), x.masked_fill(x < x[:, :1], 0.0))
+    probs = torch.softmax(x * 3, -1)  # non-negative: the product form; with a NaN, the general one
+    probs[0, :5] = 0.0
+    for p in (probs, probs.index_put((torch.tensor([1]), torch.tensor([7])), torch.tensor(float("nan")))):
+        cut = p.nan_to_num(0.0).median(dim=-1, keepdim=True).values
+        got, want = fill_below(p, cut, 0.0), p.masked_fill(p < cut, 0.0)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+        assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))  # no -0

@@ -76,5 +76,8 @@ def fill_below(x: torch.Tensor, cut: torch.Tensor, value: float) -> torch.Tensor
     CPU for float32 rows: entries below the cut become value, the rest (NaN included) stay."""
     if not _through_numpy(x) or x.dtype != torch.float32 or cut.dtype != torch.float32:
         return x.masked_fill(x < cut, value)
-    a = x.numpy()
-    return torch.from_numpy(np.where(a < cut.numpy(), np.float32(value), a))
+    a, c = x.numpy(), cut.numpy()
+    if value == 0.0 and a.min() >= 0:  # probabilities: a product by the comparison, ~2x faster than np.where, the
+        # same values (x >= 0: x * 1 = x, x * 0 = +0; a NaN anywhere fails the check)
+        return torch.from_numpy(a * (a >= c))
+    return torch.from_numpy(np.where(a < c, np.float32(value), a))
