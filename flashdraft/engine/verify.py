@@ -189,8 +189,7 @@ def verify(
     for rows, racing in ((greedy, False), (raced, True)):
         if not rows:
             continue
-        idx = None if len(rows) == b else torch.tensor(rows, device=device)
-        pick = (lambda t: t) if idx is None else (lambda t: t.index_select(0, idx))  # noqa: E731
+        pick = _row_picker(rows, device)
         logits = pick(target_logits)
         if racing:
             # the race on softmax(logits / T) as the argmax of logits - T log E: the form the screened read-out
@@ -200,9 +199,9 @@ def verify(
         else:
             chosen = argmax(logits)
         verdict = accept_chosen(chosen, pick(draft_tokens))
-        if idx is None:
+        if len(rows) == b:
             return verdict
-        num_accepted[idx], next_tokens[idx] = verdict.num_accepted, verdict.next_tokens
+        num_accepted[rows], next_tokens[rows] = verdict.num_accepted, verdict.next_tokens
     done = set(raced)
     rest = [r for r in range(b) if not params[r].greedy and r not in done]
     if noise is not None:
@@ -213,11 +212,7 @@ def verify(
         per_call = max(1, SAMPLED_ELEMENTS_AT_ONCE // (target_logits.shape[1] * target_logits.shape[2]))
         for start in range(0, len(rest), per_call):
             rows = rest[start:start + per_call]
-            if rows[-1] - rows[0] == len(rows) - 1:  # consecutive rows: views, not copies
-                pick = lambda t: t[rows[0]:rows[-1] + 1]  # noqa: E731
-            else:
-                idx = torch.tensor(rows, device=device)
-                pick = lambda t: t.index_select(0, idx)  # noqa: E731
+            pick = _row_picker(rows, device)
             together = [params[r] for r in rows]
             probs = target_probs(pick(target_logits), [p.temperature for p in together], [p.top_p for p in together],
                                  [p.top_k for p in together])
@@ -249,6 +244,15 @@ def verify(
         num_accepted[row] = acc
         next_tokens[row] = torch.multinomial(dist, 1, generator=gen)[0]
     return Verdict(num_accepted, next_tokens)
+
+
+def _row_picker(rows: list[int], device):
+    """Takes rows `rows` (ascending) of a tensor's first dimension: a view where they are consecutive (all rows,
+    usually), else a gather."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return lambda t: t[rows[0]:rows[-1] + 1]
+    idx = torch.tensor(rows, device=device)
+    return lambda t: t.index_select(0, idx)
 
 
 def accept_chosen(chosen: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
