@@ -212,6 +212,9 @@ def add_device_args(p) -> None:
                    help="adaptive = each row verifies the number of drafts that maximises the batch's tokens per "
                         "second under its measured acceptance and the measured step costs (down to one-token steps; "
                         "default); fixed = every row verifies the whole block every cycle")
+    p.add_argument("--no-confidence-trim", dest="confidence_trim", action="store_false",
+                   help="adaptive policy: verify the width planned before the draft, not the width the drafter's "
+                        "calibrated confidence in each draft pays for (eager fast path)")
     p.add_argument("--tree-budget", type=tree_budget_arg, default=0,
                    help="token trees: N = each drafting row verifies the N most likely draft nodes (best-first by "
                         "path probability) in one target pass; auto = the size that pays under the measured verify "
@@ -293,6 +296,7 @@ def engine_config(args, plain: bool = False):
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
                           lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),
                           lookup_steps=getattr(args, "lookup_steps", EngineConfig.lookup_steps),
+                          confidence_trim=getattr(args, "confidence_trim", EngineConfig.confidence_trim),
                           mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
 

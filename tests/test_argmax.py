@@ -2,14 +2,15 @@
 dtype, non-contiguous views, small and large tensors, and inside a compiled graph; `kth_largest` and
 `sort_descending` return torch.topk's k-th value and torch.sort's values on the same cases, `largest_sorted` the
 first m of that sort or all of it (also over probabilities: partitioned first without zeros, sorted whole with the
-long runs of zeros that slow a partition), `fill_below` what masked_fill does."""
+long runs of zeros that slow a partition), `fill_below` what masked_fill does, `argmax_and_gap` the argmax and
+torch.topk's top-two gap."""
 
 import pytest
 import torch
 
 from flashdraft.engine import argmax as argmax_module
-from flashdraft.engine.argmax import (NUMPY_FROM_ELEMENTS, argmax, fill_below, kth_largest, largest_sorted,
-                                      sort_descending)
+from flashdraft.engine.argmax import (NUMPY_FROM_ELEMENTS, argmax, argmax_and_gap, fill_below, kth_largest,
+                                      largest_sorted, sort_descending)
 
 
 def _cases():
@@ -104,3 +105,17 @@ def test_fill_below_is_masked_fill():
         got, want = fill_below(p, cut, 0.0), p.masked_fill(p < cut, 0.0)
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
         assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))  # no -0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_and_gap_is_the_argmax_and_the_top_two_gap(dtype):
+    for x in _cases():
+        if x.isnan().any() or x.isinf().all():
+            continue
+        x = x.to(dtype)
+        before = x.clone()
+        ids, gap = argmax_and_gap(x)
+        assert torch.equal(ids, x.argmax(dim=-1))
+        top = x.float().topk(2, dim=-1).values
+        torch.testing.assert_close(gap, top[..., 0] - top[..., 1])  # 0 where the maximum is tied
+        assert torch.equal(x, before)  # the caller's rows are not masked

@@ -8,10 +8,11 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (JUDGED_ROWS, JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN,
+from flashdraft.engine.policy import (CALIBRATE_EVERY, JUDGED_ROWS, JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN,
                                       MIN_HOLD, MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING, REFRESH_AFTER,
                                       SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth,
-                                      CostModel, Curve, CycleTiming, FixedWidth, Goodput, LookupGoodput,
+                                      ConfidenceCalibration, CostModel, Curve, CycleTiming, FixedWidth, Goodput,
+                                      LookupGoodput,
                                       initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
@@ -911,3 +912,168 @@ def test_lookup_copies_that_commit_less_per_second_than_bare_one_token_steps_are
     for _ in range(4 * LOOKUP_JUDGED):
         alone.record(1, 1, 20e-3, True, 5e-3)
     assert alone.allows(1) and not alone.copies
+
+
+# ---- the confidence trim: verify widths after the draft, by the drafter's calibrated confidence ------------------
+
+def _trimming_policy() -> AdaptiveWidth:
+    """A policy past its warm-up on the CPU-like machine, its one row planned at the block."""
+    policy = AdaptiveWidth(16, _measured(CPU, rows=1), ragged=True)
+    policy.widths([policy.new_row()])  # a plan, not a timing cycle
+    return policy
+
+
+def test_the_trim_verifies_as_far_as_the_drafters_confidence_pays():
+    policy = _trimming_policy()
+    row = policy.new_row()
+    sure, unsure = [0.99] * 15, [0.01] * 15
+    assert policy.trim([row], [16], {0: np.array(sure)}, 16) == [16]
+    assert policy.trim([row], [16], {0: np.array(unsure)}, 16) == [1]  # not even the first draft pays
+    # five drafts it is sure of, then none: the choice that covers them (8), not the block, not a narrower one
+    assert policy.trim([row], [16], {0: np.array(sure[:5] + unsure[5:])}, 16) == [8]
+    assert row.trimmed_to == 8 and len(row.confidence) == 15
+    assert policy.trim([row], [4], {0: np.array(sure)}, 16) == [4]  # never wider than planned
+    # one-token steps and rows without a confidence keep their widths
+    other = policy.new_row()
+    assert policy.trim([row, other], [1, 16], {0: np.array(unsure)}, 16) == [1, 16]
+
+
+def test_cycles_that_time_a_size_and_every_few_drafting_rows_are_not_trimmed():
+    policy = AdaptiveWidth(16, CostModel(), ragged=True)
+    row = policy.new_row()
+    assert policy.widths([row]) == [16] and policy.decision == "unmeasured"
+    assert policy.trim([row], [16], {0: np.full(15, 0.01)}, 16) == [16]  # it times the block
+    policy = _trimming_policy()
+    rows = [policy.new_row() for _ in range(CALIBRATE_EVERY)]
+    trimmed = policy.trim(rows, [16] * len(rows), {i: np.full(15, 0.01) for i in range(len(rows))}, 16 * len(rows))
+    assert sorted(trimmed) == [1] * (CALIBRATE_EVERY - 1) + [16]  # one row's drafts keep calibrating
+    assert all(r.confidence is not None for r in rows)
+
+
+def test_the_calibration_learns_what_a_confidence_is_worth():
+    calibration = ConfidenceCalibration()
+    assert calibration(False, np.array([0.5]))[0] == pytest.approx(0.525)  # a bin starts at its centre
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # the drafter says 0.5, its drafts are accepted 80 % of the time
+        calibration.update(False, np.array([0.5]), np.array([rng.random() < 0.8], dtype=np.float64))
+    assert calibration(False, np.array([0.51]))[0] == pytest.approx(0.8, abs=0.1)
+    assert calibration(True, np.array([0.5]))[0] == pytest.approx(0.525)  # sampled rows keep their own
+    assert calibration(False, np.array([0.95]))[0] == pytest.approx(0.975)  # other bins untouched
+
+
+def test_drafts_a_trim_left_unverified_move_the_estimates_by_their_confidence_not_as_rejections():
+    policy = _trimming_policy()
+    row = policy.new_row()
+    row.first = False
+    row.acceptance = np.full(15, 0.6)
+    confidence = np.array([0.99] * 3 + [0.01] + [0.99] * 11)
+    assert policy.trim([row], [16], {0: confidence}, 16) == [4]
+    policy.observe([row], [16], [3], None)  # the three verified drafts were accepted; the trim cut at the fourth
+    assert row.trimmed_to == 0 and row.confidence is None  # the cycle's trim is spent
+    assert (row.acceptance[:3] > 0.6).all()  # accepted
+    assert row.acceptance[3] < 0.6  # unverified, its calibrated confidence (~0.025) pulls it down
+    assert (row.acceptance[4:] > 0.6).all()  # unverified, but confident: up, not left or pushed down
+    # had the verified prefix failed, nothing after the rejection would be said
+    row2 = policy.new_row()
+    row2.first, row2.acceptance = False, np.full(15, 0.6)
+    policy.trim([row2], [16], {0: confidence}, 16)
+    policy.observe([row2], [16], [1], None)
+    assert row2.acceptance[1] < 0.6 and (row2.acceptance[2:] == 0.6).all()
+
+
+class FrozenCosts(CostModel):
+    """Cycle costs measured once on a machine (`_measured`), then kept: the policy's choices stop depending on the
+    timings of the machine running the test."""
+
+    def __init__(self, timing):
+        super().__init__()
+        for drafting in (0, 1, 2, 4, 8, 16):
+            for _ in range(1 + SETTLED):
+                super().record(timing([16] * drafting + [1] * (3 - drafting)))
+
+    def record(self, t: CycleTiming) -> None:
+        pass
+
+
+class ConfidentOracle(OracleProposer):
+    """The oracle with a confidence per draft: high where it drafts the truth, low where it corrupted it, and noisy,
+    so the default policy trims rows at every width."""
+
+    confidence = False
+
+    def propose(self, state, inp, block_size):
+        drafts, probs = super().propose(state, inp, block_size)
+        truth = torch.zeros_like(drafts, dtype=torch.bool)
+        for row, (req, history) in enumerate(zip(inp.request_ids, inp.histories)):
+            ref = self.references[req][len(history): len(history) + drafts.shape[1]]
+            truth[row, :len(ref)] = drafts[row, :len(ref)] == torch.tensor(ref, dtype=torch.long)
+        noise = torch.rand(drafts.shape, generator=self.rng) * 0.3
+        self.last_confidence = torch.where(truth, 0.7 + noise, noise)
+        return drafts, probs
+
+    def drafted_confidence(self):
+        return self.last_confidence
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_trimmed_verifies_are_lossless(arch):
+    target = make_target(arch)
+    refs = {i: p + greedy_reference(target, p, 60) for i, p in enumerate(PROMPTS)}
+    engine = SpecEngine(target, block_size=8, proposer=ConfidentOracle(refs, corrupt=0.5, seed=3))
+    assert engine.confidence_trim and engine.proposer.confidence
+    engine.costs = FrozenCosts(CPU)  # a verified token priced as on a CPU, whatever this machine's timings
+    trims = []
+    batch = engine.open_batch()
+    trim = batch.policy.trim
+    batch.policy.trim = lambda rows, widths, *a: trims.append((widths, trim(rows, widths, *a))) or trims[-1][1]
+    engine.add(batch, PROMPTS, SamplingParams(max_new_tokens=60))
+    results = {}
+    while batch.rows:
+        for e in engine.step(batch):
+            if e.finished:
+                results[e.index] = e.result
+    assert {i: r.token_ids for i, r in results.items()} == {i: refs[i][len(PROMPTS[i]):] for i in range(3)}
+    cut = [(p, t) for planned, trimmed in trims for p, t in zip(planned, trimmed) if t < p]
+    assert cut and any(t == 1 for _, t in cut) and any(t > 1 for _, t in cut)
+    assert sum(r.stats.proposed_tokens - r.stats.drafted_tokens for r in results.values()) > 0
+    # without the flag the planned widths stand
+    off = SpecEngine(target, block_size=8, proposer=ConfidentOracle(refs, corrupt=0.5, seed=3), confidence_trim=False)
+    assert not off.confidence_trim
+    assert [r.token_ids for r in off.generate(PROMPTS, SamplingParams(max_new_tokens=60))] == \
+        [refs[i][len(PROMPTS[i]):] for i in range(3)]
+
+
+def test_the_drafter_reports_its_confidence_in_each_draft():
+    """Greedy rows: p1 / (p1 + p2) of the drafter's logits; sampled rows (the race): q of the draft at the row's
+    temperature. What the trim reads is what the drafter said about the tokens in the block."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=8), draft_policy="fixed")
+    proposer = engine.proposer
+    proposer.confidence = True
+    seen, draft_logits, propose = [], proposer.drafter.draft_logits, proposer.propose
+
+    def recording_logits(hidden, lm_head):
+        seen.append(draft_logits(hidden, lm_head))
+        return seen[-1]
+
+    def recording_propose(state, inp, block_size):
+        drafts, probs = propose(state, inp, block_size)
+        seen.append((drafts, proposer.drafted_confidence(), inp.temperatures))
+        return drafts, probs
+
+    proposer.drafter.draft_logits, proposer.propose = recording_logits, recording_propose
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=0.7, seed=1)]
+    engine.generate(PROMPTS[:2], params)
+    checked = 0
+    for logits, (drafts, confidence, temperatures) in zip(seen[::2], seen[1::2]):
+        logits = logits.float()
+        top = logits.topk(2, dim=-1).values
+        for row in range(drafts.shape[0]):
+            if temperatures is None or temperatures[row] == 0:
+                expected = torch.sigmoid(top[row, :, 0] - top[row, :, 1])
+            else:
+                q = torch.softmax(logits[row] / temperatures[row], dim=-1)
+                expected = q.gather(-1, drafts[row][:, None])[:, 0]
+            torch.testing.assert_close(confidence[row], expected)
+            checked += 1
+    assert checked >= 4

@@ -167,11 +167,13 @@ SETTINGS = [
 # "-splice1": the chain continued by prompt lookup from a 1-token match on (`lookup.py`; the default engine splices
 # from 4-token matches, rare in 10 tokens), so that most drafting cycles splice
 # "-steps1": every row held at one-token steps that verify the whole prompt-lookup continuation of a 1-token match
+# "-trim": every row drafts the block, then verifies a prefix of it chosen from the drafter's confidence in its drafts
+# (the engine's confidence trim path, with a deterministic rule in place of the priced one)
 # (`lookup_steps`), so nearly every step verifies copied tokens, one-hot, through the same verifier
 CASES = [("dflash", 0), ("dflash-mixed", 1), ("dflash-fixed", 2), ("dflash-generic-path-mixed", 2), ("soft", 0),
          ("soft-mixed", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-mixed-rejection", 2),
          ("soft-mixed-rejection", 1), ("ar-rejection", 0), ("dflash-splice1", 0), ("dflash-splice1-rejection", 0),
-         ("dflash-steps1", 1), ("dflash-steps1-rejection", 2)]
+         ("dflash-steps1", 1), ("dflash-steps1-rejection", 2), ("dflash-trim", 1), ("dflash-trim-rejection", 2)]
 
 
 class MixedWidths:
@@ -191,6 +193,24 @@ class MixedWidths:
 
     def observe(self, rows, widths, accepted, timing):
         pass
+
+
+class TrimByConfidence(MixedWidths):
+    """Every row drafts the block; after the draft row i verifies 1 + (the number of its drafts whose confidence is
+    above 0.2 + 0.15 x (cycle + i) % 4), capped at the block: prefixes of every length, from the real confidences."""
+
+    trimmed = 0
+
+    def widths(self, rows, pending=None):
+        self.cycle += 1
+        return [self.block_size] * len(rows)
+
+    def trim(self, rows, widths, confidence, drafted_tokens):
+        out = list(widths)
+        for i, conf in confidence.items():
+            out[i] = min(widths[i], 1 + int((conf > 0.2 + 0.15 * ((self.cycle + i) % 4)).sum()))
+            TrimByConfidence.trimmed += out[i] < widths[i]
+        return out
 
 
 class LookupEveryStep(AdaptiveWidth):
@@ -223,9 +243,9 @@ def count_splices(engine):
     count, splice_lookups = [0], engine._splice_lookups
 
     def counting(rows, drafting, block):
-        before = sum(r.stats.lookup_splices for r in rows)
-        splice_lookups(rows, drafting, block)
-        count[0] += sum(r.stats.lookup_splices for r in rows) - before
+        continued = splice_lookups(rows, drafting, block)
+        count[0] += len(continued)
+        return continued
     engine._splice_lookups = counting
     return lambda: count[0]
 
@@ -236,6 +256,9 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
     sampler = "rejection" if method.endswith("-rejection") else "gumbel"
     if "-mixed" in method:
         monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, *a, **k: MixedWidths(block_size))
+    if "-trim" in method:
+        monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, *a, **k: TrimByConfidence(block_size))
+        TrimByConfidence.trimmed = 0
     if "-steps1" in method:
         monkeypatch.setattr(engine_module, "new_policy", lambda name, block_size, costs, ragged, priors, *a, **k:
                             LookupEveryStep(block_size, costs, ragged, priors))
@@ -256,6 +279,8 @@ def test_sampling_matches_target_distribution(target, drafter, method, setting, 
         assert splices() > 100, f"{method}: only {splices()} cycles spliced"  # the path under test ran
     if lookups is not None:
         assert lookups() > 1000, f"{method}: only {lookups()} lookup steps"
+    if "-trim" in method:
+        assert engine.confidence_trim and TrimByConfidence.trimmed > 1000, f"{method}: {TrimByConfidence.trimmed} trims"
     p_value, tv = fit(exact, counts)
     tv_floor = null_total_variation(exact, N_SAMPLES)
     assert p_value > P_MIN and tv < 1.5 * tv_floor + 0.01, (

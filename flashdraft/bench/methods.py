@@ -10,6 +10,7 @@
 - `dflash-drafter` the same without prompt lookup (`--lookup-splice 0 --lookup-steps 0`): the drafter's own
                   chain, what lookup is measured against.
 - `dflash-no-lookup-steps` the same without lookup continuations at one-token steps (`--lookup-steps 0`).
+- `dflash-no-trim` the same verifying the widths the policy planned before the draft (`--no-confidence-trim`).
 - `hf-dflash`     transformers' built-in DFlash loop (`speculation_type="dflash"`, batch 1) with our drafter's
                   weights (`flashdraft.model.hf_export`).
 - `hf-assisted`   transformers assisted generation with a small autoregressive draft model (`assistant.py`),
@@ -37,12 +38,13 @@ import torch
 from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
 
 LOSSLESS_METHODS = ("ar", "dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter",
-                    "dflash-no-lookup-steps", "hf-dflash", "hf-assisted", "prompt-lookup", "zlab")
+                    "dflash-no-lookup-steps", "dflash-no-trim", "hf-dflash", "hf-assisted", "prompt-lookup", "zlab")
 ALL_METHODS = LOSSLESS_METHODS
 DRAFTER_METHODS = ("dflash", "dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps",
-                   "hf-dflash", "zlab")  # need one
+                   "dflash-no-trim", "hf-dflash", "zlab")  # need one
 # side-by-side variants, and the peer that needs a side environment
-ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps", "zlab")
+ON_REQUEST_METHODS = ("dflash-fixed", "dflash-chain", "dflash-tree", "dflash-drafter", "dflash-no-lookup-steps",
+                      "dflash-no-trim", "zlab")
 DEFAULT_METHODS = tuple(m for m in ALL_METHODS if m not in ON_REQUEST_METHODS)
 
 

@@ -75,7 +75,8 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
                        "dflash-chain": replace(cfg.engine, tree_budget=0, lookup_ngram=0),
                        "dflash-tree": replace(cfg.engine, lookup_ngram=0),
                        "dflash-drafter": replace(cfg.engine, lookup_splice=0, lookup_steps=0),
-                       "dflash-no-lookup-steps": replace(cfg.engine, lookup_steps=0)}
+                       "dflash-no-lookup-steps": replace(cfg.engine, lookup_steps=0),
+                       "dflash-no-trim": replace(cfg.engine, confidence_trim=False)}
     for name in names:
         if name == "ar":
             methods.append(EngineMethod("ar", target, None, tokenizer, params, cfg.engine.plain()))

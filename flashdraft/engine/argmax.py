@@ -1,4 +1,5 @@
-"""Selections over the last dimension through numpy on CPU: `argmax(x)` (`x.argmax(dim=-1)`), `kth_largest` (the
+"""Selections over the last dimension through numpy on CPU: `argmax(x)` (`x.argmax(dim=-1)`; `argmax_and_gap` also
+the gap to the runner-up), `kth_largest` (the
 value `torch.topk` would end on), `sort_descending` (a row sort's values) and `largest_sorted` (its first m, or
 all); and `fill_below`, the masking that follows them (`x.masked_fill(x < cut, value)`).
 
@@ -39,6 +40,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()  # numpy has no bf16; fp16 -> fp32 and bf16 -> fp32 are exact, so the order is kept
     return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1), dtype=np.int64))
+
+
+def argmax_and_gap(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`argmax(x)`, the largest value of each row minus its second largest, in float32 [...]): two passes over a
+    float32 copy of the rows through numpy on CPU (the largest masked, then the max), where a top-2 selection or a
+    softmax costs 4-7x the argmax (~0.15 ms more for a drafted block's logits [1, 15, 8192])."""
+    if not _through_numpy(x):
+        top = x.float().topk(2, dim=-1).values
+        return x.argmax(dim=-1), top[..., 0] - top[..., 1]
+    a = x.float().numpy() if x.dtype != torch.float32 else x.numpy().copy()  # ours to mask
+    ids = a.argmax(axis=-1)[..., None]
+    first = np.take_along_axis(a, ids, axis=-1)
+    np.put_along_axis(a, ids, -np.inf, axis=-1)
+    return (torch.from_numpy(np.asarray(ids[..., 0], dtype=np.int64)),
+            torch.from_numpy((first - a.max(axis=-1, keepdims=True))[..., 0]))
 
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -70,6 +70,10 @@ class EngineConfig:
     # price for each further token pays (`AdaptiveWidth.lookup_widths`: the row's own lookup acceptance against the
     # cost per verified token). Ragged verification only (the eager fast path). 0 = off
     lookup_steps: int = 4
+    # the adaptive policy trims each drafting row's verify after the draft, to the width whose drafts' calibrated
+    # confidence (the drafter's probability of each, `AdaptiveWidth.trim`) pays for verifying them. Ragged eager
+    # verification with a DFlash drafter only; False: rows verify the width planned before the draft
+    confidence_trim: bool = True
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -89,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"lookup_splice must be an integer in [0, {MAX_NGRAM}], got {self.lookup_splice!r}")
         if not integer(self.lookup_steps) or not 0 <= self.lookup_steps <= MAX_NGRAM:
             raise ValueError(f"lookup_steps must be an integer in [0, {MAX_NGRAM}], got {self.lookup_steps!r}")
+        if not isinstance(self.confidence_trim, bool):
+            raise ValueError(f"confidence_trim must be True or False, got {self.confidence_trim!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}")
         if self.sampler not in SAMPLERS:

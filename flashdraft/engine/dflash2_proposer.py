@@ -19,11 +19,13 @@ How each position's token is picked, per row:
   draw from torch's global generator, not the request's seeded one: such output is exact in distribution but not
   reproducible per seed.
 
-Per-position confidence for a draft policy: with `confidence=True`, after each `propose` the field
-`last_confidence` (`DraftConfidence`) holds, per live row and draft position, the selector's probability of the
-token it chose (q at the row's temperature, T = 1 for greedy rows; 0 for a token outside the candidates) and the
-marginal's probability of the same token (softmax of the drafter's logits at that temperature). Nothing reads them
-yet (`scripts/dflash2/calibration.py` measures how well they predict acceptance).
+Per-position confidence for a draft policy: with `confidence=True` (which the engine sets where its policy trims
+verify widths by it), after each `propose` the field `last_confidence` (`DraftConfidence`) holds, per live row and
+draft position, the selector's probability of the token it chose (q at the row's temperature, T = 1 for greedy
+rows; 0 for a token outside the candidates) and the marginal's probability of the same token (softmax of the
+drafter's logits at that temperature); `drafted_confidence()` gives the policy the one of the distribution that
+drafted the row: the selector's for greedy rows (and sampled rows racing on it), the marginal's for rows racing on
+the marginal (`scripts/dflash2/calibration.py` measures how well each predicts acceptance).
 
 What this module does not know about: the target's KV cache, verification and how many tokens to draft.
 """
@@ -44,6 +46,7 @@ class DraftConfidence:
 
     selector: torch.Tensor
     marginal: torch.Tensor
+    drafted: torch.Tensor  # the one of the distribution each row drafted from (`drafted_confidence`)
 
 
 # A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
@@ -99,7 +102,8 @@ class DFlash2Proposer(DFlashProposer):
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block, positions, context_len,
                       noise=None, inverse_temperature=None, greedy_rows=None):
         """(drafts [b, k], q over the vocabulary [b, k, V] for rejection-sampled rows or None, then the selector's
-        and the marginal's probability of each draft [b, k], or None without `confidence`)."""
+        and the marginal's probability of each draft [b, k] and the drafting distribution's, or None without
+        `confidence`)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.compute_logits(hidden, self.lm_head)
         sampling = noise is None and inverse_temperature is not None
@@ -107,7 +111,7 @@ class DFlash2Proposer(DFlashProposer):
         raced = marginal_race(logits, noise, inverse_temperature) \
             if noise is not None and self.sampled_race == "marginal" else None
         if raced is not None and greedy_rows is None and not self.confidence:
-            return raced, None, None, None  # every row sampled: the walk is not needed
+            return raced, None, None, None, None  # every row sampled: the walk is not needed
         if noise is not None and raced is None:
             choose = race_choice(noise, inverse_temperature)
         elif sampling:
@@ -120,7 +124,7 @@ class DFlash2Proposer(DFlashProposer):
         if raced is not None:
             tokens = raced if greedy_rows is None else torch.where(greedy_rows[:, None], tokens, raced)
         if not (sampling or self.confidence):
-            return tokens, None, None, None
+            return tokens, None, None, None, None
         # the row's temperature for sampled rows, 1 for greedy ones
         scale = torch.ones(tokens.shape[0], device=tokens.device) if inverse_temperature is None else \
             torch.where(inverse_temperature > 0, inverse_temperature, 1.0)
@@ -128,13 +132,19 @@ class DFlash2Proposer(DFlashProposer):
         draft_probs = torch.zeros(*tokens.shape, logits.shape[-1], device=q.device).scatter_(
             -1, candidates, q) if sampling else None
         if not self.confidence:
-            return tokens, draft_probs, None, None
+            return tokens, draft_probs, None, None, None
         selector = (q * (candidates == tokens[..., None])).sum(-1)
-        marginal = torch.softmax(logits.float() * scale[:, None, None], dim=-1)
-        return tokens, draft_probs, selector, marginal.gather(-1, tokens[..., None])[..., 0]
+        marginal = torch.softmax(logits.float() * scale[:, None, None], dim=-1).gather(-1, tokens[..., None])[..., 0]
+        # rows that raced the marginal are judged by it, the others (greedy, the selector's race or samples) by q
+        drafted = selector if raced is None else marginal if greedy_rows is None else \
+            torch.where(greedy_rows[:, None], selector, marginal)
+        return tokens, draft_probs, selector, marginal, drafted
+
+    def drafted_confidence(self) -> torch.Tensor | None:
+        return None if self.last_confidence is None else self.last_confidence.drafted
 
     def _proposal(self, drafts, live: int, device):
-        tokens, draft_probs, selector, marginal = drafts
-        if selector is not None:
-            self.last_confidence = DraftConfidence(selector[:live].to(device), marginal[:live].to(device))
+        tokens, draft_probs, selector, marginal, drafted = drafts
+        if drafted is not None:
+            self.last_confidence = DraftConfidence(*(t[:live].to(device) for t in (selector, marginal, drafted)))
         return tokens[:live].to(device), None if draft_probs is None else draft_probs[:live].to(device)

@@ -330,6 +330,12 @@ class SpecEngine:
         self._compiled_drafts = getattr(self.proposer, "compiled", False)  # graphs that write context as they draft
         self.drafts_to_width = self.block_size > 1 and not self._compiled_drafts and self.tree_budget in (0, "auto")
         self.width_choices = width_choices(self.block_size) if self.drafts_to_width else (1, self.block_size)
+        # drafting rows' verifies trimmed after the draft by the drafter's confidence in each draft (`policy.trim`):
+        # the adaptive policy on ragged eager verification, with a drafter that reports it
+        self.confidence_trim = (config.confidence_trim and config.draft_policy == "adaptive" and self.ragged
+                                and self.drafts_to_width and hasattr(self.proposer, "drafted_confidence"))
+        if self.confidence_trim:
+            self.proposer.confidence = True
         why_no_trees = (("compiled steps verify one width" if self.block_step is not None else None)
                         or ("the generic target path has no tree attention" if self.fast is None else None)
                         or ("exact mode attends by position" if exact else None)
@@ -733,8 +739,12 @@ class SpecEngine:
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
         else:
-            block, positions, draft_probs, context = self._propose(batch, drafting, max(verified), draft_width,
-                                                                   noise, copies)
+            block, positions, draft_probs, context, confidence = self._propose(batch, drafting, max(verified),
+                                                                               draft_width, noise, copies)
+            if confidence and forced_width is None and hasattr(batch.policy, "trim"):  # each drafting row verifies
+                verified = batch.policy.trim([r.acceptance for r in rows], verified, confidence,  # as far as its
+                                             len(drafting) * draft_width)  # drafts' confidence pays
+                block, positions = block[:, :max(verified)], positions[:, :max(verified)]
             drafted_at = self._clock()
             prof.mark("draft")
             groups = width_groups(verified, block.device)
@@ -744,7 +754,7 @@ class SpecEngine:
             prof.mark("target")
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
-        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies)
+        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies, set(drafting))
         if joining:
             self._join(batch, joining, seated[0], prompt_outputs)
         prof.mark("commit")
@@ -822,22 +832,24 @@ class SpecEngine:
                  noise: list[torch.Tensor] | None, copies: dict[int, list[int]]):
         """Each row's block `[bonus, d_1 .. d_{width-1}]` at its next positions (rows that do not draft: the bonus,
         then their lookup continuation in `copies` or filler that is never verified), and the drafts'
-        distributions (None: one-hot drafts), drafted as a block of `draft_width` >= `width` positions; and
-        (positions, seconds) of the pending context written apart first (eager drafters: the policy prices that
-        write by its size, rows x the longest pending)."""
+        distributions (None: one-hot drafts), drafted as a block of `draft_width` >= `width` positions; (positions,
+        seconds) of the pending context written apart first (eager drafters: the policy prices that write by its
+        size, rows x the longest pending); and with `confidence_trim`, {drafting row: the drafter's confidence in
+        each of its drafts} (rows whose chain prompt lookup continued are left out: their drafts are not the
+        drafter's), else None."""
         rows, dev = batch.rows, self.target.device
         bonus = torch.tensor([r.bonus for r in rows], dtype=torch.long, device=dev)
         n_cached = torch.tensor([r.n_cached for r in rows], dtype=torch.long, device=dev)
         positions = n_cached[:, None] + torch.arange(width, device=dev)[None]
         context = (0, 0.0)
         if not drafting and not copies:
-            return bonus[:, None], positions, None, context
+            return bonus[:, None], positions, None, context, None
         block = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
         block[:, 0] = bonus
         for i, copy in copies.items():
             block[i, 1:1 + len(copy)] = torch.tensor(copy, dtype=torch.long)
         if not drafting:
-            return block, positions, None, context
+            return block, positions, None, context, None
         inp = self._proposal_input(batch, drafting, noise, draft_width)
         written = inp.new_features
         if written is not None and written.values.shape[1] and not self._compiled_drafts:
@@ -851,9 +863,14 @@ class SpecEngine:
             block[:, 1:1 + drafted] = drafts[:, :drafted]
         else:
             block[inp.draft_rows, 1:1 + drafted] = drafts[:, :drafted]
+        spliced = []
         if self.lookup_splice and draft_probs is None and drafted > 1:  # drafts with a q keep the drafter's tokens
-            self._splice_lookups(rows, drafting, block[:, :1 + drafted])
-        return block, positions, draft_probs, context
+            spliced = self._splice_lookups(rows, drafting, block[:, :1 + drafted])
+        confidence = self.proposer.drafted_confidence() if self.confidence_trim else None
+        if confidence is not None:
+            confidence = {i: c for i, c in zip(drafting, confidence[:, :drafted].float().cpu().numpy())
+                          if i not in spliced}
+        return block, positions, draft_probs, context, confidence
 
     def _lookup_copies(self, batch: Batch, widths: list[int]
                        ) -> tuple[dict[int, list[int]], tuple[list[int], float] | tuple[()]]:
@@ -886,10 +903,10 @@ class SpecEngine:
         lengths = price([rows[i].acceptance for i in found], [len(c) for c in found.values()], widths)
         return {i: copy[:n] for (i, copy), n in zip(found.items(), lengths) if n}, search
 
-    def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> None:
+    def _splice_lookups(self, rows: list[_Row], drafting: list[int], block: torch.Tensor) -> set[int]:
         """Drafting rows whose context's last tokens occurred before: their chain continued by what followed, where
-        that starts with the drafter's first draft (`lookup.py`)."""
-        chains = block[drafting, 1:].tolist()
+        that starts with the drafter's first draft (`lookup.py`). Returns the rows continued."""
+        chains, continued = block[drafting, 1:].tolist(), set()
         for i, drafts in zip(drafting, chains):
             r = rows[i]
             r.lookup.extend(r.prompt, r.output)
@@ -897,6 +914,8 @@ class SpecEngine:
             if spliced is not None:
                 block[i, 1:] = torch.tensor(spliced, dtype=block.dtype)
                 r.stats.lookup_splices += 1
+                continued.add(i)
+        return continued
 
     def _proposal_input(self, batch: Batch, drafting: list[int], noise: list[torch.Tensor] | None,
                         draft_width: int) -> ProposalInput:
@@ -1096,9 +1115,10 @@ class SpecEngine:
         return accepted, next_tokens
 
     def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens, draft_width: int,
-                      copies: dict[int, list[int]]) -> None:
+                      copies: dict[int, list[int]], drafting: Sequence[int] = ()) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
-        the drafter. `copies`: rows whose one-token step verified a lookup continuation (`_lookup_copies`)."""
+        the drafter. `copies`: rows whose one-token step verified a lookup continuation (`_lookup_copies`);
+        `drafting`: rows that drafted (a confidence trim may have left one verifying its bonus alone)."""
         rows, width = batch.rows, block.shape[1]
         kept = torch.tensor(accepted, device=block.device)
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
@@ -1115,7 +1135,7 @@ class SpecEngine:
                 r.stats.lookup_steps += 1
                 r.stats.lookup_drafts += w - 1
                 r.stats.lookup_accepted += a
-            elif w > 1:
+            elif w > 1 or i in drafting:
                 r.stats.acceptance_lengths.append(a + 1)
                 r.stats.verify_widths.append(w)
                 r.stats.draft_lengths.append(draft_width)

@@ -2,7 +2,9 @@
 
 Before a cycle the engine asks `widths(rows)` for one verify width per row: w tokens = the bonus + w - 1 drafts,
 or w = 1, a one-token step without a draft (the same verifier; the target's features still reach the drafter).
-After the cycle it reports `observe(rows, widths, accepted, timing)`. A row's policy state (`RowAcceptance`) is
+After the draft it may ask `trim(rows, widths, confidence, drafted_tokens)` for narrower widths, by the drafter's
+confidence in each draft (the confidence trim, below). After the cycle it reports
+`observe(rows, widths, accepted, timing)` with the planned widths. A row's policy state (`RowAcceptance`) is
 created by `new_row()` and travels with the row.
 
 - `FixedWidth`: every row verifies the full block every cycle (`draft_policy="fixed"`).
@@ -65,6 +67,14 @@ created by `new_row()` and travels with the row.
     everything else here. From GOODPUT_ROWS rows what cycles with copies commit per second is checked against
     bare one-token steps at the same load (`LookupGoodput`), and a load where copies gave less searches none for
     a hold.
+
+  - the confidence trim (`trim`): after the draft, each drafting row verifies the width up to its planned one
+    whose expected accepted drafts best pay for their verification at the cycle's expected rate; a draft
+    survives with the product of the calibrated confidences up to it (`ConfidenceCalibration`: the drafter's
+    confidence -> P(accepted | the drafts before it were), per kind of row, learnt from verified drafts). Drafts a
+    trim left unverified after an accepted prefix move the acceptance estimates by their calibrated confidence, not
+    as rejections; every CALIBRATE_EVERY-th drafting row and cycles that time a size are not trimmed; plans price a
+    drafting row by the share of drafts the trim has been verifying at its width (`verified_share`).
 
 Decisions depend on timing, so they depend on the machine's load; the output does not: greedy rows commit the
 target's argmax and sampled rows under the default counter-based noise commit plain decoding's tokens whatever is
@@ -146,6 +156,12 @@ LOOKUP_JUDGED = 8
 SEARCH_PROBE_EVERY, SEARCH_MEMORY = 16, 512
 
 NUMBER = (int, float, np.integer, np.floating)
+
+
+# the confidence trim (`AdaptiveWidth.trim`): the drafter's probability of a draft is calibrated into P(accepted |
+# the drafts before it were) in CONFIDENCE_BINS equal bins per kind of row (`ConfidenceCalibration`); every
+# CALIBRATE_EVERY-th drafting row is left untrimmed, so the bins a trim cuts at still see drafts verified
+CONFIDENCE_BINS, CALIBRATE_EVERY = 20, 16
 
 
 def width_choices(block_size: int) -> tuple[int, ...]:
@@ -461,23 +477,78 @@ class CostModel:
         return body + (np.where(drafted_tokens > 0, draft, 0.0) if draft is not None else 0.0)
 
 
+def seconds_at(curve: Curve, size: int) -> float:
+    return float(curve(size) or 0.0)
+
+
+def trimmed_width(survival: np.ndarray, choices: list[int], per_token: float) -> int:
+    """The verify width, among `choices` up to 1 + len(survival) or 1, whose expected accepted drafts (the sum of
+    the survivals of the drafts it verifies) minus `per_token` per draft verified is the largest."""
+    best, best_net = 1, 0.0
+    for c in choices:
+        if c - 1 > len(survival):
+            break
+        net = float(survival[:c - 1].sum()) - per_token * (c - 1)
+        if net > best_net:
+            best, best_net = c, net
+    return best
+
+
 def reached(width: int, accepted: int) -> int:
     """Draft positions a cycle verified with every draft before them accepted: what it says about acceptance."""
     return min(accepted + 1, width - 1)
 
 
-def smooth_acceptance(acceptance: np.ndarray, width: int, accepted: int, rate) -> None:
-    """Move acceptance estimates towards what a draft verified at `width` showed: positions 1 .. accepted were
-    accepted, the next one (if verified) was not; positions after it were not reached, so they keep their
-    estimate. `rate`: one weight, or one per reached position."""
+def outcomes(width: int, accepted: int, imputed: np.ndarray | None = None) -> np.ndarray:
+    """What a draft verified at `width` says about its positions, from the first: 1 for each accepted, 0 for the
+    first rejected (if verified); then `imputed`: the calibrated confidence of the positions a confidence trim left
+    unverified after an accepted prefix (`AdaptiveWidth.trim`), their acceptance as far as anything tells."""
     n = reached(width, accepted)
-    acceptance[:n] += rate * ((accepted > np.arange(n)) - acceptance[:n])
+    seen = (accepted > np.arange(n)).astype(np.float64)
+    return seen if imputed is None or not len(imputed) else np.concatenate([seen, imputed])
+
+
+def smooth_acceptance(acceptance: np.ndarray, width: int, accepted: int, rate,
+                      imputed: np.ndarray | None = None) -> None:
+    """Move acceptance estimates towards what a draft verified at `width` showed (`outcomes`); positions after the
+    first rejected one were not reached, so they keep their estimate. `rate`: one weight, or one per position
+    `outcomes` gives."""
+    seen = outcomes(width, accepted, imputed)
+    acceptance[:len(seen)] += rate * (seen - acceptance[:len(seen)])
 
 
 def expected_gains(acceptance: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """Expected accepted drafts when verifying each of `widths` (> 1) tokens: the survivals of positions 1 .. w - 1
     (each the product of the acceptances up to it), summed."""
     return np.cumsum(np.cumprod(acceptance))[widths - 2]
+
+
+class ConfidenceCalibration:
+    """P(a draft is accepted | the drafts before it were) by the drafter's probability c of it, per kind of row
+    (greedy, sampled), in CONFIDENCE_BINS equal bins of c. A bin starts at its centre, the drafter's own word (the
+    shipped drafter is under-confident: greedy drafts it gave 0.5-0.6 were accepted 65 % of the time, so the start
+    trims more than it needs to), counted as one draft, and is a mean of the drafts verified in it until it has
+    seen 1 / PRIOR_SMOOTHING of them, then a moving average (a drafter's calibration is its own, and it drifts with
+    the traffic)."""
+
+    def __init__(self):
+        centres = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
+        self.table = {False: centres.copy(), True: centres.copy()}
+        self.seen = {False: np.ones(CONFIDENCE_BINS), True: np.ones(CONFIDENCE_BINS)}
+
+    @staticmethod
+    def bins(confidence: np.ndarray) -> np.ndarray:
+        return np.clip((confidence * CONFIDENCE_BINS).astype(np.int64), 0, CONFIDENCE_BINS - 1)
+
+    def __call__(self, sampled: bool, confidence: np.ndarray) -> np.ndarray:
+        return self.table[sampled][self.bins(confidence)]
+
+    def update(self, sampled: bool, confidence: np.ndarray, accepted: np.ndarray) -> None:
+        """Drafts verified with every draft before them accepted: their confidence and whether each was accepted."""
+        table, seen = self.table[sampled], self.seen[sampled]
+        for b, ok in zip(self.bins(confidence).tolist(), accepted.tolist()):
+            seen[b] += 1
+            table[b] += max(PRIOR_SMOOTHING, 1.0 / seen[b]) * (ok - table[b])
 
 
 class AcceptancePriors:
@@ -510,24 +581,38 @@ class AcceptancePriors:
         # start, one token, counting as one)
         self.search_yield = {False: 1.0, True: 1.0}
         self.searches = {False: 1, True: 1}
+        self.calibration = ConfidenceCalibration()  # of the drafter's per-draft probabilities (`AdaptiveWidth.trim`)
+        # the share of a row's drafts its confidence trim verifies, by the width planned (index = width), per kind:
+        # what plans price a drafting row's verify by (1 until trims were seen; a mean, then a moving average)
+        self.verified_share = {False: np.ones(block_size + 1), True: np.ones(block_size + 1)}
+        self.trims_seen = {False: np.zeros(block_size + 1), True: np.zeros(block_size + 1)}
 
     def __getitem__(self, sampled: bool) -> np.ndarray:
         return self.by_kind[sampled]
 
-    def update(self, sampled: bool, width: int, accepted: int, first: bool = False) -> None:
-        """A draft of a row of this kind (`first`: the row's first) that accepted `accepted` of `width` - 1."""
-        rate = self._mean_rate(self.seen["sampled"], width, accepted) if sampled else PRIOR_SMOOTHING
-        smooth_acceptance(self.by_kind[sampled], width, accepted, rate)
+    def update(self, sampled: bool, width: int, accepted: int, first: bool = False,
+               imputed: np.ndarray | None = None) -> None:
+        """A draft of a row of this kind (`first`: the row's first) that accepted `accepted` of `width` - 1
+        (`imputed`: as `outcomes`)."""
+        n = len(outcomes(width, accepted, imputed))
+        rate = self._mean_rate(self.seen["sampled"], n) if sampled else PRIOR_SMOOTHING
+        smooth_acceptance(self.by_kind[sampled], width, accepted, rate, imputed)
         if first:
-            rate = self._mean_rate(self.seen[sampled], width, accepted)
-            smooth_acceptance(self.first[sampled], width, accepted, rate)
+            smooth_acceptance(self.first[sampled], width, accepted, self._mean_rate(self.seen[sampled], n), imputed)
 
     def update_lookup(self, sampled: bool, width: int, accepted: int) -> None:
         """A lookup continuation verified at a one-token step; the sampled rows' lookup prior is a mean at first, as
         their drafts' is (at temperature 1 a copy is rarely the target's sample: moving slowly from 0.9, the prior
         kept new rows verifying copies through a whole served load)."""
-        rate = self._mean_rate(self.seen["lookup"], width, accepted) if sampled else PRIOR_SMOOTHING
+        rate = self._mean_rate(self.seen["lookup"], reached(width, accepted)) if sampled else PRIOR_SMOOTHING
         smooth_acceptance(self.lookup[sampled], width, accepted, rate)
+
+    def update_share(self, sampled: bool, planned: int, verified: int) -> None:
+        """A row of this kind planned at `planned` verified `verified` after its confidence trim."""
+        seen = self.trims_seen[sampled]
+        seen[planned] += 1
+        share = self.verified_share[sampled]
+        share[planned] += max(PRIOR_SMOOTHING, 1.0 / seen[planned]) * ((verified - 1) / (planned - 1) - share[planned])
 
     def update_search(self, sampled: bool, searches: int, gained: int) -> None:
         """`searches` rows of this kind were searched for a copy and their copies gave `gained` accepted tokens."""
@@ -536,10 +621,10 @@ class AcceptancePriors:
         self.search_yield[sampled] += min(1.0, weight) * (gained / searches - self.search_yield[sampled])
 
     @staticmethod
-    def _mean_rate(seen: np.ndarray, width: int, accepted: int):
-        """A mean of the drafts that reached each position (the optimistic start counting as one) until it has seen
-        1 / PRIOR_SMOOTHING of them, then a moving average."""
-        n = reached(width, accepted)
+    def _mean_rate(seen: np.ndarray, n: int):
+        """For a draft that says something about its first n positions: a mean of the drafts that did so at each
+        position (the optimistic start counting as one) until it has seen 1 / PRIOR_SMOOTHING of them, then a
+        moving average."""
         seen[:n] += 1
         return np.maximum(PRIOR_SMOOTHING, 1.0 / (seen[:n] + 1))
 
@@ -558,12 +643,16 @@ class RowAcceptance:
     first: bool = False  # has not drafted yet: `acceptance` is priced as a first draft (`AcceptancePriors.first`)
     # the same estimates for prompt-lookup continuations verified at one-token steps (`lookup_widths`)
     lookup: np.ndarray | None = None
+    # this cycle's confidence trim (`AdaptiveWidth.trim`), until `observe`: the drafter's probability of each draft
+    # up to the planned width, and the width verified (0: not trimmed)
+    confidence: np.ndarray | None = None
+    trimmed_to: int = 0
 
     def gains(self, widths: np.ndarray) -> np.ndarray:
         return expected_gains(self.acceptance, widths)
 
-    def update(self, width: int, accepted: int) -> None:
-        smooth_acceptance(self.acceptance, width, accepted, SMOOTHING)
+    def update(self, width: int, accepted: int, imputed: np.ndarray | None = None) -> None:
+        smooth_acceptance(self.acceptance, width, accepted, SMOOTHING, imputed)
 
 
 class FixedWidth:
@@ -613,6 +702,8 @@ class AdaptiveWidth:
         # probe whose drafting row verifies the block to re-time its price, `_refresh`), "unmeasured" /
         # "unmeasured load" (no cycle timed yet / none of this many rows)
         self.decision: str | None = None
+        self._timing = False  # this cycle's widths were chosen to time a cycle size: `trim` leaves them
+        self._since_untrimmed = 0  # drafting rows trimmed since one was left untrimmed (`CALIBRATE_EVERY`)
 
     def new_row(self, sampled: bool = False) -> RowAcceptance:
         # a first draft is priced by the lower of the two priors: while few first drafts were seen, theirs is still
@@ -637,13 +728,13 @@ class AdaptiveWidth:
         # for the whole batch (16 rows on CPU: 16 drafting rows in a 63 ms cycle that gave a third less than
         # one-token steps); one at a time, each is judged on what drafting that one row costs
         due = [i for i, r in enumerate(rows) if r.plain_steps >= r.plain_run and not r.probing]
-        probe = None
+        probe, self._timing = None, False
         if due and not any(r.probing for r in rows):
             probe = max(due, key=lambda i: rows[i].plain_steps - rows[i].plain_run)  # the longest overdue first
             r = rows[probe]
             r.judged, r.acceptance, r.probing = r.acceptance, initial_prior(self.block_size), True
         if not self.costs.body.points:  # nothing measured yet: draft, then judge
-            self.decision = "unmeasured"
+            self.decision, self._timing = "unmeasured", True
             return [self.block_size] * n
         if not self.costs.body.known(n):  # a one-token step of this many rows was never measured
             self.decision = "unmeasured load"
@@ -667,7 +758,8 @@ class AdaptiveWidth:
                 rows[i].planned = True
             if probe is None:
                 return plan.tolist()
-            plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]))
+            plan[probe] = self._alone(rows[probe].gains(self.drafting_widths), n, int(pending[probe]),
+                                      self._verified_drafts(rows[probe]))
             self._explore(plan, probe, n)
             if plan[probe] == 1:
                 self._declined(rows[probe])
@@ -677,7 +769,8 @@ class AdaptiveWidth:
                 self.decision = "refresh"
         else:
             self.decision = "plan"
-            plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending)
+            plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending,
+                              np.stack([self._verified_drafts(r) for r in rows]))
             self._explore(plan, probe, n)
             if self._refresh(plan, rows):
                 self.decision = "refresh"
@@ -695,7 +788,7 @@ class AdaptiveWidth:
         the one with the least pending context costs least to draft."""
         for sampled in {rows[i].sampled for i in joined}:
             i = min((i for i in joined if rows[i].sampled == sampled), key=lambda i: pending[i])
-            if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i])) > 1:
+            if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i]), self._verified_drafts(rows[i])) > 1:
                 return True
         return False
 
@@ -704,6 +797,7 @@ class AdaptiveWidth:
         cycle it needs is priced by an unsettled size (`_unsettled`)."""
         if probe is not None and plan[probe] == 1 and self._unsettled(n):
             plan[probe if self.ragged else slice(None)] = self.block_size
+            self._timing = True
 
     def _refresh(self, plan: np.ndarray, rows: list[RowAcceptance]) -> bool:
         """Re-time the block's price when it is old (`REFRESH_AFTER`): the drafting row of the plan that would gain
@@ -732,6 +826,7 @@ class AdaptiveWidth:
             plan[i] = block
         else:
             plan[plan > 1] = block
+        self._timing = True
         return True
 
     def _unsettled(self, n: int) -> bool:
@@ -749,23 +844,30 @@ class AdaptiveWidth:
         r.acceptance, r.probing, r.plain_steps = r.judged, False, 0
         r.plain_run = min(2 * r.plain_run, MAX_PLAIN_RUN)
 
-    def _alone(self, gains: np.ndarray, n: int, pending: int) -> int:
+    def _verified_drafts(self, r: RowAcceptance) -> np.ndarray:
+        """The drafts a row planned at each drafting width is expected to verify: all of them, less what the
+        confidence trim has been cutting at that width (`AcceptancePriors.verified_share`)."""
+        return self.priors.verified_share[r.sampled][self.drafting_widths] * (self.drafting_widths - 1)
+
+    def _alone(self, gains: np.ndarray, n: int, pending: int, drafts: np.ndarray) -> int:
         """The width at which one row drafting beside n - 1 one-token steps gives the most expected tokens per
-        second, 1 when none beats one-token steps for all."""
+        second, 1 when none beats one-token steps for all (`drafts`: the drafts it would verify at each width)."""
         plain_s = self.costs.cycle(n, 0)
         best, best_rate = 1, n / plain_s if plain_s else 0.0
-        for w, length, gain in zip(self.drafting_widths.tolist(), self.draft_lengths.tolist(), gains.tolist()):
-            seconds = self.costs.cycle(n + w - 1, length, pending)
+        for w, length, gain, verified in zip(self.drafting_widths.tolist(), self.draft_lengths.tolist(),
+                                             gains.tolist(), drafts.tolist()):
+            seconds = self.costs.cycle(n + verified, length, pending)
             if seconds and (n + gain) / seconds > best_rate:
                 best, best_rate = w, (n + gain) / seconds
         return best
 
-    def _plan(self, gains: np.ndarray, pending: np.ndarray) -> np.ndarray:
+    def _plan(self, gains: np.ndarray, pending: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """The widths with the most expected committed tokens per second, from gains [n, widths] (expected
-        accepted drafts of each row at each drafting width) and each row's pending context positions [n]."""
+        accepted drafts of each row at each drafting width), each row's pending context positions [n] and the
+        drafts it would verify at each width [n, widths] (`_verified_drafts`)."""
         n, widths = len(gains), self.drafting_widths
         if n == 1:  # one row: its best width, in plain Python (numpy's per-call overhead shows at batch 1 on CPU)
-            return np.array([self._alone(gains[0], 1, int(pending[0]))])
+            return np.array([self._alone(gains[0], 1, int(pending[0]), drafts[0])])
         plain_s = self.costs.cycle(n, 0)
         plain_rate = n / plain_s if plain_s else 0.0
         if not self.ragged:  # every row verifies the same width
@@ -780,7 +882,8 @@ class AdaptiveWidth:
         gained = np.cumsum(np.take_along_axis(gains, order, axis=0), axis=0)  # [g - 1, widths]
         g = np.arange(1, n + 1)[:, None]
         context = g * np.maximum.accumulate(pending[order], axis=0)  # the g rows' pending, padded to the longest
-        seconds = self.costs.cycle(n + g * (widths - 1), g * self.draft_lengths, context)
+        verified = n + np.cumsum(np.take_along_axis(drafts, order, axis=0), axis=0)
+        seconds = self.costs.cycle(verified, g * self.draft_lengths, context)
         if seconds is None:
             return np.ones(n, dtype=np.int64)
         rates = (n + gained) / np.maximum(seconds, 1e-12)
@@ -791,30 +894,70 @@ class AdaptiveWidth:
         plan = np.ones(n, dtype=np.int64)
         plan[order[:gi + 1, j]] = widths[j]
         # then each row takes the width whose expected accepted drafts best pay for its cost at that rate:
-        # max over w of gain(w) - rate x ((w - 1) x seconds per verified token + seconds of its drafted positions
-        # + seconds of writing its pending context)
-        per_token = self.costs.body.slope(float(plan.sum()))
+        # max over w of gain(w) - rate x (drafts verified x seconds per verified token + seconds of its drafted
+        # positions + seconds of writing its pending context)
+        per_token = self.costs.body.slope(float(verified[gi, j]))
         per_drafted = self.costs.draft.slope(float((gi + 1) * self.draft_lengths[j]))
         per_context = self.costs.context.slope(float(context[gi, j])) if self.costs.context.points else 0.0
-        net = gains - best_rate * ((widths - 1) * per_token + per_drafted * self.draft_lengths
+        net = gains - best_rate * (drafts * per_token + per_drafted * self.draft_lengths
                                    + per_context * pending[:, None])
         pick = net.argmax(axis=1)
         refined = np.where(net[np.arange(n), pick] > 0, widths[pick], 1)
-        return refined if self._rate(gains, refined, pending) > best_rate else plan
+        return refined if self._rate(gains, refined, pending, drafts) > best_rate else plan
 
-    def _rate(self, gains: np.ndarray, plan: np.ndarray, pending: np.ndarray) -> float:
+    def _rate(self, gains: np.ndarray, plan: np.ndarray, pending: np.ndarray, drafts: np.ndarray) -> float:
         """Expected committed tokens per second of a ragged plan (0 while a cost it needs is unknown): every
         drafting row drafts as far as the widest one, and writes its context padded to the longest."""
         drafting = plan > 1
+        rows = drafting.nonzero()[0]
         columns = np.searchsorted(self.drafting_widths, plan[drafting])
         drafted, context = 0, 0
         if drafting.any():
             drafted = int(drafting.sum() * self.draft_lengths[columns].max())
             context = int(drafting.sum() * pending[drafting].max())
-        seconds = self.costs.cycle(int(plan.sum()), drafted, context)
+        seconds = self.costs.cycle(len(plan) + float(drafts[rows, columns].sum()), drafted, context)
         if seconds is None or seconds <= 0:
             return 0.0
-        return float((len(plan) + gains[drafting.nonzero()[0], columns].sum()) / seconds)
+        return float((len(plan) + gains[rows, columns].sum()) / seconds)
+
+    # ---- after the draft: the confidence trim --------------------------------------------------------------------
+
+    def trim(self, rows: list[RowAcceptance], widths: list[int], confidence: dict[int, np.ndarray],
+             drafted_tokens: int) -> list[int]:
+        """Verify widths after the draft: each drafting row in `confidence` (row -> the drafter's probability of each
+        of its drafts) verifies the width, of the choices up to its planned one, whose expected accepted drafts best
+        pay for their verification at the cycle's expected rate: the survival of draft j is the product of the
+        calibrated confidences up to it (`ConfidenceCalibration`), and each verified token costs the target
+        curve's slope at the plan's size times that rate (the draft is paid: only verification is weighed). A row
+        verifies the bonus alone (width 1) when not even its first draft pays. Rows whose widths time a cycle size
+        (`_timing`) and every CALIBRATE_EVERY-th drafting row keep their planned width."""
+        trimmable = [i for i in confidence if widths[i] > 1]
+        for i in trimmable:  # what their drafts show calibrates the confidence, trimmed or not (`observe`)
+            rows[i].confidence = confidence[i][:widths[i] - 1]
+        if self._timing or not self.ragged or not trimmable:
+            return widths
+        verified = int(sum(widths))
+        seconds = self.costs.cycle(verified, drafted_tokens)
+        if not seconds:
+            return widths
+        # expected committed tokens per second of the cycle as planned, on the rows' own estimates, and what a
+        # verified draft costs: the target curve's mean slope over the sizes the trim can reach (the local slope
+        # is 0 at the largest size timed, beyond which the curve is flat)
+        committed = len(rows) + sum(float(expected_gains(rows[i].acceptance, np.array([w]))[0])
+                                    for i, w in enumerate(widths) if w > 1)
+        least = verified - sum(widths[i] - 1 for i in trimmable)
+        per_token = (committed / seconds) * (seconds_at(self.costs.body, verified) -
+                                             seconds_at(self.costs.body, least)) / (verified - least)
+        out = list(widths)
+        for i in trimmable:
+            self._since_untrimmed += 1
+            if self._since_untrimmed >= CALIBRATE_EVERY:
+                self._since_untrimmed = 0
+                continue
+            r = rows[i]
+            survival = np.cumprod(self.priors.calibration(r.sampled, r.confidence))
+            r.trimmed_to = out[i] = trimmed_width(survival, self.drafting_widths.tolist(), per_token)
+        return out
 
     # ---- what happened ----------------------------------------------------------------------------------------
 
@@ -834,13 +977,14 @@ class AdaptiveWidth:
             if w == 1:
                 r.plain_steps += 1
                 continue
+            w, imputed = self._trimmed(r, w, a)
             first, r.first = r.first, False
             if first:  # from its first draft on, the row's estimates start from the prior of all drafts
                 if r.probing:
                     r.judged = self.priors[r.sampled].copy()
                 else:
                     r.acceptance = self.priors[r.sampled].copy()
-            self.priors.update(r.sampled, w, a, first=first)
+            self.priors.update(r.sampled, w, a, first=first, imputed=imputed)
             if r.probing:  # a probe is evidence for the row's own estimates; the optimistic prior only bought it
                 r.probing = False
                 r.acceptance = r.judged
@@ -850,7 +994,23 @@ class AdaptiveWidth:
             else:
                 self._wait(r, MIN_PLAIN_RUN)
             r.plain_steps = 0
-            r.update(w, a)
+            r.update(w, a, imputed)
+
+    def _trimmed(self, r: RowAcceptance, planned: int, accepted: int) -> tuple[int, np.ndarray | None]:
+        """(the width a drafting row verified, the imputed acceptances of the drafts a confidence trim left
+        unverified after an accepted prefix, or None); the calibration learns from the drafts it verified."""
+        confidence, r.confidence = r.confidence, None
+        trimmed, r.trimmed_to = r.trimmed_to, 0
+        width = trimmed or planned
+        if trimmed:
+            self.priors.update_share(r.sampled, planned, width)
+        if confidence is None:
+            return width, None
+        seen = outcomes(width, accepted)
+        self.priors.calibration.update(r.sampled, confidence[:len(seen)], seen)
+        if width == planned or accepted < width - 1:  # nothing unverified, or the trim cut after a rejection
+            return width, None
+        return width, self.priors.calibration(r.sampled, confidence[width - 1:])
 
     # ---- prompt lookup at one-token steps ------------------------------------------------------------------
 

@@ -16,7 +16,11 @@ request ids of each row with `needs_histories`.
   context cache (the batch state, slot = position), then one drafter forward over `[bonus, MASK x k]` per row.
   Greedy rows draft the argmax; sampled rows under counter-based noise run the target's exponential race on the
   drafter's own distribution (argmax q / E with the same noise), so a draft is the target's sample whenever the
-  two distributions agree there.
+  two distributions agree there. With `confidence` set (eager drafts; the engine sets it where its policy trims
+  verify widths), each propose also leaves in `last_confidence` [rows, k] the drafter's confidence in each token it
+  drafted: greedy rows its probability against the runner-up's, p1 / (p1 + p2) (the logits' top-two gap: a full
+  softmax cost ~6x the argmax, and predicted acceptance no better on the shipped pair), sampled rows its
+  probability at the row's temperature (the race computes that distribution anyway).
   With `compile=True` (`compiled.py`) features arrive in chunks of one block and the write of the last chunk
   and the draft run as ONE compiled graph (one call, one guard check per cycle).
 - `NoProposer`: plain autoregressive decoding (block size 1) through the same engine, the baseline.
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashdraft.engine.argmax import argmax
+from flashdraft.engine.argmax import argmax, argmax_and_gap
 from flashdraft.engine.batch import Features, RowBuckets
 from flashdraft.engine.compiled import compile_step
 from flashdraft.engine.noise import race
@@ -147,6 +151,8 @@ class DFlashProposer:
 
     needs_features = True
     needs_histories = False
+    confidence = False  # eager drafts leave the drafter's confidence in each draft in `last_confidence`
+    last_confidence: torch.Tensor | None = None
 
     def __new__(cls, drafter=None, *args, **kwargs):  # (drafter=None: copy and pickle call it bare)
         if cls is DFlashProposer and getattr(drafter, "candidate_selector", None) is not None:
@@ -215,6 +221,7 @@ class DFlashProposer:
     def propose(self, state: DraftRows, inp: ProposalInput,
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.device
+        self.last_confidence = None
         if inp.draft_rows is not None:  # some rows draft (eager: compiled steps draft every row)
             if self.compiled:
                 raise RuntimeError("compiled drafting steps draft every row; draft_rows must be None")
@@ -278,8 +285,15 @@ class DFlashProposer:
             ids = [[[to_target[i] for i in position] for position in row] for row in ids]
         return ids, logp
 
+    def drafted_confidence(self) -> torch.Tensor | None:
+        """The drafter's confidence in each token the last `propose` drafted [rows, k] (None without `confidence`,
+        and after compiled drafts)."""
+        return self.last_confidence
+
     def _proposal(self, drafts: torch.Tensor, live: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [live, k], draft distributions or None for one-hot drafts) from what `_draft_tokens` returned."""
+        if self.last_confidence is not None:
+            self.last_confidence = self.last_confidence[:live].to(device)
         return drafts[:live].to(device), None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
@@ -291,11 +305,22 @@ class DFlashProposer:
         `greedy_rows` is not needed here)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
+        confident = self.confidence and not torch.compiler.is_compiling()
         if noise is None:
-            return self._target_ids(argmax(logits))
+            if not confident:
+                return self._target_ids(argmax(logits))
+            ids, gap = argmax_and_gap(logits)
+            self.last_confidence = torch.sigmoid(gap)  # p1 / (p1 + p2): the draft's probability against its runner-up
+            return self._target_ids(ids)
         if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
             noise = noise.index_select(-1, self.draft_targets)
-        return self._target_ids(marginal_race(logits, noise, inverse_temperature))
+        q = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
+        ids = race(q, noise)
+        if confident:  # sampled rows: q of the draft; greedy rows (their argmax): as without noise
+            self.last_confidence = q.gather(-1, ids[..., None])[..., 0]
+            if greedy_rows is not None and bool(greedy_rows.any()):
+                self.last_confidence[greedy_rows] = torch.sigmoid(argmax_and_gap(logits[greedy_rows])[1])
+        return self._target_ids(ids)
 
     def _target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids as target ids (identity unless the drafter has a reduced vocabulary)."""

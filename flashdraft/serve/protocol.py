@@ -381,7 +381,8 @@ def _shown(value: Any) -> str:
 
 def dflash_stats(stats, block_size: int) -> dict:
     """The acceptance statistics carried by every response (vLLM's counting: drafts, draft/accepted tokens), and
-    what the draft policy chose: the width verified by each drafting cycle, the one-token steps; the drafting
+    what the draft policy chose: the width verified by each drafting cycle (1 where the confidence trim kept none
+    of its drafts), the one-token steps; the drafting
     cycles whose chain prompt lookup continued (`lookup_splice`), and the one-token steps that verified a lookup
     continuation with its tokens verified and accepted (`lookup_steps`; not in the drafter's figures)."""
     k = max(0, block_size - 1)
@@ -446,7 +447,7 @@ _STATS = {"type": "object",
                        "per_position_acceptance", "block_size"],
           "properties": {"tau": {"type": "number", "minimum": 0}, "drafts": {"type": "integer", "minimum": 0},
                          "draft_tokens": {"type": "integer", "minimum": 0},
-                         "verify_widths": {"type": "array", "items": {"type": "integer", "minimum": 2}},
+                         "verify_widths": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                          "one_token_steps": {"type": "integer", "minimum": 0},
                          "lookup_splices": {"type": "integer", "minimum": 0},
                          "lookup_steps": {"type": "integer", "minimum": 0},

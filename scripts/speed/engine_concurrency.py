@@ -21,6 +21,7 @@ Engines: plain decoding (no drafter), then DFlash under each draft policy asked 
   (the drafter's share of every step: the target's tapped features, the rows' pending context, the policy's
   bookkeeping, without its plans): the floor an ideal policy would reach at loads where drafting does not pay.
 - `no-lookup-steps`: the default policy without prompt-lookup continuations at one-token steps (`--lookup-steps 0`).
+- `no-trim`: the default policy verifying the widths it planned before the draft (`--no-confidence-trim`).
 - `--compare-draft DIR`: one more engine, the default policy with another drafter for the same target (e.g. the
   shipped drafter with a reduced draft vocabulary), column `compare`.
 - `--apart`: plain decoding and the default policy with every join prefilled in a forward of its own
@@ -64,7 +65,7 @@ from flashdraft.engine import policy as policy_module  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
 
 SETS = {"held-out": ["default"], "out-of-domain": ["ood-code", "ood-code-nl"]}
-POLICIES = ("adaptive", "fixed", "never", "no-lookup-steps")
+POLICIES = ("adaptive", "fixed", "never", "no-lookup-steps", "no-trim")
 FIRST_CYCLES = 4  # drafting cycles per request whose acceptance `first_cycles` reports
 
 
@@ -117,7 +118,8 @@ def build_engine(target, tokenizer, drafter, policy: str | None, mixed_prefill_t
         return SpecEngine(target, None, tokenizer, mixed_prefill_tokens=mixed_prefill_tokens)
     engine = SpecEngine(target, drafter, tokenizer, EngineConfig(
         draft_policy="fixed" if policy == "fixed" else "adaptive", mixed_prefill_tokens=mixed_prefill_tokens,
-        lookup_steps=0 if policy == "no-lookup-steps" else EngineConfig.lookup_steps))
+        lookup_steps=0 if policy == "no-lookup-steps" else EngineConfig.lookup_steps,
+        confidence_trim=policy != "no-trim"))
     if policy == "never":
         open_batch = engine._new_batch
 
