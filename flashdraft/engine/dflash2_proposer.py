@@ -23,7 +23,7 @@ Per-position confidence for a draft policy: with `confidence=True` (which the en
 verify widths by it), after each `propose` the field `last_confidence` (`DraftConfidence`) holds, per live row and
 draft position, the selector's probability of the token it chose (q at the row's temperature, T = 1 for greedy
 rows; 0 for a token outside the candidates) and the marginal's probability of the same token (softmax of the
-drafter's logits at that temperature); `drafted_confidence()` gives the policy the one of the distribution that
+drafter's logits at that temperature, computed when first read); `drafted_confidence()` gives the policy the one of the distribution that
 drafted the row: the selector's for greedy rows (and sampled rows racing on it), the marginal's for rows racing on
 the marginal (`scripts/dflash2/calibration.py` measures how well each predicts acceptance).
 
@@ -32,6 +32,8 @@ What this module does not know about: the target's KV cache, verification and ho
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,12 +43,17 @@ from flashdraft.engine.proposers import DFlashProposer, marginal_race
 
 @dataclass
 class DraftConfidence:
-    """Per live row and draft position [b, k]: the probability the selector gave the drafted token, and the
-    probability the drafter's marginal gave it."""
+    """Per live row and draft position [b, k]: the probability the selector gave the drafted token, the one of the
+    distribution each row drafted from (`drafted_confidence`), and, computed when first read (a softmax over the
+    vocabulary the policy does not need for greedy rows), the probability the drafter's marginal gave it."""
 
     selector: torch.Tensor
-    marginal: torch.Tensor
-    drafted: torch.Tensor  # the one of the distribution each row drafted from (`drafted_confidence`)
+    drafted: torch.Tensor
+    marginal_of: Callable[[], torch.Tensor]
+
+    @functools.cached_property
+    def marginal(self) -> torch.Tensor:
+        return self.marginal_of()
 
 
 # A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
@@ -134,10 +141,13 @@ class DFlash2Proposer(DFlashProposer):
         if not self.confidence:
             return tokens, draft_probs, None, None, None
         selector = (q * (candidates == tokens[..., None])).sum(-1)
-        marginal = torch.softmax(logits.float() * scale[:, None, None], dim=-1).gather(-1, tokens[..., None])[..., 0]
+
+        def marginal():
+            return torch.softmax(logits.float() * scale[:, None, None], dim=-1).gather(-1, tokens[..., None])[..., 0]
+
         # rows that raced the marginal are judged by it, the others (greedy, the selector's race or samples) by q
-        drafted = selector if raced is None else marginal if greedy_rows is None else \
-            torch.where(greedy_rows[:, None], selector, marginal)
+        drafted = selector if raced is None else marginal() if greedy_rows is None else \
+            torch.where(greedy_rows[:, None], selector, marginal())
         return tokens, draft_probs, selector, marginal, drafted
 
     def drafted_confidence(self) -> torch.Tensor | None:
@@ -146,5 +156,6 @@ class DFlash2Proposer(DFlashProposer):
     def _proposal(self, drafts, live: int, device):
         tokens, draft_probs, selector, marginal, drafted = drafts
         if drafted is not None:
-            self.last_confidence = DraftConfidence(*(t[:live].to(device) for t in (selector, marginal, drafted)))
+            self.last_confidence = DraftConfidence(selector[:live].to(device), drafted[:live].to(device),
+                                                   lambda: marginal()[:live].to(device))
         return tokens[:live].to(device), None if draft_probs is None else draft_probs[:live].to(device)
