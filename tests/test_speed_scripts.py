@@ -127,9 +127,28 @@ def test_engine_concurrency_smoke(tmp_path, capsys, monkeypatch):
     assert policy.MIN_PLAIN_RUN == 4 and policy.SMOOTHING == 0.3
     assert "| held-out | 2 |" in capsys.readouterr().out
     for bad in (["--policies", "sometimes"], ["--variant", "x:NOT_A_CONSTANT=1"], ["--variant", "x:SMOOTHING=fast"],
-                ["--variant", "fixed:SMOOTHING=0.1"], ["--variant", "x"], ["--variant", "x:new_policy=1"]):
+                ["--variant", "fixed:SMOOTHING=0.1"], ["--variant", "x"], ["--variant", "x:new_policy=1"],
+                ["--max-tokens", "9-3"], ["--max-tokens", "0"], ["--max-tokens", "many"]):
         with pytest.raises(SystemExit):
             engine_concurrency.main(bad)
+
+
+def test_engine_concurrency_requests_of_their_own_lengths():
+    """--max-tokens LO-HI: each request its own length in the range, the same for every engine and run."""
+    import engine_concurrency
+
+    lengths = engine_concurrency.request_lengths("32-96", 200)
+    assert lengths == engine_concurrency.request_lengths("32-96", 200) and min(lengths) >= 32 and max(lengths) <= 96
+    assert len(set(lengths)) > 30
+    assert engine_concurrency.request_lengths("64", 5) == [64] * 5
+    from flashdraft.loading import load_pair
+
+    target, tokenizer, drafter = load_pair(None, None, "cpu")
+    prompts = [tokenizer.encode(t) for t in ("def add(a, b):", "import os\n", "class Stack:")]
+    finished = []
+    engine = engine_concurrency.build_engine(target, tokenizer, None, None)
+    engine_concurrency.serve(engine, prompts, 2, [5, 9, 3], 0.0, finished)
+    assert sorted(len(r.token_ids) for r in finished) == [3, 5, 9]
 
 
 def test_engine_concurrency_lockstep(tmp_path, capsys, monkeypatch):

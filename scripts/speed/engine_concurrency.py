@@ -1,7 +1,7 @@
 """The engine under a server's load pattern, without the server: DFlash against plain decoding in one process.
 
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
-        [--num-prompts 32] [--max-tokens 64] [--temperature 0] [--top-p 1] [--top-k 0] [--rounds 2]
+        [--num-prompts 32] [--max-tokens 64 | LO-HI] [--temperature 0] [--top-p 1] [--top-k 0] [--rounds 2]
         [--policies adaptive,fixed,never]
         [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--no-cudnn-attention]
         [--lockstep] [--dtype bfloat16]
@@ -36,6 +36,9 @@ Each cell also records, per engine, the mean acceptance length of the requests' 
 (`first_cycles`: a request's first drafts accept far less than its later ones, which priors learnt over whole
 requests do not see).
 Every engine runs every round (the order reversed every other round); the ratio is of tokens summed over rounds.
+`--max-tokens LO-HI` gives request i its own length, drawn uniformly from LO..HI (seeded by i, the same for every
+engine), as a server's traffic has: with one length for all, plain decoding's rows finish together and the next
+wave is prefilled in one forward, where rows that draft or copy finish apart and their successors join one by one.
 
 The served sweep (`serve_sweep.py`) is what users meet; this one takes the HTTP server, its threads and the
 client out, so a shortfall there can be split into the engine's (here) and the server's (the rest).
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -144,7 +148,16 @@ class Served:
 
 
 @torch.inference_mode()
-def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, temperature: float,
+def request_lengths(spec: str, count: int) -> list[int]:
+    """Per request, its max_tokens: `spec` "N" for all, or "LO-HI" drawn uniformly per request (seeded by index)."""
+    lo, _, hi = spec.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens {spec!r}: expected N or LO-HI with 1 <= LO <= HI")
+    return [random.Random(i).randint(lo, hi) for i in range(count)]
+
+
+def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_tokens, temperature: float,
             served: Served, finished: list | None = None, top_p: float = 1.0, top_k: int = 0):
     """Serve the queue `concurrency` at a time, yielding after every engine step; `served` adds up what each step
     gave and took (wall time of the step: admission, `SpecEngine.step`, the finished requests' bookkeeping), and
@@ -156,7 +169,8 @@ def serving(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_
         joining = [queue.pop(0) for _ in range(min(len(queue), concurrency - len(batch.rows)))]
         # all that join in one call, as the server admits them: their prompts ride the running rows' cycle
         # (`SpecEngine.step`), or, in an empty batch or where the engine cannot mix them in, one prefill first
-        params = [SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        params = [SamplingParams(max_new_tokens=max_tokens if isinstance(max_tokens, int) else max_tokens[i],
+                                 temperature=temperature, top_p=top_p, top_k=top_k,
                                  seed=i if temperature > 0 else None) for i, _ in joining]
         events = engine.step(batch, [prompt for _, prompt in joining], params,
                              request_ids=[i for i, _ in joining]) if joining else engine.step(batch)
@@ -212,7 +226,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets among {list(SETS)}")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per set")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", default="64", help="new tokens per request: N, or LO-HI (per request, seeded)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0,
                    help="every request's top-p (the settings users serve: 0.9-0.95)")
@@ -252,6 +266,10 @@ def main(argv=None) -> int:
         p.error(str(e))
     if len(variants) < len(args.variant):
         p.error("--variant names must differ")
+    try:
+        request_lengths(args.max_tokens, 1)
+    except ValueError as e:
+        p.error(str(e))
     torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, args.device, args.dtype)
     other = load_pair(None, args.compare_draft, args.device, args.dtype)[2] if args.compare_draft else None
@@ -263,6 +281,7 @@ def main(argv=None) -> int:
     for name in args.sets.split(","):
         per = max(1, args.num_prompts // len(SETS[name]))
         prompts = [tokenizer.encode(q.text) for spec in SETS[name] for q in load_prompts(spec, per)]
+        lengths = request_lengths(args.max_tokens, len(prompts))
         for concurrency in concurrencies:
             engines = {"plain": build_engine(target, tokenizer, drafter, None),
                        **{x: build_engine(target, tokenizer, drafter, x) for x in policies}}
@@ -282,17 +301,17 @@ def main(argv=None) -> int:
                     # would carry the first launches (on an H100, `never` ran 1.46-4.17x plain decoding without it)
                     serve(engine, prompts[:concurrency], concurrency, 8, args.temperature, None, args.top_p, args.top_k)
                     if args.warm_full:  # every shape of the timed queue seen once (a GPU plans each new one)
-                        serve(engine, prompts, concurrency, args.max_tokens, args.temperature, None, args.top_p,
+                        serve(engine, prompts, concurrency, lengths, args.temperature, None, args.top_p,
                               args.top_k)
             totals = {k: Served() for k in engines}  # summed over rounds
             for r in range(args.rounds):
                 if args.lockstep:
-                    serve_lockstep(engines, prompts, concurrency, args.max_tokens, args.temperature, variants, totals,
+                    serve_lockstep(engines, prompts, concurrency, lengths, args.temperature, variants, totals,
                                    args.top_p, args.top_k)
                     continue
                 for key, engine in list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]:
                     with policy_constants(variants.get(key, {})):
-                        for _ in serving(engine, prompts, concurrency, args.max_tokens, args.temperature,
+                        for _ in serving(engine, prompts, concurrency, lengths, args.temperature,
                                          totals[key], top_p=args.top_p, top_k=args.top_k):
                             pass
             plain = totals["plain"].tokens / totals["plain"].seconds
