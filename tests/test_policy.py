@@ -8,12 +8,11 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
-from flashdraft.engine.policy import (CALIBRATE_EVERY, JUDGED_ROWS, JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD, MAX_PLAIN_RUN,
-                                      MIN_HOLD, MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING, REFRESH_AFTER,
-                                      SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors, AdaptiveWidth,
-                                      ConfidenceCalibration, CostModel, Curve, CycleTiming, FixedWidth, Goodput,
-                                      LookupGoodput,
-                                      initial_prior, width_choices)
+from flashdraft.engine.policy import (CALIBRATE_EVERY, JUDGED_ROWS, JUDGEMENT_SHARE, LOOKUP_JUDGED, MAX_HOLD,
+                                      MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING,
+                                      REFRESH_AFTER, SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors,
+                                      AdaptiveWidth, ConfidenceCalibration, CostModel, Curve, CycleTiming, FixedWidth,
+                                      Goodput, LookupGoodput, initial_prior, width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]

@@ -52,8 +52,8 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="DFlash block size (default: the drafter's)")
     m.add_argument("--methods", type=_csv, default=list(DEFAULT_METHODS),
                    help=f"comma-separated subset of {','.join(ALL_METHODS)} (default: all but dflash-fixed, "
-                        "dflash-chain, dflash-tree, dflash-drafter, dflash-no-lookup-steps, dflash-no-trim and zlab; ar "
-                        "always runs)")
+                        "dflash-chain, dflash-tree, dflash-drafter, dflash-no-lookup-steps, dflash-no-trim and zlab; "
+                        "ar always runs)")
     m.add_argument("--num-assistant-tokens", type=positive_int, default=5,
                    help="hf-assisted: draft tokens per cycle, fixed (schedule constant, confidence threshold 0)")
     m.add_argument("--prompt-lookup-num-tokens", type=positive_int, default=10,

@@ -23,9 +23,10 @@ Per-position confidence for a draft policy: with `confidence=True` (which the en
 verify widths by it), after each `propose` the field `last_confidence` (`DraftConfidence`) holds, per live row and
 draft position, the selector's probability of the token it chose (q at the row's temperature, T = 1 for greedy
 rows; 0 for a token outside the candidates) and the marginal's probability of the same token (softmax of the
-drafter's logits at that temperature, computed when first read); `drafted_confidence()` gives the policy the one of the distribution that
-drafted the row: the selector's for greedy rows (and sampled rows racing on it), the marginal's for rows racing on
-the marginal (`scripts/dflash2/calibration.py` measures how well each predicts acceptance).
+drafter's logits at that temperature, computed when first read); `drafted_confidence()` gives the policy the one
+of the distribution that drafted the row: the selector's for greedy rows (and sampled rows racing on it), the
+marginal's for rows racing on the marginal (`scripts/dflash2/calibration.py` measures how well each predicts
+acceptance).
 
 What this module does not know about: the target's KV cache, verification and how many tokens to draft.
 """

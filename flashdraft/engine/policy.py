@@ -788,7 +788,8 @@ class AdaptiveWidth:
         the one with the least pending context costs least to draft."""
         for sampled in {rows[i].sampled for i in joined}:
             i = min((i for i in joined if rows[i].sampled == sampled), key=lambda i: pending[i])
-            if self._alone(rows[i].gains(self.drafting_widths), n, int(pending[i]), self._verified_drafts(rows[i])) > 1:
+            r = rows[i]
+            if self._alone(r.gains(self.drafting_widths), n, int(pending[i]), self._verified_drafts(r)) > 1:
                 return True
         return False
 
