@@ -3,12 +3,14 @@ write, block forward, read-out, choice of tokens) on the shipped pair's shapes, 
 so that the comparison is of the step alone and low in noise.
 
     python scripts/dflash2/profile_draft.py --threads 1 [--compile] [--iters 200] [--profile] [--temperature 1]
+        [--confidence]
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds
 torch.profiler's table of operators (self CPU time) for each. The DFlash2 drafter is `draft_latency.dflash2_like`
 (the shipped DFlash-1 weights, identity convolutions, a random selector). `--temperature` > 0 drafts through the
-gumbel race (the engine's default sampler) with uniform noise.
+gumbel race (the engine's default sampler) with uniform noise. `--confidence`: both drafters also report their
+confidence in each draft, as they do under the default policy's confidence trim (eager only).
 
 What this script does not know about: the engine's bookkeeping around a draft (`draft_latency.py` measures the
 draft phase of real decoding).
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=6, help="feature slots written per step (about tau + 1)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--confidence", action="store_true", help="drafts report their confidence (the trim's input)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -71,6 +74,7 @@ def main(argv=None) -> int:
     for name, drafter in drafters.items():
         # the engine's own proposer (packed read-out as the engine decides)
         proposer = SpecEngine(target, drafter, tokenizer, compile=args.compile, draft_policy="fixed").proposer
+        proposer.confidence = args.confidence and not args.compile
         fn = proposer._draft_step if args.compile else proposer._draft_tokens
         inputs = step_inputs(proposer, args.context, args.new, drafter.block_size, args.temperature)
         with torch.inference_mode():
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
                 print(f"== {name}: top operators by self CPU time, 50 steps")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     ms = {name: statistics.median(v) for name, v in rounds.items()}
-    out = {"threads": args.threads, "compile": args.compile, "temperature": args.temperature, "ms_per_step": ms,
+    out = {"threads": args.threads, "compile": args.compile, "temperature": args.temperature,
+           "confidence": args.confidence, "ms_per_step": ms,
            "rounds_ms": rounds, "ratio": ms["dflash2"] / ms["dflash"],
            "round_ratios": [b / a for a, b in zip(rounds["dflash"], rounds["dflash2"])]}
     print(json.dumps(out, indent=1))
