@@ -10,6 +10,8 @@
 #   STAGES="trace_bf16 trace_bf16_1thread trace_fp32 demo_bf16" bash scripts/gpu/session_check.sh   # ~4 min
 #   # the cuDNN-attention question (BENCHMARKS, 'The shipped pair on an H200'), ~9 min:
 #   STAGES="trace_bf16 trace_bf16_nocudnn profile_c32 profile_c32_nocudnn concurrency_nocudnn" bash ...
+#   # the confidence trim where verification is compute-bound (BENCHMARKS, 'Confidence trim'), ~5 min:
+#   STAGES="concurrency_trim" bash scripts/gpu/session_check.sh
 #   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~25 min, more than one device call runs
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
@@ -22,7 +24,7 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ALL="trace_bf16 trace_bf16_nocudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_nocudnn noise_152k
      cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_nocudnn concurrency_t1
-     shapes_compiled divergence_bf16"
+     concurrency_trim shapes_compiled divergence_bf16"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
@@ -61,6 +63,9 @@ run_stage() {
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
         --json "$WORK/$1.json" ;;
+    concurrency_trim) stage $1 300 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
+        --policies adaptive,no-trim,never --rounds 2 --num-prompts 32 --max-tokens 32-96 --no-cudnn-attention \
+        --warm-full --lockstep --json "$WORK/$1.json" ;;
     shapes_compiled) stage $1 240 python3 scripts/speed/gpu_shapes.py --modes compiled --batch-sizes 1,16 \
         --tau 6.5 --iters 10 --json "$WORK/$1.json" ;;
     divergence_bf16) stage $1 240 python3 scripts/lossless/divergence.py --device cuda --dtypes bfloat16 \
