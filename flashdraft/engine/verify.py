@@ -82,13 +82,12 @@ def target_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k=0) -> torch
     top_k = _per_row(top_k, logits)
     filtered = [k for k in set(top_k) if 0 < k < vocab]
     if filtered:  # below each row's k-th largest score (-inf for rows without top-k: nothing is below it)
-        cut = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
-        for k in filtered:
-            k_rows = [r for r, rk in enumerate(top_k) if rk == k]
-            if len(k_rows) == len(top_k):
-                cut = kth_largest(scores, k)
-            else:
-                idx = torch.tensor(k_rows, device=scores.device)
+        if all(k == filtered[0] for k in top_k):  # one k for every row
+            cut = kth_largest(scores, filtered[0])
+        else:
+            cut = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+            for k in filtered:
+                idx = torch.tensor([r for r, rk in enumerate(top_k) if rk == k], device=scores.device)
                 cut.index_copy_(0, idx, kth_largest(scores.index_select(0, idx), k))
         scores = fill_below(scores, cut, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
