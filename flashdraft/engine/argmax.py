@@ -1,7 +1,7 @@
 """Selections over the last dimension through numpy on CPU: `argmax(x)` (`x.argmax(dim=-1)`; `argmax_and_gap` also
-the gap to the runner-up), `kth_largest` (the
-value `torch.topk` would end on), `sort_descending` (a row sort's values) and `largest_sorted` (its first m, or
-all); and `fill_below`, the masking that follows them (`x.masked_fill(x < cut, value)`).
+the gap to the runner-up), `kth_largest` (the value `torch.topk` would end on), `sort_descending` (a row sort's
+values) and `largest_sorted` (its first m, or all); and `fill_below`, the masking that follows them
+(`x.masked_fill(x < cut, value)`).
 
 torch's CPU argmax over the last dimension is not vectorised: on the AMD EPYC our benchmarks run on (one thread) it
 takes ~110 us for a drafted block's logits [1, 15, 8192] in fp32 and ~450 us in bf16, where numpy's takes ~10 us

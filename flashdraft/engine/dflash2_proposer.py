@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.engine.proposers import DFlashProposer, marginal_race
+from flashdraft.engine.proposers import DFlashProposer, marginal, marginal_race
 
 
 @dataclass
@@ -143,20 +143,20 @@ class DFlash2Proposer(DFlashProposer):
             return tokens, draft_probs, None, None, None
         selector = (q * (candidates == tokens[..., None])).sum(-1)
 
-        def marginal():
-            return torch.softmax(logits.float() * scale[:, None, None], dim=-1).gather(-1, tokens[..., None])[..., 0]
+        def marginal_of():
+            return marginal(logits, scale).gather(-1, tokens[..., None])[..., 0]
 
         # rows that raced the marginal are judged by it, the others (greedy, the selector's race or samples) by q
-        drafted = selector if raced is None else marginal() if greedy_rows is None else \
-            torch.where(greedy_rows[:, None], selector, marginal())
-        return tokens, draft_probs, selector, marginal, drafted
+        drafted = selector if raced is None else marginal_of() if greedy_rows is None else \
+            torch.where(greedy_rows[:, None], selector, marginal_of())
+        return tokens, draft_probs, selector, marginal_of, drafted
 
     def drafted_confidence(self) -> torch.Tensor | None:
         return None if self.last_confidence is None else self.last_confidence.drafted
 
     def _proposal(self, drafts, live: int, device):
-        tokens, draft_probs, selector, marginal, drafted = drafts
+        tokens, draft_probs, selector, marginal_of, drafted = drafts
         if drafted is not None:
             self.last_confidence = DraftConfidence(selector[:live].to(device), drafted[:live].to(device),
-                                                   lambda: marginal()[:live].to(device))
+                                                   lambda: marginal_of()[:live].to(device))
         return tokens[:live].to(device), None if draft_probs is None else draft_probs[:live].to(device)

@@ -477,10 +477,6 @@ class CostModel:
         return body + (np.where(drafted_tokens > 0, draft, 0.0) if draft is not None else 0.0)
 
 
-def seconds_at(curve: Curve, size: int) -> float:
-    return float(curve(size) or 0.0)
-
-
 def trimmed_width(survival: np.ndarray, choices: list[int], per_token: float) -> int:
     """The verify width, among `choices` up to 1 + len(survival) or 1, whose expected accepted drafts (the sum of
     the survivals of the drafts it verifies) minus `per_token` per draft verified is the largest."""
@@ -947,8 +943,8 @@ class AdaptiveWidth:
         committed = len(rows) + sum(float(expected_gains(rows[i].acceptance, np.array([w]))[0])
                                     for i, w in enumerate(widths) if w > 1)
         least = verified - sum(widths[i] - 1 for i in trimmable)
-        per_token = (committed / seconds) * (seconds_at(self.costs.body, verified) -
-                                             seconds_at(self.costs.body, least)) / (verified - least)
+        body = self.costs.body  # timed (`seconds` above needs it)
+        per_token = (committed / seconds) * (body(verified) - body(least)) / (verified - least)
         out = list(widths)
         for i in trimmable:
             self._since_untrimmed += 1

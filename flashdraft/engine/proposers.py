@@ -314,7 +314,7 @@ class DFlashProposer:
             return self._target_ids(ids)
         if self.draft_targets is not None:  # the race over the draft vocabulary: its ids' noise columns only
             noise = noise.index_select(-1, self.draft_targets)
-        q = torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
+        q = marginal(logits, inverse_temperature)
         ids = race(q, noise)
         if confident:  # sampled rows: q of the draft; greedy rows (their argmax): as without noise
             self.last_confidence = q.gather(-1, ids[..., None])[..., 0]
@@ -335,10 +335,15 @@ class DFlashProposer:
         return self.drafter.draft(kv, embeds, positions, context_len)[:, 1:]
 
 
+def marginal(logits: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) in float32 of logits [b, k, V], one 1 / T per row [b]."""
+    return torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1)
+
+
 def marginal_race(logits: torch.Tensor, noise: torch.Tensor, inverse_temperature: torch.Tensor) -> torch.Tensor:
     """Each draft position's winner of the exponential race on softmax(logits / T) under its noise [b, k, V]
     (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
-    return race(torch.softmax(logits.float() * inverse_temperature[:, None, None], dim=-1), noise)
+    return race(marginal(logits, inverse_temperature), noise)
 
 
 def _race_inputs(inp: ProposalInput, padding_rows: int, dev):
