@@ -199,6 +199,42 @@ def test_selector_walk_is_the_sequential_one(qwen3, chooser):
     assert torch.allclose(walk["scores"], rows, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("chooser", ["greedy", "race"])
+def test_a_whole_vocabulary_selector_walks_as_the_sequential_one(qwen3, chooser):
+    """With every token a candidate (top_k = the vocabulary) the walk goes position by position over all tokens:
+    it drafts what z-lab's left-to-right loop drafts, tokens outside any small top-k of the marginal included, and
+    its score rows are that loop's in vocabulary order; the teacher-forced scores are the same rows."""
+    vocab = qwen3.config.vocab_size
+    drafter = make_dflash2(qwen3, block_size=16, top_k=vocab)
+    selector = drafter.candidate_selector
+    assert selector.whole_vocabulary
+    torch.manual_seed(5)
+    b, k = 32, 15
+    hidden = torch.randn(b, k, qwen3.config.hidden_size, dtype=torch.float64)
+    logits = drafter.compute_logits(hidden, DFlashProposer(drafter, TargetModel(qwen3)).lm_head)
+    anchor = torch.randint(0, vocab, (b,))
+    if chooser == "greedy":
+        choose, pick = greedy_choice, lambda i, s, c: s.argmax(-1)
+    else:
+        noise = torch.empty(b, k, vocab, dtype=torch.float64).exponential_()
+        inverse_temperature = torch.rand(b, dtype=torch.float64) + 0.5
+        choose = race_choice(noise, inverse_temperature)
+        pick = lambda i, s, c: (torch.softmax(s.float() * inverse_temperature[:, None], -1)  # noqa: E731
+                                / noise[:, i].gather(-1, c)).argmax(-1)
+    walk = selector.select(hidden, logits, anchor, choose)
+    tokens, rows = sequential_walk(selector, hidden, logits, anchor, pick)
+    assert torch.equal(walk["tokens"], tokens)
+    assert (tokens != logits.argmax(-1)).any()
+    assert ((tokens[..., None] == logits.topk(8, dim=-1).indices).sum(-1) == 0).any()  # drafted outside a top-8
+    in_vocabulary_order = torch.zeros_like(rows).scatter_(-1, logits.topk(vocab, dim=-1).indices, rows)
+    assert torch.allclose(walk["scores"], in_vocabulary_order, rtol=0, atol=1e-12)
+    previous = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
+    scores, label_index, present = selector.teacher_forced(hidden.flatten(0, 1), logits.flatten(0, 1),
+                                                           previous.flatten(), tokens.flatten())
+    assert present.all() and torch.equal(label_index, tokens.flatten())
+    assert torch.allclose(scores, walk["scores"].flatten(0, 1), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("sampled_race", ["marginal", "selector"])
 def test_sampled_rows_race_as_configured_and_greedy_rows_walk(qwen3, sampled_race):
     """Under counter-based noise, in a batch of sampled and greedy rows: greedy rows draft the selector's greedy walk
@@ -235,14 +271,17 @@ def test_sampled_rows_race_as_configured_and_greedy_rows_walk(qwen3, sampled_rac
         assert in_top[sampled].all()
 
 
-def test_the_selector_race_keeps_plain_decodings_seeded_text():
-    """The race that is not the default: seeded requests beside a greedy row still get plain decoding's text."""
+@pytest.mark.parametrize("whole_vocabulary", [False, True])
+def test_the_selector_race_keeps_plain_decodings_seeded_text(whole_vocabulary):
+    """The race that is not the default: seeded requests beside a greedy row still get plain decoding's text, and
+    the greedy row the target's own, with candidates among the top-k or the whole vocabulary."""
     target = make_target("qwen3")
-    drafter = make_dflash2(target)
+    drafter = make_dflash2(target, top_k=target.config.vocab_size if whole_vocabulary else 4)
     view = TargetModel(target)
     view.set_layer_ids(drafter.target_layer_ids)
     params = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
     plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
+    assert plain[2] == greedy_reference(target, PROMPTS[2], 20)
     proposer = DFlash2Proposer(drafter, view, sampled_race="selector")
     with SpecEngine(view, proposer=proposer, block_size=drafter.block_size, draft_policy="fixed") as engine:
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
@@ -403,12 +442,13 @@ class SoftDraftCounter(DFlash2Proposer):
         return drafts, q
 
 
-@pytest.mark.parametrize("sampler", ["gumbel", "rejection"])
-def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler):  # noqa: F811
+@pytest.mark.parametrize("sampler,top_k", [("gumbel", 3), ("rejection", 3), ("rejection", VOCAB)])
+def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler, top_k):  # noqa: F811
     """The first three tokens' joint distribution (chi-square, TV) and every position up to the tenth, as
-    tests/test_sampling.py checks DFlash-1, with a DFlash2 drafter over the same 8-token vocabulary."""
+    tests/test_sampling.py checks DFlash-1, with a DFlash2 drafter over the same 8-token vocabulary (its selector
+    choosing among 3 candidates, or among all 8)."""
     params = SamplingParams(temperature=1.0)
-    drafter = make_dflash2(sampling_target, top_k=3, mask_token_id=VOCAB - 1)
+    drafter = make_dflash2(sampling_target, top_k=top_k, mask_token_id=VOCAB - 1)
     if sampler == "gumbel":
         engine = SpecEngine(sampling_target, drafter)
         proposer = None

@@ -2,7 +2,7 @@
 
 import torch
 
-from scripts.drafter.sampling_ceiling import marginal_race_tau
+from scripts.drafter.sampling_ceiling import best_drafter_tau
 
 
 def _continuations(probs: torch.Tensor, seed0: int, prompt_len: int) -> torch.Tensor:
@@ -16,7 +16,7 @@ def _continuations(probs: torch.Tensor, seed0: int, prompt_len: int) -> torch.Te
 def test_a_deterministic_target_is_drafted_whole():
     probs = torch.zeros(8, 15, 32)
     probs[:, torch.arange(15), torch.arange(15) + 3] = 1.0  # every continuation the same, one token per position
-    taus, per_position = marginal_race_tau(_continuations(probs, 0, 5), probs, 5, 0)
+    taus, per_position = best_drafter_tau(_continuations(probs, 0, 5), probs, 5, 0)
     assert taus == [16.0] * 8 and per_position == [1.0] * 15
 
 
@@ -26,7 +26,7 @@ def test_continuations_that_disagree_lose_acceptance_after_the_first_position():
     probs[:, 0] = probs[0, 0]  # position 1 sees the same context in every continuation
     probs /= probs.sum(-1, keepdim=True)
     tokens = _continuations(probs, 100, 7)
-    taus, per_position = marginal_race_tau(tokens, probs, 7, 100)
+    taus, per_position = best_drafter_tau(tokens, probs, 7, 100)
     assert per_position[0] == 1.0  # the marginal there is the target's own distribution
     assert per_position[1] < 0.9 and all(1.0 <= t <= 16.0 for t in taus)
     assert sum(taus) / len(taus) < 16.0

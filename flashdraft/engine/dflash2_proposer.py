@@ -60,9 +60,11 @@ class DraftConfidence:
 # A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
 # to an index per row [b, k, top_k]: every position's choice for every possible previous one at once
 # (`CandidateSelector.select` then follows the path); a row's choice may depend on its position, never on the path.
+# A selector whose candidates are the whole vocabulary walks one position at a time and passes it as `at` (the
+# rows are then [b, 1, 1, V]).
 
 
-def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor, at: int | None = None) -> torch.Tensor:
     return scores.argmax(-1)
 
 
@@ -70,9 +72,10 @@ def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
     """The winner of each row's exponential race on softmax(scores / T) with the position's noise at the
     candidates' ids (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
 
-    def choose(scores, candidates):
+    def choose(scores, candidates, at=None):
         q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
-        return (q / noise.gather(-1, candidates)[:, :, None]).argmax(-1)
+        position_noise = noise if at is None else noise[:, at:at + 1]
+        return (q / position_noise.gather(-1, candidates)[:, :, None]).argmax(-1)
 
     return choose
 
@@ -82,7 +85,7 @@ def sample_choice(inverse_temperature: torch.Tensor):
     position (the same draw for every previous choice: the path reads one of them, so each position's token is a
     sample of q given the chosen prefix); rows with 1/T = 0 (greedy) take the argmax."""
 
-    def choose(scores, candidates):
+    def choose(scores, candidates, at=None):
         q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
         cdf = q.cumsum(-1)
         uniform = torch.rand(*scores.shape[:2], 1, 1, device=scores.device)

@@ -239,7 +239,10 @@ class CandidateSelector(nn.Module):
         The walk is the sequential left-to-right choice z-lab's `select` makes, computed without a loop over
         positions: every row of pair scores in one batched product, every choice in one call, then the chosen
         path by composing the per-position maps (`follow`). Eager drafting pays per operator; a loop is ~6 of them
-        per position."""
+        per position. With every token a candidate (`whole_vocabulary`) the rows would be [V x V] per position: that
+        walk goes position by position (`_walk_vocabulary`)."""
+        if self.whole_vocabulary:
+            return self._walk_vocabulary(hidden, logits, anchor, choose, with_scores)
         unary, candidates = top_k(logits, self.top_k)
         projection, predecessor_codebook, successor_codebook = self.drafting_weights()
         query = F.linear(hidden.to(projection.dtype), projection)
@@ -259,6 +262,32 @@ class CandidateSelector(nn.Module):
             walk["scores"] = rows.gather(2, came_from[:, :, None, None].expand(-1, -1, 1, self.top_k))[:, :, 0]
         return walk
 
+    @property
+    def whole_vocabulary(self) -> bool:
+        """Every token is a candidate (`selector_top_k` = the vocabulary): the selector's distribution is the
+        marginal corrected by the previous token over the whole vocabulary, not only among the marginal's top-k (at
+        temperature 1 a flat target often samples outside a top-k, where such a selector cannot draft)."""
+        return self.top_k >= self.successor_codebook.num_embeddings
+
+    def _walk_vocabulary(self, hidden, logits, anchor, choose, with_scores: bool) -> dict:
+        """`select` with every token a candidate, in vocabulary order: per position, the scores of all tokens given
+        the token chosen before it (the pair term as one [r] x [r, V] product), then its choice, left to right.
+        `choose` gets one position at a time (`at`)."""
+        projection, predecessor_codebook, successor_codebook = self.drafting_weights()
+        query = F.linear(hidden.to(projection.dtype), projection)  # [b, k, r]
+        b, k, vocab = logits.shape
+        candidates = torch.arange(vocab, device=logits.device).expand(b, 1, vocab)
+        previous, tokens, rows = anchor, [], []
+        for i in range(k):
+            scores = logits[:, i] + (F.embedding(previous, predecessor_codebook) * query[:, i]) @ successor_codebook.T
+            previous = choose(scores[:, None, None], candidates, at=i)[:, 0, 0]
+            tokens.append(previous)
+            rows.append(scores)
+        walk = {"tokens": torch.stack(tokens, 1), "candidates": candidates.expand(b, k, vocab)}
+        if with_scores:
+            walk["scores"] = torch.stack(rows, 1)
+        return walk
+
     def drafting_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The hidden projection and the two codebooks in `drafting_dtype` (cached: `derived_weights`)."""
         weights = [self.hidden_projection.weight, self.predecessor_codebook.weight, self.successor_codebook.weight]
@@ -269,7 +298,11 @@ class CandidateSelector(nn.Module):
                        labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Training: for M slots whose previous token is the true one, the scores [M, top_k] over the marginal's
         top-k (its logits detached: this trains the pair term), the label's index among them [M] and whether it is
-        among them at all [M] (where it is not, the selector has no choice to learn)."""
+        among them at all [M] (where it is not, the selector has no choice to learn). With every token a candidate the
+        scores are over the vocabulary in its order ([M, V]; the label is its own index)."""
+        if self.whole_vocabulary:
+            pairs = (self.predecessor_codebook(previous) * self.hidden_projection(hidden)) @ self.successor_codebook.weight.T
+            return logits.detach() + pairs, labels, torch.ones_like(labels, dtype=torch.bool)
         unary, candidates = torch.topk(logits.detach(), self.top_k, dim=-1)
         hit = candidates == labels[:, None]
         scores = unary + self.pair_scores(self.hidden_projection(hidden), previous, candidates)

@@ -62,17 +62,58 @@ def continuation_probs(model, prompt: list[int], samples: int, block: int, tempe
     return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def marginal_race_tau(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int, seed0: int) -> tuple[list, list]:
-    """Per continuation: tau of the best marginal drafter (leave-one-out marginals raced with the continuation's
-    noise); and per position, the fraction of continuations whose draft there matches (given the prefix matched)."""
+def conditional_marginals(tokens: torch.Tensor, probs: torch.Tensor, order: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per continuation and position, the best drafter's distribution when it knows the last `order` tokens of the
+    continuation before the position (0: none, the marginal): the average of the target's distributions there over
+    the OTHER continuations that sampled the same tokens (leave one out), backing off to fewer tokens where no
+    other continuation shares them. Returns the distributions [S, width, V] and, per position, the share of
+    continuations whose estimate used all `order` tokens [width] (position 1 knows everything: its context is
+    the prompt, the same in every continuation)."""
+    samples, width, _ = probs.shape
+    estimates = (probs.sum(0, keepdim=True) - probs) / (samples - 1)  # order 0: the marginal, leave one out
+    full = torch.ones(width)
+    for i in range(1, width):
+        used = torch.zeros(samples, dtype=torch.bool)
+        for known in range(1, min(order, i) + 1):
+            _, group, counts = torch.unique(tokens[:, i - known:i], dim=0, return_inverse=True, return_counts=True)
+            others = counts[group] - 1
+            shared = others > 0
+            if not shared.any():
+                break
+            sums = torch.zeros(len(counts), probs.shape[-1]).index_add_(0, group, probs[:, i])
+            loo = (sums[group] - probs[:, i]) / others.clamp(min=1)[:, None]
+            estimates[shared, i] = loo[shared]
+            used = shared if known == min(order, i) else torch.zeros_like(used)
+        full[i] = used.float().mean() if order else 1.0
+    return estimates, full
+
+
+def among_candidates(estimates: torch.Tensor, marginals: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`estimates` [S, width, V] restricted to each position's `top_k` most probable tokens under `marginals` (a
+    DFlash2 selector's candidates) and renormalised; where they hold no mass, the marginal's there."""
+    candidates = marginals.topk(top_k, dim=-1).indices
+    kept = estimates.gather(-1, candidates)
+    kept = torch.where(kept.sum(-1, keepdim=True) > 0, kept, marginals.gather(-1, candidates))
+    return torch.zeros_like(estimates).scatter_(-1, candidates, kept / kept.sum(-1, keepdim=True))
+
+
+def best_drafter_tau(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int, seed0: int,
+                     order: int = 0, top_k: int | None = None) -> tuple[list, list]:
+    """Per continuation: tau of the best drafter that knows `order` drafted tokens before each position
+    (`conditional_marginals`; 0: the marginal drafter, DFlash-1's ceiling), choosing among its marginal's `top_k`
+    tokens only if given (`among_candidates`: a DFlash2 selector's ceiling), raced with the continuation's noise;
+    and per position, the fraction of continuations whose draft there matches (given the prefix matched). While
+    every draft before a position matched, the drafted tokens it knows are the target's, so conditioning on the
+    continuation's tokens is conditioning on the drafts."""
     from flashdraft.engine.noise import exponential_noise, race
 
     samples, width, vocab = probs.shape
-    total = probs.sum(0, keepdim=True)
-    marginals = (total - probs) / (samples - 1)  # [S, width, V] leave one out
+    estimates, _ = conditional_marginals(tokens, probs, order)
+    if top_k is not None:
+        estimates = among_candidates(estimates, conditional_marginals(tokens, probs, 0)[0], top_k)
     seeds = torch.arange(seed0, seed0 + samples, device=probs.device)
     noise = exponential_noise(seeds, torch.full_like(seeds, prompt_len), width, vocab)
-    drafts = race(marginals, noise)
+    drafts = race(estimates, noise)
     match = (drafts == tokens).int()
     accepted = match.cumprod(1).sum(1)
     taus = (1 + accepted).float().tolist()
@@ -89,12 +130,18 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--orders", type=lambda v: [int(x) for x in v.split(",")], default=[0],
+                    help="drafted tokens the best drafter knows before each position, e.g. 0,1,2 (0: the marginal)")
+    ap.add_argument("--top-k", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="also each order choosing among its marginal's K most probable tokens only, e.g. 8,64 "
+                         "(a DFlash2 selector's candidates)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "sampling_ceiling")
     args = ap.parse_args(argv)
     if not 0.0 < args.temperature <= 100.0:
         ap.error(f"--temperature {args.temperature}: use a value in (0, 100]")
-    if args.samples < 2 or args.num < 1 or args.block_size < 2:
-        ap.error("--samples >= 2, --num >= 1 and --block-size >= 2")
+    if args.samples < 2 or args.num < 1 or args.block_size < 2 or min(args.orders) < 0 \
+            or min(args.top_k, default=1) < 1:
+        ap.error("--samples >= 2, --num >= 1, --block-size >= 2, --orders >= 0 and --top-k >= 1")
 
     from tqdm import tqdm
 
@@ -105,32 +152,45 @@ def main(argv=None) -> int:
     cells = {(name, ending): [tokenizer(p, add_special_tokens=False)["input_ids"]
                               for p in short_prompts(name, ending, args.num)]
              for name in ("in-domain", "ood") for ending in ENDINGS}
-    results, lines = {}, [f"best marginal drafter at T = {args.temperature:g}, block {args.block_size}, "
-                          f"{args.samples} continuations per prompt: tau per prompt min / p10 / median / mean", "",
-                          "| set | ending | tau | acceptance at positions 1 / 2 / 4 / 8 |", "|---|---|---|---|"]
+    results, lines = {}, [f"best drafter at T = {args.temperature:g}, block {args.block_size}, {args.samples} "
+                          "continuations per prompt, knowing the last N drafted tokens (0: the marginal drafter): "
+                          "tau per prompt min / p10 / median / mean; candidates: the tokens it chooses among (its "
+                          "marginal's K most probable, or all)", "",
+                          "| set | ending | N | candidates | tau | acceptance at positions 1 / 2 / 4 / 8 | N tokens shared |",
+                          "|---|---|---|---|---|---|---|"]
+    variants = [(order, k) for order in args.orders for k in [None, *args.top_k]]
     bar = tqdm(total=sum(len(v) for v in cells.values()), desc="ceiling", unit="prompt", dynamic_ncols=True)
     for (name, ending), prompts in cells.items():
-        prompt_taus, positions = [], []
+        prompt_taus = {v: [] for v in variants}
+        positions = {v: [] for v in variants}
+        shared = {order: [] for order in args.orders}
         for index, prompt in enumerate(prompts):
             seed0 = index * args.samples
             tokens, probs = continuation_probs(model, prompt, args.samples, args.block_size, args.temperature, seed0)
-            taus, per_position = marginal_race_tau(tokens, probs, len(prompt), seed0)
-            prompt_taus.append(statistics.fmean(taus))
-            positions.append(per_position)
+            for order, k in variants:
+                taus, per_position = best_drafter_tau(tokens, probs, len(prompt), seed0, order, k)
+                prompt_taus[order, k].append(statistics.fmean(taus))
+                positions[order, k].append(per_position)
+            for order in args.orders:
+                shared[order].append(conditional_marginals(tokens, probs, order)[1][1:].mean().item())
             bar.update(1)
-        mean_positions = [statistics.fmean(p[i] for p in positions) for i in range(args.block_size - 1)]
-        r = {"min": min(prompt_taus), "p10": percentile(prompt_taus, 0.1), "median": statistics.median(prompt_taus),
-             "mean": statistics.fmean(prompt_taus), "per_prompt_tau": [round(t, 3) for t in prompt_taus],
-             "acceptance_by_position": [round(a, 3) for a in mean_positions]}
-        results[f"{name}|{ending}"] = r
-        shown = " / ".join(f"{mean_positions[i - 1]:.2f}" for i in (1, 2, 4, 8) if i <= len(mean_positions))
-        lines.append(f"| {name} | {ending} | {r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / "
-                     f"**{r['mean']:.2f}** | {shown} |")
+        for order, k in variants:
+            taus = prompt_taus[order, k]
+            mean_positions = [statistics.fmean(p[i] for p in positions[order, k])
+                              for i in range(args.block_size - 1)]
+            r = {"min": min(taus), "p10": percentile(taus, 0.1), "median": statistics.median(taus),
+                 "mean": statistics.fmean(taus), "per_prompt_tau": [round(t, 3) for t in taus],
+                 "acceptance_by_position": [round(a, 3) for a in mean_positions],
+                 "known_share": round(statistics.fmean(shared[order]), 3)}
+            results[f"{name}|{ending}" + (f"|{order}" if order or k else "") + (f"|top{k}" if k else "")] = r
+            shown = " / ".join(f"{mean_positions[i - 1]:.2f}" for i in (1, 2, 4, 8) if i <= len(mean_positions))
+            lines.append(f"| {name} | {ending} | {order} | {k or 'all'} | {r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / "
+                         f"**{r['mean']:.2f}** | {shown} | {r['known_share']:.2f} |")
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"temperature": args.temperature, "samples": args.samples, "block_size": args.block_size, "num": args.num,
-         "cells": results}, indent=1))
+         "orders": args.orders, "top_k": args.top_k, "cells": results}, indent=1))
     table = "\n".join(lines) + "\n"
     (args.out / "results.md").write_text(table)
     print(table)
