@@ -117,6 +117,25 @@ def test_dflash2_options_need_the_arch():
         check_config(TrainConfig(arch="dflash3"))
     with pytest.raises(ValueError, match="draft_vocab_size"):
         check_config(TrainConfig(arch="dflash2", draft_vocab_size=100))
+    with pytest.raises(ValueError, match="selector_lr"):
+        check_config(TrainConfig(selector_lr=1e-3))
+
+
+def test_the_selector_learns_at_its_own_rate(tmp_path):
+    """`selector_lr`: the selector's parameters in an optimizer group of their own. With lr 0 for the rest, a step
+    moves the selector (codebooks, projection) and nothing else."""
+    target = tiny_target()
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"), block_size=4, num_draft_layers=2, mask_token_id=MASK,
+                      num_anchors=8, lr=0.0, selector_lr=1e-2, max_length=64, batch_size=4, max_steps=2,
+                      warmup_ratio=0.0, progress=False, eval_at_start=False, seed=0, save_every=2, arch="dflash2",
+                      selector_rank=4, selector_top_k=4, conv_kernel_size=3, conv_group_size=8,
+                      export_dtype="float32")
+    trainer = Trainer(cfg, target_model=target, examples=_examples())
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [0.0, 1e-2]
+    start = {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
+    trainer.train()
+    for name, tensor in trainer.drafter.state_dict().items():
+        assert torch.equal(tensor, start[name]) != name.startswith("candidate_selector."), name
 
 
 def test_dflash2_training_starts_from_a_dflash1_drafter(tmp_path):

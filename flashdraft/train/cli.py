@@ -115,6 +115,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="the first N blocks of every answer are always among its anchors (short answers spend "
                         "many of their drafts there); the rest are drawn uniformly (default 0: all uniform)")
     p.add_argument("--lr", type=finite_float_in(0.0), default=6e-4)
+    p.add_argument("--selector-lr", type=finite_float_in(0.0), default=None,
+                   help="--arch dflash2: the candidate selector's learning rate (default: --lr); a fresh selector "
+                        "grown on a trained drafter (--init-from) learns at a fine-tuning --lr too slowly")
     p.add_argument("--weight-decay", type=finite_float_in(0.0), default=0.0)
     p.add_argument("--warmup-ratio", type=float_in(0.0, 1.0), default=0.04)
     p.add_argument("--grad-clip", type=finite_float_in(0.0, low_open=True), default=1.0)
@@ -179,7 +182,8 @@ def config_from_args(args):
         num_draft_layers=args.num_draft_layers, target_layer_ids=args.target_layer_ids, num_taps=args.num_taps,
         mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size, epochs=args.epochs,
         max_steps=args.max_steps, batch_size=args.batch_size, grad_accum=args.grad_accum, max_length=args.max_length,
-        num_anchors=args.num_anchors, start_anchors=args.start_anchors, lr=args.lr, weight_decay=args.weight_decay,
+        num_anchors=args.num_anchors, start_anchors=args.start_anchors, lr=args.lr, selector_lr=args.selector_lr,
+        weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio,
         grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight,
         distill_temperature=args.distill_temperature, seed=args.seed, attention=args.attention,

@@ -103,6 +103,9 @@ class TrainConfig:
     num_anchors: int = 512
     start_anchors: int = 0  # the first N blocks of every answer are always among its anchors (`anchors.py`)
     lr: float = 6e-4
+    # a DFlash2 selector's learning rate (None: lr); a fresh selector on a trained drafter's layers needs a larger
+    # one than their fine-tuning rate (its codebooks start from random)
+    selector_lr: float | None = None
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
@@ -166,6 +169,9 @@ def check_config(cfg: "TrainConfig") -> None:
     need(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**32, "seed", "an integer in [0, 2**32 - 1]")
     finite = math.isfinite
     need(finite(cfg.lr) and cfg.lr >= 0, "lr", "a finite number >= 0")
+    need(cfg.selector_lr is None or (finite(cfg.selector_lr) and cfg.selector_lr >= 0), "selector_lr",
+         "a finite number >= 0")
+    need(cfg.selector_lr is None or cfg.arch == "dflash2", "selector_lr", "set only with arch 'dflash2'")
     need(finite(cfg.weight_decay) and cfg.weight_decay >= 0, "weight_decay", "a finite number >= 0")
     need(0 <= cfg.warmup_ratio <= 1, "warmup_ratio", "in [0, 1]")
     need(finite(cfg.grad_clip) and cfg.grad_clip > 0, "grad_clip", "a finite number > 0")
@@ -381,6 +387,12 @@ class Trainer:
 
             self.model = DDP(self.drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
+        if config.selector_lr is not None:  # the selector's parameters in a group of their own
+            selector = [p for n, p in self.drafter.named_parameters() if p.requires_grad
+                        and n.startswith("candidate_selector.")]
+            chosen = {id(p) for p in selector}
+            params = [{"params": [p for p in params if id(p) not in chosen]},
+                      {"params": selector, "lr": config.selector_lr}]
         if config.shard_optimizer and self.world_size > 1:  # ZeRO-1: each rank keeps the AdamW moments of a part
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -3,7 +3,7 @@ write, block forward, read-out, choice of tokens) on the shipped pair's shapes, 
 so that the comparison is of the step alone and low in noise.
 
     python scripts/dflash2/profile_draft.py --threads 1 [--compile] [--iters 200] [--profile] [--temperature 1]
-        [--confidence]
+        [--confidence] [--selector-top-k 8192]
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--confidence", action="store_true", help="drafts report their confidence (the trim's input)")
+    ap.add_argument("--selector-top-k", type=int, default=None,
+                    help="the DFlash2 selector's candidates (default: ours, 8; the vocabulary size: every token)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
     from flashdraft.loading import load_pair
 
     target, tokenizer, dflash1 = load_pair()
-    drafters = {"dflash": dflash1, "dflash2": dflash2_like(dflash1)}
+    drafters = {"dflash": dflash1, "dflash2": dflash2_like(dflash1, selector_top_k=args.selector_top_k)}
     steps = {}
     for name, drafter in drafters.items():
         # the engine's own proposer (packed read-out as the engine decides)
