@@ -229,7 +229,7 @@ def test_a_whole_vocabulary_selector_walks_as_the_sequential_one(qwen3, chooser)
     in_vocabulary_order = torch.zeros_like(rows).scatter_(-1, logits.topk(vocab, dim=-1).indices, rows)
     assert torch.allclose(walk["scores"], in_vocabulary_order, rtol=0, atol=1e-12)
     previous = torch.cat([anchor[:, None], tokens[:, :-1]], 1)
-    scores, label_index, present = selector.teacher_forced(hidden.flatten(0, 1), logits.flatten(0, 1),
+    scores, label_index, present, _ = selector.teacher_forced(hidden.flatten(0, 1), logits.flatten(0, 1),
                                                            previous.flatten(), tokens.flatten())
     assert present.all() and torch.equal(label_index, tokens.flatten())
     assert torch.allclose(scores, walk["scores"].flatten(0, 1), rtol=0, atol=1e-12)

@@ -69,6 +69,41 @@ def test_selector_loss_is_teacher_forced_and_trains_the_pair_term():
     assert marginal.weight.grad is None and hidden.grad.abs().sum() > 0  # the marginal's logits enter detached
 
 
+@pytest.mark.parametrize("top_k", [4, 64])
+def test_the_selectors_soft_labels_are_the_targets_distribution_over_its_candidates(top_k):
+    """`distill_weight` 1: the loss is KL(target || selector) over the candidates (the target renormalised over a
+    top-k, the whole distribution when every token is a candidate), weighted per slot like the cross-entropy; 0.5
+    mixes the two halves; the soft term alone still trains the selector."""
+    import torch.nn.functional as F
+
+    block_ids = torch.tensor([[7, MASK, MASK, MASK, 9, MASK, MASK, MASK]])
+    labels = torch.tensor([[0, 11, 12, 13, 0, 21, 22, 23]])
+    offset = torch.arange(4).repeat(2)[None]
+    target = tiny_target()
+    torch.manual_seed(1)
+    drafter = DFlash2DraftModel(make_dflash2_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK,
+                                                    selector_rank=4, selector_top_k=top_k, conv_kernel_size=3,
+                                                    conv_group_size=8))
+    selector = drafter.candidate_selector
+    assert selector.whole_vocabulary == (top_k == 64)
+    hidden = torch.randn(1, 8, 32)
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25, 0.0, 1.0, 0.5, 0.25]])
+    marginal = torch.nn.Linear(32, 64, bias=False)
+    teacher = 3 * torch.randn(1, 8, 64)
+    loss = {w: selector_loss(drafter, hidden, marginal, block_ids, labels, weights, offset, normaliser=2.0,
+                             teacher_logits=teacher, distill_weight=w).loss for w in (0.0, 0.5, 1.0)}
+    picked = weights[0] > 0
+    h, prev = hidden[0, picked], previous_tokens(block_ids, labels, offset)[0, picked]
+    with torch.no_grad():
+        scores, _, _, candidates = selector.teacher_forced(h, marginal(h), prev, labels[0, picked])
+    t = teacher[0, picked] if candidates is None else teacher[0, picked].gather(-1, candidates)
+    kl = F.kl_div(F.log_softmax(scores, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(loss[1.0], (kl * weights[0, picked]).sum() / 2.0)
+    torch.testing.assert_close(loss[0.5], (loss[0.0] + loss[1.0]) / 2)
+    loss[1.0].backward()
+    assert selector.successor_codebook.weight.grad.abs().sum() > 0
+
+
 def _examples():
     g = torch.Generator().manual_seed(0)
     examples = []
@@ -119,6 +154,8 @@ def test_dflash2_options_need_the_arch():
         check_config(TrainConfig(arch="dflash2", draft_vocab_size=100))
     with pytest.raises(ValueError, match="selector_lr"):
         check_config(TrainConfig(selector_lr=1e-3))
+    with pytest.raises(ValueError, match="selector_distill_weight"):
+        check_config(TrainConfig(selector_distill_weight=0.5))
 
 
 def test_the_selector_learns_at_its_own_rate(tmp_path):

@@ -295,18 +295,19 @@ class CandidateSelector(nn.Module):
                                lambda *w: tuple(t.to(drafting_dtype(t.dtype)) for t in w))
 
     def teacher_forced(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Training: for M slots whose previous token is the true one, the scores [M, top_k] over the marginal's
-        top-k (its logits detached: this trains the pair term), the label's index among them [M] and whether it is
-        among them at all [M] (where it is not, the selector has no choice to learn). With every token a candidate the
-        scores are over the vocabulary in its order ([M, V]; the label is its own index)."""
+        top-k (its logits detached: this trains the pair term), the label's index among them [M], whether it is
+        among them at all [M] (where it is not, the selector has no choice to learn) and the candidates [M, top_k].
+        With every token a candidate the scores are over the vocabulary in its order ([M, V]; the label is its own
+        index; candidates None)."""
         if self.whole_vocabulary:
             pairs = (self.predecessor_codebook(previous) * self.hidden_projection(hidden)) @ self.successor_codebook.weight.T
-            return logits.detach() + pairs, labels, torch.ones_like(labels, dtype=torch.bool)
+            return logits.detach() + pairs, labels, torch.ones_like(labels, dtype=torch.bool), None
         unary, candidates = torch.topk(logits.detach(), self.top_k, dim=-1)
         hit = candidates == labels[:, None]
         scores = unary + self.pair_scores(self.hidden_projection(hidden), previous, candidates)
-        return scores, hit.float().argmax(-1), hit.any(-1)
+        return scores, hit.float().argmax(-1), hit.any(-1), candidates
 
 
 class DFlash2DraftModel(DFlashDraftModel):

@@ -124,6 +124,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=finite_float_in(0.0, low_open=True), default=None,
                    help="loss decay (default 7/5/4 for B=16/10/8)")
     p.add_argument("--distill-weight", type=float_in(0.0, 1.0), default=0.0, help="soft-label KL weight in [0, 1]")
+    p.add_argument("--selector-distill-weight", type=float_in(0.0, 1.0), default=0.0,
+                   help="--arch dflash2: the selector's soft-label KL weight in [0, 1] (the target's distribution "
+                        "given the true prefix, over the candidates)")
     p.add_argument("--distill-temperature", type=finite_float_in(0.0, low_open=True), default=1.0)
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--attention", choices=["auto", "sdpa", "flex"], default="auto")
@@ -186,6 +189,7 @@ def config_from_args(args):
         weight_decay=args.weight_decay,
         warmup_ratio=args.warmup_ratio,
         grad_clip=args.grad_clip, gamma=args.gamma, distill_weight=args.distill_weight,
+        selector_distill_weight=args.selector_distill_weight,
         distill_temperature=args.distill_temperature, seed=args.seed, attention=args.attention,
         feature_cache=args.feature_cache, save_every=args.save_every, keep_checkpoints=args.keep_checkpoints,
         eval_prompts=args.eval_prompts, eval_limit=args.eval_limit, eval_every=args.eval_every,

@@ -3,7 +3,9 @@
 Teacher forcing: at block slot k the selector scores the marginal's top-k candidates given the TRUE token at k-1
 (the anchor at k = 1), and the loss is the cross-entropy of softmax(scores) against the true token at k, where that
 token is among the candidates (elsewhere the selector has no choice to learn; the marginal's own loss has to bring
-the token into the top-k). The marginal logits enter detached: this loss trains the pair term (codebooks, hidden
+the token into the top-k), optionally mixed (`distill_weight`) with KL(target || selector) over the candidates: the
+target's own distribution for that token given the true prefix, which is what the selector's q should be at T = 1
+and, unlike one sampled label, says so for every candidate at once. The marginal logits enter detached: this loss trains the pair term (codebooks, hidden
 projection) and, through the projection, the draft layers. Each slot carries the marginal loss's position weight,
 and the sum is normalised like the marginal loss (`loss.py`), so accumulation and ranks see one big batch.
 
@@ -36,28 +38,39 @@ def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor, block_offset:
     return torch.where(block_offset == 1, block_ids.roll(1, dims=1), labels.roll(1, dims=1))
 
 
-def _chunk(selector, hidden, logits_fn, previous, labels, weights):
+def _chunk(selector, hidden, logits_fn, previous, labels, weights, teacher, distill_weight, temperature):
     with torch.no_grad():
         logits = logits_fn(hidden)
-    scores, target, present = selector.teacher_forced(hidden, logits, previous, labels)
-    ce = F.cross_entropy(scores.float(), target, reduction="none")
+    scores, target, present, candidates = selector.teacher_forced(hidden, logits, previous, labels)
+    per_slot = F.cross_entropy(scores.float(), target, reduction="none") * present
+    if teacher is not None and distill_weight > 0:
+        teacher = teacher if candidates is None else teacher.gather(-1, candidates)  # renormalised over them below
+        log_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
+        log_selector = F.log_softmax(scores.float() / temperature, dim=-1)
+        kl = (log_teacher.exp() * (log_teacher - log_selector)).sum(-1) * temperature ** 2
+        per_slot = (1.0 - distill_weight) * per_slot + distill_weight * kl
     hits = (scores.argmax(-1) == target) & present
-    return (ce * weights * present).sum(), hits.float().sum()
+    return (per_slot * weights).sum(), hits.float().sum()
 
 
 def selector_loss(drafter, hidden: torch.Tensor, logits_fn, block_ids: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor, block_offset: torch.Tensor, normaliser: float | torch.Tensor,
-                  chunk_size: int = 4096) -> SelectorLoss:
+                  chunk_size: int = 4096, teacher_logits: torch.Tensor | None = None, distill_weight: float = 0.0,
+                  temperature: float = 1.0) -> SelectorLoss:
     """hidden [b, Q, H] (the drafter's, before the read-out); block_ids / labels / weights / block_offset [b, Q] as
-    `build_blocks` and `slot_weights` give them; `logits_fn(hidden_rows) -> [M, V]` the marginal read-out."""
+    `build_blocks` and `slot_weights` give them; `logits_fn(hidden_rows) -> [M, V]` the marginal read-out;
+    `teacher_logits` [b, Q, V] the target's logits for each slot's token (given the true prefix) with
+    `distill_weight` > 0: the soft-label term, KL(target || selector) over the candidates at `temperature`."""
     selected = weights > 0
     previous = previous_tokens(block_ids, labels, block_offset)[selected]
     h, y, w = hidden[selected], labels[selected], weights[selected].float()
+    t = teacher_logits[selected] if teacher_logits is not None and distill_weight > 0 else None
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, h.shape[0], chunk_size):
         part = (drafter.candidate_selector, h[start:start + chunk_size], logits_fn, previous[start:start + chunk_size],
-                y[start:start + chunk_size], w[start:start + chunk_size])
+                y[start:start + chunk_size], w[start:start + chunk_size],
+                None if t is None else t[start:start + chunk_size], distill_weight, temperature)
         if torch.is_grad_enabled() and h.shape[0] > chunk_size:
             loss, hit = checkpoint(_chunk, *part, use_reentrant=False)
         else:

@@ -111,6 +111,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None  # loss decay; default from block size
     distill_weight: float = 0.0
+    # a DFlash2 selector's soft-label term: per slot (1 - w) * its cross-entropy + w * KL(target || selector) over
+    # its candidates, the target's distribution given the true prefix (what the selector's q should be at T = 1)
+    selector_distill_weight: float = 0.0
     distill_temperature: float = 1.0
     seed: int = 0
     attention: str = "auto"  # auto | sdpa | flex
@@ -177,6 +180,9 @@ def check_config(cfg: "TrainConfig") -> None:
     need(finite(cfg.grad_clip) and cfg.grad_clip > 0, "grad_clip", "a finite number > 0")
     need(cfg.gamma is None or (finite(cfg.gamma) and cfg.gamma > 0), "gamma", "None or a finite number > 0")
     need(0 <= cfg.distill_weight <= 1, "distill_weight", "in [0, 1]")
+    need(0 <= cfg.selector_distill_weight <= 1, "selector_distill_weight", "in [0, 1]")
+    need(cfg.selector_distill_weight == 0 or cfg.arch == "dflash2", "selector_distill_weight",
+         "set only with arch 'dflash2'")
     need(finite(cfg.distill_temperature) and cfg.distill_temperature > 0, "distill_temperature",
          "a finite number > 0")
     need(cfg.draft_vocab_size is None or cfg.draft_vocab_size >= 1, "draft_vocab_size", "None or >= 1")
@@ -405,7 +411,7 @@ class Trainer:
         self.step = 0
         self.feature_cache = None
         if config.feature_cache:
-            if config.distill_weight > 0:
+            if config.distill_weight > 0 or config.selector_distill_weight > 0:
                 raise ValueError("distillation needs target logits: use online features (no feature_cache)")
             self.feature_cache = FeatureCache(config.feature_cache)
             self.feature_cache.build(self.target, self.examples, self.rank, self.world_size, barrier=self._barrier)
@@ -516,7 +522,7 @@ class Trainer:
                       int(packed.valid.sum()), rows, packed, block_positions)
 
     def _features(self, micro: _Micro):
-        keep_logits = self.cfg.distill_weight > 0
+        keep_logits = self.cfg.distill_weight > 0 or self.cfg.selector_distill_weight > 0
         if self.feature_cache is not None:  # an example's features do not depend on its row: concatenated
             feats, _ = _pad_features([torch.cat([self.feature_cache.get(i) for i in row]) for row in micro.rows])
             return feats.to(self.device), None
@@ -576,7 +582,7 @@ class Trainer:
                     picked = selector_loss(
                         self.drafter, hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head),
                         blk.block_ids.to(dev), blk.labels.to(dev), m.weights.to(dev), blk.block_offset.to(dev),
-                        normaliser, cfg.loss_chunk_size)
+                        normaliser, cfg.loss_chunk_size, teacher, cfg.selector_distill_weight, cfg.distill_temperature)
                     loss = loss + picked.loss
                     selector_stats += torch.stack([picked.hits, picked.count]).double()
             loss.backward()

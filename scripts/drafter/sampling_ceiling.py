@@ -122,6 +122,30 @@ def best_drafter_tau(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int,
     return taus, per_position
 
 
+def plot(results: dict, variants: list, args) -> None:
+    """Mean tau per cell, one bar per (drafted tokens known, candidates)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(dict.fromkeys(key.split("|")[0] + " | " + key.split("|")[1] for key in results))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(3.6 + 2.2 * len(cells), 4))
+    for j, (order, k) in enumerate(variants):
+        suffix = (f"|{order}" if order or k else "") + (f"|top{k}" if k else "")
+        means = [results[cell.replace(" | ", "|") + suffix]["mean"] for cell in cells]
+        ax.bar([i + (j - (len(variants) - 1) / 2) * width for i in range(len(cells))], means, width,
+               label=f"knows {order} drafted, " + (f"top {k}" if k else "all tokens"))
+    ax.set_xticks(range(len(cells)), cells)
+    ax.set_ylabel("tau (mean over prompts)")
+    ax.set_title(f"best drafter at T = {args.temperature:g}, block {args.block_size}, {args.samples} continuations")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(args.out / "ceiling.png", dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="target directory (default: the shipped pair's)")
@@ -193,8 +217,9 @@ def main(argv=None) -> int:
          "orders": args.orders, "top_k": args.top_k, "cells": results}, indent=1))
     table = "\n".join(lines) + "\n"
     (args.out / "results.md").write_text(table)
+    plot(results, variants, args)
     print(table)
-    print(f"wrote {args.out}/results.json, results.md")
+    print(f"wrote {args.out}/results.json, results.md, ceiling.png")
     return 0
 
 
