@@ -287,6 +287,8 @@ def test_the_selector_race_keeps_plain_decodings_seeded_text(whole_vocabulary):
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
     with pytest.raises(ValueError, match="sampled_race"):
         DFlash2Proposer(drafter, view, sampled_race="argmax")
+    # by default a top-k selector's rows race on the marginal, a whole-vocabulary selector's on the selector
+    assert DFlash2Proposer(drafter, view).sampled_race == ("selector" if whole_vocabulary else "marginal")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,12 +7,14 @@ How each position's token is picked, per row:
 - sampled rows with counter-based noise (the default "gumbel" sampler, `noise.py`): an exponential race with the
   position's noise, the one the target runs on its p; a draft is accepted exactly when both races pick the same
   token, and the committed text is plain decoding's whatever the drafts are. Which distribution races is
-  `sampled_race`:
-  - "marginal" (the default): softmax(logits / T) over the whole vocabulary, DFlash-1's draft (the selector is not
-    used). It measured best (BENCHMARKS.md, 'Sampling at temperature 1'): a flat target often samples a token
-    outside the drafter's top-k, which only a race over the whole vocabulary can draft, and adding the marginal's
-    winner outside the top-k to the selector's candidates measured no better (within 1 %);
-  - "selector": the walk, racing among the top-k on the selector's q = softmax(s / T).
+  `sampled_race` (default: "selector" for a selector whose candidates are the whole vocabulary, else "marginal"):
+  - "marginal": softmax(logits / T) over the whole vocabulary, DFlash-1's draft (the selector is not used). For a
+    top-k selector it measured best (BENCHMARKS.md, 'Sampling at temperature 1'): a flat target often samples a
+    token outside the drafter's top-k, which only a race over the whole vocabulary can draft, and adding the
+    marginal's winner outside the top-k to the selector's candidates measured no better (within 1 %);
+  - "selector": the walk, racing on the selector's q = softmax(s / T) over its candidates. With every token a
+    candidate it races over the whole vocabulary too, conditioned on the previous draft, and measured above its own
+    marginal's race (BENCHMARKS.md, 'A drafter that knows its previous draft').
 - sampled rows without noise (the "rejection" sampler): a sample of q, and q itself (zero outside the candidates)
   goes to the verifier as the draft distribution, so speculative rejection sampling stays exact (z-lab's sampling;
   drawing each position from its marginal independently instead ignores the chosen prefix, z-lab #169). These rows
@@ -102,7 +104,9 @@ class DFlash2Proposer(DFlashProposer):
     """`DFlashProposer` for a DFlash2 drafter (what `DFlashProposer(drafter, ...)` builds for one)."""
 
     def __init__(self, drafter, target, compile: bool = False, pack_weights: bool | None = False,
-                 confidence: bool = False, sampled_race: str = "marginal"):
+                 confidence: bool = False, sampled_race: str | None = None):
+        if sampled_race is None:
+            sampled_race = "selector" if drafter.candidate_selector.whole_vocabulary else "marginal"
         if sampled_race not in SAMPLED_RACES:
             raise ValueError(f"sampled_race must be one of {', '.join(SAMPLED_RACES)}, not {sampled_race!r}")
         super().__init__(drafter, target, compile=compile, pack_weights=pack_weights)

@@ -302,7 +302,8 @@ class CandidateSelector(nn.Module):
         With every token a candidate the scores are over the vocabulary in its order ([M, V]; the label is its own
         index; candidates None)."""
         if self.whole_vocabulary:
-            pairs = (self.predecessor_codebook(previous) * self.hidden_projection(hidden)) @ self.successor_codebook.weight.T
+            query = self.predecessor_codebook(previous) * self.hidden_projection(hidden)
+            pairs = query @ self.successor_codebook.weight.T
             return logits.detach() + pairs, labels, torch.ones_like(labels, dtype=torch.bool), None
         unary, candidates = torch.topk(logits.detach(), self.top_k, dim=-1)
         hit = candidates == labels[:, None]

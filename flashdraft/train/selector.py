@@ -5,8 +5,8 @@ Teacher forcing: at block slot k the selector scores the marginal's top-k candid
 token is among the candidates (elsewhere the selector has no choice to learn; the marginal's own loss has to bring
 the token into the top-k), optionally mixed (`distill_weight`) with KL(target || selector) over the candidates: the
 target's own distribution for that token given the true prefix, which is what the selector's q should be at T = 1
-and, unlike one sampled label, says so for every candidate at once. The marginal logits enter detached: this loss trains the pair term (codebooks, hidden
-projection) and, through the projection, the draft layers. Each slot carries the marginal loss's position weight,
+and, unlike one sampled label, says so for every candidate at once. The marginal logits enter detached: this loss
+trains the pair term (codebooks, hidden projection) and, through the projection, the draft layers. Each slot carries the marginal loss's position weight,
 and the sum is normalised like the marginal loss (`loss.py`), so accumulation and ranks see one big batch.
 
 Why teacher forcing is the right conditioning here: a drafted token only counts while every token before it in the

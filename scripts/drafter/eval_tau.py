@@ -261,7 +261,8 @@ def main(argv=None) -> int:
                     help="how sampled drafts are verified (the engine's --sampler)")
     ap.add_argument("--dflash2-race", choices=("marginal", "selector"), default=None,
                     help="what a DFlash2 drafter's sampled rows race on under the gumbel sampler (default: the "
-                         "proposer's, marginal; dflash2_proposer.py)")
+                         "proposer's: the selector where every token is a candidate, else the marginal; "
+                         "dflash2_proposer.py)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")

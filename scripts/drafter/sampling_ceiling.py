@@ -180,7 +180,8 @@ def main(argv=None) -> int:
                           "continuations per prompt, knowing the last N drafted tokens (0: the marginal drafter): "
                           "tau per prompt min / p10 / median / mean; candidates: the tokens it chooses among (its "
                           "marginal's K most probable, or all)", "",
-                          "| set | ending | N | candidates | tau | acceptance at positions 1 / 2 / 4 / 8 | N tokens shared |",
+                          "| set | ending | N | candidates | tau | acceptance at positions 1 / 2 / 4 / 8 "
+                          "| N tokens shared |",
                           "|---|---|---|---|---|---|---|"]
     variants = [(order, k) for order in args.orders for k in [None, *args.top_k]]
     bar = tqdm(total=sum(len(v) for v in cells.values()), desc="ceiling", unit="prompt", dynamic_ncols=True)
@@ -208,8 +209,8 @@ def main(argv=None) -> int:
                  "known_share": round(statistics.fmean(shared[order]), 3)}
             results[f"{name}|{ending}" + (f"|{order}" if order or k else "") + (f"|top{k}" if k else "")] = r
             shown = " / ".join(f"{mean_positions[i - 1]:.2f}" for i in (1, 2, 4, 8) if i <= len(mean_positions))
-            lines.append(f"| {name} | {ending} | {order} | {k or 'all'} | {r['min']:.2f} / {r['p10']:.2f} / {r['median']:.2f} / "
-                         f"**{r['mean']:.2f}** | {shown} | {r['known_share']:.2f} |")
+            lines.append(f"| {name} | {ending} | {order} | {k or 'all'} | {r['min']:.2f} / {r['p10']:.2f} / "
+                         f"{r['median']:.2f} / **{r['mean']:.2f}** | {shown} | {r['known_share']:.2f} |")
     bar.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
