@@ -173,25 +173,31 @@ def sequential_walk(selector, hidden, logits, anchor, pick):
     return torch.stack(tokens, 1), torch.stack(rows, 1)
 
 
+def walk_inputs(target, drafter, chooser: str, rows: int, seed: int):
+    """Draft hidden states [rows, 15, H], their marginal logits, anchors, and a `choose` for the selector's walk
+    with the same choice as `pick` for `sequential_walk`: the argmax ("greedy") or the race on softmax(s / T) with
+    random noise and temperatures ("race")."""
+    torch.manual_seed(seed)
+    k, vocab = 15, target.config.vocab_size
+    hidden = torch.randn(rows, k, target.config.hidden_size, dtype=torch.float64)
+    logits = drafter.compute_logits(hidden, DFlashProposer(drafter, TargetModel(target)).lm_head)
+    anchor = torch.randint(0, vocab, (rows,))
+    if chooser == "greedy":
+        return hidden, logits, anchor, greedy_choice, lambda i, s, c: s.argmax(-1)
+    noise = torch.empty(rows, k, vocab, dtype=torch.float64).exponential_()
+    inverse_temperature = torch.rand(rows, dtype=torch.float64) + 0.5
+    pick = lambda i, s, c: (torch.softmax(s.float() * inverse_temperature[:, None], -1)  # noqa: E731
+                            / noise[:, i].gather(-1, c)).argmax(-1)
+    return hidden, logits, anchor, race_choice(noise, inverse_temperature), pick
+
+
 @pytest.mark.parametrize("chooser", ["greedy", "race"])
 def test_selector_walk_is_the_sequential_one(qwen3, chooser):
     """The walk without a loop over positions (every choice at once, then the path) drafts what the plain
     left-to-right walk drafts, and hands back the score rows that walk went through."""
     drafter = make_dflash2(qwen3, block_size=16, top_k=6)
     selector = drafter.candidate_selector
-    torch.manual_seed(4)
-    b, k, vocab = 64, 15, qwen3.config.vocab_size
-    hidden = torch.randn(b, k, qwen3.config.hidden_size, dtype=torch.float64)
-    logits = drafter.compute_logits(hidden, DFlashProposer(drafter, TargetModel(qwen3)).lm_head)
-    anchor = torch.randint(0, vocab, (b,))
-    if chooser == "greedy":
-        choose, pick = greedy_choice, lambda i, s, c: s.argmax(-1)
-    else:
-        noise = torch.empty(b, k, vocab, dtype=torch.float64).exponential_()
-        inverse_temperature = torch.rand(b, dtype=torch.float64) + 0.5
-        choose = race_choice(noise, inverse_temperature)
-        pick = lambda i, s, c: (torch.softmax(s.float() * inverse_temperature[:, None], -1)  # noqa: E731
-                                / noise[:, i].gather(-1, c)).argmax(-1)
+    hidden, logits, anchor, choose, pick = walk_inputs(qwen3, drafter, chooser, 64, 4)
     walk = selector.select(hidden, logits, anchor, choose)
     tokens, rows = sequential_walk(selector, hidden, logits, anchor, pick)
     assert (tokens != logits.argmax(-1)).any()  # the pair term decides some positions
@@ -208,19 +214,7 @@ def test_a_whole_vocabulary_selector_walks_as_the_sequential_one(qwen3, chooser)
     drafter = make_dflash2(qwen3, block_size=16, top_k=vocab)
     selector = drafter.candidate_selector
     assert selector.whole_vocabulary
-    torch.manual_seed(5)
-    b, k = 32, 15
-    hidden = torch.randn(b, k, qwen3.config.hidden_size, dtype=torch.float64)
-    logits = drafter.compute_logits(hidden, DFlashProposer(drafter, TargetModel(qwen3)).lm_head)
-    anchor = torch.randint(0, vocab, (b,))
-    if chooser == "greedy":
-        choose, pick = greedy_choice, lambda i, s, c: s.argmax(-1)
-    else:
-        noise = torch.empty(b, k, vocab, dtype=torch.float64).exponential_()
-        inverse_temperature = torch.rand(b, dtype=torch.float64) + 0.5
-        choose = race_choice(noise, inverse_temperature)
-        pick = lambda i, s, c: (torch.softmax(s.float() * inverse_temperature[:, None], -1)  # noqa: E731
-                                / noise[:, i].gather(-1, c)).argmax(-1)
+    hidden, logits, anchor, choose, pick = walk_inputs(qwen3, drafter, chooser, 32, 5)
     walk = selector.select(hidden, logits, anchor, choose)
     tokens, rows = sequential_walk(selector, hidden, logits, anchor, pick)
     assert torch.equal(walk["tokens"], tokens)
