@@ -1,26 +1,30 @@
-"""The best tau any block drafter that drafts from per-position marginals can reach at temperature T > 0.
+"""The best tau a block drafter can reach at temperature T > 0, by what it knows of the tokens it drafted before.
 
     python scripts/drafter/sampling_ceiling.py [--target DIR] [--num 16] [--samples 128] [--temperature 1]
-                                               [--threads 2] [--out runs/sampling_ceiling]
+                                               [--orders 0[,1,2]] [--top-k K[,K]] [--threads 2]
+                                               [--out runs/sampling_ceiling]
 
 A DFlash-1 drafter proposes the whole block in one pass, so at block position i it knows the context and the bonus
 token but not the tokens the target will sample at positions 1 .. i-1. The best it can learn there is the target's
 marginal q_i(y) = E[p(y | context, x_1 .. x_{i-1})] over the target's own sampled continuations. Under the default
 sampler (counter-based noise, `flashdraft/engine/noise.py`) its draft at position i is the winner of the race
 argmax_y q_i(y) / E_i(y) with the noise E_i the target's sample at that position also uses, and the cycle keeps
-drafts up to the first that differs from the target's sample.
+drafts up to the first that differs from the target's sample. A drafter that walks the block (DFlash2's selector)
+knows the tokens it drafted before position i, which equal the target's while the drafts are being accepted: the
+best such drafter knowing the last N of them (`--orders N`) drafts from q_i conditioned on those N tokens.
 
-This script computes that ceiling from the target alone: per prompt it samples `--samples` continuations of one
+This script computes those ceilings from the target alone: per prompt it samples `--samples` continuations of one
 block with independent noise (one seed each), estimates every q_i as the average of the other continuations'
-conditional distributions (leave one out, so a continuation never votes for itself), races each q_i against the
-continuation's own noise and counts the accepted prefix. tau = 1 + accepted drafts (the bonus token), as the engine
+conditional distributions (leave one out, so a continuation never votes for itself; for N > 0 over the others
+that sampled the same N tokens before i, backing off to fewer where none did), races each q_i against the
+continuation's own noise and counts the accepted prefix. `--top-k K` adds each order restricted to its marginal's K
+most probable tokens (a DFlash2 selector's candidates). tau = 1 + accepted drafts (the bonus token), as the engine
 counts it; the mean over continuations is the prompt's ceiling. Reported per set (in-domain held-out prompts,
-out-of-domain `ood-code` prompts, mid-line and newline endings) as min / p10 / median / mean over prompts, and the
-mean acceptance per block position.
+out-of-domain `ood-code` prompts, mid-line and newline endings) as min / p10 / median / mean over prompts, the mean
+acceptance per block position, and how often the N tokens were shared (below 1, the estimate backed off: from
+below); `ceiling.png` plots the means.
 
-What this script does not know about: drafters (it measures what the best one could do) and timings. A drafter
-that conditions each position on the tokens it drafted before (DFlash2's selector walks with the same noise) is not
-bound by this ceiling.
+What this script does not know about: drafters (it measures what the best one could do) and timings.
 """
 
 from __future__ import annotations
