@@ -101,29 +101,40 @@ def among_candidates(estimates: torch.Tensor, marginals: torch.Tensor, top_k: in
     return torch.zeros_like(estimates).scatter_(-1, candidates, kept / kept.sum(-1, keepdim=True))
 
 
-def best_drafter_tau(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int, seed0: int,
-                     order: int = 0, top_k: int | None = None) -> tuple[list, list]:
-    """Per continuation: tau of the best drafter that knows `order` drafted tokens before each position
-    (`conditional_marginals`; 0: the marginal drafter, DFlash-1's ceiling), choosing among its marginal's `top_k`
-    tokens only if given (`among_candidates`: a DFlash2 selector's ceiling), raced with the continuation's noise;
-    and per position, the fraction of continuations whose draft there matches (given the prefix matched). While
-    every draft before a position matched, the drafted tokens it knows are the target's, so conditioning on the
-    continuation's tokens is conditioning on the drafts."""
+def best_drafter_taus(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int, seed0: int,
+                      variants: list[tuple[int, int | None]]) -> tuple[dict, dict]:
+    """Per variant (order, top_k), per continuation: tau of the best drafter that knows `order` drafted tokens
+    before each position (`conditional_marginals`; 0: the marginal drafter, DFlash-1's ceiling), choosing among its
+    marginal's `top_k` tokens only if given (`among_candidates`: a DFlash2 selector's ceiling), raced with the
+    continuation's noise; and per position, the fraction of continuations whose draft there matches (given the
+    prefix matched). While every draft before a position matched, the drafted tokens it knows are the target's, so
+    conditioning on the continuation's tokens is conditioning on the drafts. Returns {variant: (taus,
+    per_position)} and {order: the share of positions 2.. whose estimate used all `order` tokens}; each order's
+    estimates and the noise are computed once for all variants."""
     from flashdraft.engine.noise import exponential_noise, race
 
     samples, width, vocab = probs.shape
-    estimates, _ = conditional_marginals(tokens, probs, order)
-    if top_k is not None:
-        estimates = among_candidates(estimates, conditional_marginals(tokens, probs, 0)[0], top_k)
     seeds = torch.arange(seed0, seed0 + samples, device=probs.device)
     noise = exponential_noise(seeds, torch.full_like(seeds, prompt_len), width, vocab)
-    drafts = race(estimates, noise)
-    match = (drafts == tokens).int()
-    accepted = match.cumprod(1).sum(1)
-    taus = (1 + accepted).float().tolist()
-    alive = torch.cat([torch.ones(samples, 1, dtype=torch.int32), match.cumprod(1)[:, :-1]], 1)
-    per_position = [(match[:, i] * alive[:, i]).sum().item() / max(alive[:, i].sum().item(), 1) for i in range(width)]
-    return taus, per_position
+    estimates = {order: conditional_marginals(tokens, probs, order)
+                 for order in {order for order, _ in variants} | ({0} if any(k for _, k in variants) else set())}
+    out = {}
+    for order, top_k in variants:
+        drafts_from = estimates[order][0]
+        if top_k is not None:
+            drafts_from = among_candidates(drafts_from, estimates[0][0], top_k)
+        match = (race(drafts_from, noise) == tokens).int()
+        alive = torch.cat([torch.ones(samples, 1, dtype=torch.int32), match.cumprod(1)[:, :-1]], 1)
+        out[order, top_k] = ((1 + match.cumprod(1).sum(1)).float().tolist(),
+                             [(match[:, i] * alive[:, i]).sum().item() / max(alive[:, i].sum().item(), 1)
+                              for i in range(width)])
+    return out, {order: full[1:].mean().item() for order, (_, full) in estimates.items()}
+
+
+def best_drafter_tau(tokens: torch.Tensor, probs: torch.Tensor, prompt_len: int, seed0: int,
+                     order: int = 0, top_k: int | None = None) -> tuple[list, list]:
+    """`best_drafter_taus` of one variant: (taus, per_position)."""
+    return best_drafter_taus(tokens, probs, prompt_len, seed0, [(order, top_k)])[0][order, top_k]
 
 
 def plot(results: dict, variants: list, args) -> None:
@@ -196,12 +207,12 @@ def main(argv=None) -> int:
         for index, prompt in enumerate(prompts):
             seed0 = index * args.samples
             tokens, probs = continuation_probs(model, prompt, args.samples, args.block_size, args.temperature, seed0)
-            for order, k in variants:
-                taus, per_position = best_drafter_tau(tokens, probs, len(prompt), seed0, order, k)
+            by_variant, known = best_drafter_taus(tokens, probs, len(prompt), seed0, variants)
+            for (order, k), (taus, per_position) in by_variant.items():
                 prompt_taus[order, k].append(statistics.fmean(taus))
                 positions[order, k].append(per_position)
             for order in args.orders:
-                shared[order].append(conditional_marginals(tokens, probs, order)[1][1:].mean().item())
+                shared[order].append(known[order])
             bar.update(1)
         for order, k in variants:
             taus = prompt_taus[order, k]
