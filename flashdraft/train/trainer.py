@@ -146,6 +146,11 @@ class TrainConfig:
     conv_kernel_size: int | None = None
     conv_group_size: int | None = None
 
+    @property
+    def distills(self) -> bool:
+        """A soft-label term is on (the marginal's or the selector's): training needs the target's logits."""
+        return self.distill_weight > 0 or self.selector_distill_weight > 0
+
 
 class NonFiniteLoss(RuntimeError):
     """A training step produced a NaN / inf loss or gradient norm; training stopped before applying it."""
@@ -411,7 +416,7 @@ class Trainer:
         self.step = 0
         self.feature_cache = None
         if config.feature_cache:
-            if config.distill_weight > 0 or config.selector_distill_weight > 0:
+            if config.distills:
                 raise ValueError("distillation needs target logits: use online features (no feature_cache)")
             self.feature_cache = FeatureCache(config.feature_cache)
             self.feature_cache.build(self.target, self.examples, self.rank, self.world_size, barrier=self._barrier)
@@ -522,7 +527,7 @@ class Trainer:
                       int(packed.valid.sum()), rows, packed, block_positions)
 
     def _features(self, micro: _Micro):
-        keep_logits = self.cfg.distill_weight > 0 or self.cfg.selector_distill_weight > 0
+        keep_logits = self.cfg.distills
         if self.feature_cache is not None:  # an example's features do not depend on its row: concatenated
             feats, _ = _pad_features([torch.cat([self.feature_cache.get(i) for i in row]) for row in micro.rows])
             return feats.to(self.device), None
