@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.engine.argmax import argmax
 from flashdraft.engine.proposers import DFlashProposer, marginal, marginal_race
 
 
@@ -61,37 +62,48 @@ class DraftConfidence:
 
 # A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
 # to an index per row [b, k, top_k]: every position's choice for every possible previous one at once
-# (`CandidateSelector.select` then follows the path); a row's choice may depend on its position, never on the path.
-# A selector whose candidates are the whole vocabulary walks one position at a time and passes it as `at` (the
-# rows are then [b, 1, 1, V]).
+# (`CandidateSelector.select` then follows the path); a row's choice may depend on its position, never on the path,
+# and is the same each time the walk asks for it. A selector whose candidates are the whole vocabulary asks for
+# positions `at`, `at` + 1, ... with one previous choice each (rows [b, n, 1, V], candidates None: the vocabulary in
+# its order).
 
 
-def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor, at: int | None = None) -> torch.Tensor:
-    return scores.argmax(-1)
+def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor | None, at: int = 0) -> torch.Tensor:
+    return argmax(scores)  # rows over the whole vocabulary through numpy on CPU (`argmax.py`)
 
 
 def race_choice(noise: torch.Tensor, inverse_temperature: torch.Tensor):
     """The winner of each row's exponential race on softmax(scores / T) with the position's noise at the
-    candidates' ids (greedy rows carry noise 1 and 1/T = 1: their argmax)."""
+    candidates' ids (greedy rows carry noise 1 and 1/T = 1: their argmax). Over the whole vocabulary (candidates
+    None) the same race in log space, argmax s / T - log E: no softmax per position, and the noise's log taken once
+    per walk."""
+    log_noise = None
 
-    def choose(scores, candidates, at=None):
+    def choose(scores, candidates, at=0):
+        nonlocal log_noise
+        if candidates is None:
+            if log_noise is None:
+                log_noise = noise.log()
+            return argmax(scores * inverse_temperature[:, None, None, None].to(scores.dtype)
+                          - log_noise[:, at:at + scores.shape[1], None])
         q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
-        position_noise = noise if at is None else noise[:, at:at + 1]
-        return (q / position_noise.gather(-1, candidates)[:, :, None]).argmax(-1)
+        return (q / noise[:, at:at + scores.shape[1]].gather(-1, candidates)[:, :, None]).argmax(-1)
 
     return choose
 
 
-def sample_choice(inverse_temperature: torch.Tensor):
+def sample_choice(inverse_temperature: torch.Tensor, uniform: torch.Tensor | None = None):
     """A sample of softmax(scores / T) per row, by inverting its distribution function at one uniform draw per
     position (the same draw for every previous choice: the path reads one of them, so each position's token is a
-    sample of q given the chosen prefix); rows with 1/T = 0 (greedy) take the argmax."""
+    sample of q given the chosen prefix); rows with 1/T = 0 (greedy) take the argmax. `uniform` [b, k]: the draws,
+    taken once per walk (the same each time a position is asked for); None draws afresh at each call."""
 
-    def choose(scores, candidates, at=None):
+    def choose(scores, candidates, at=0):
         q = torch.softmax(scores.float() * inverse_temperature[:, None, None, None], dim=-1)
         cdf = q.cumsum(-1)
-        uniform = torch.rand(*scores.shape[:2], 1, 1, device=scores.device)
-        sampled = (cdf <= uniform * cdf[..., -1:]).sum(-1).clamp(max=scores.shape[-1] - 1)
+        draws = torch.rand(*scores.shape[:2], device=scores.device) if uniform is None else \
+            uniform[:, at:at + scores.shape[1]]
+        sampled = (cdf <= draws[:, :, None, None] * cdf[..., -1:]).sum(-1).clamp(max=scores.shape[-1] - 1)
         return torch.where(inverse_temperature[:, None, None] > 0, sampled, scores.argmax(-1))
 
     return choose
@@ -130,7 +142,7 @@ class DFlash2Proposer(DFlashProposer):
         if noise is not None and raced is None:
             choose = race_choice(noise, inverse_temperature)
         elif sampling:
-            choose = sample_choice(inverse_temperature)
+            choose = sample_choice(inverse_temperature, torch.rand(hidden.shape[:2], device=hidden.device))
         else:
             choose = greedy_choice
         walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose, with_scores=sampling or self.confidence,
@@ -144,11 +156,16 @@ class DFlash2Proposer(DFlashProposer):
         scale = torch.ones(tokens.shape[0], device=tokens.device) if inverse_temperature is None else \
             torch.where(inverse_temperature > 0, inverse_temperature, 1.0)
         q = torch.softmax(walk["scores"].float() * scale[:, None, None], dim=-1)  # [b, k, candidates]
-        draft_probs = torch.zeros(*tokens.shape, logits.shape[-1], device=q.device).scatter_(
-            -1, candidates, q) if sampling else None
+        if not sampling:
+            draft_probs = None
+        elif candidates is None:  # every token a candidate, in vocabulary order
+            draft_probs = q
+        else:
+            draft_probs = torch.zeros(*tokens.shape, logits.shape[-1], device=q.device).scatter_(-1, candidates, q)
         if not self.confidence:
             return tokens, draft_probs, None, None, None
-        selector = (q * (candidates == tokens[..., None])).sum(-1)
+        selector = q.gather(-1, tokens[..., None])[..., 0] if candidates is None else \
+            (q * (candidates == tokens[..., None])).sum(-1)
 
         def marginal_of():
             return marginal(logits, scale).gather(-1, tokens[..., None])[..., 0]
