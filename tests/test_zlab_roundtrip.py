@@ -153,3 +153,20 @@ def test_dflash2_made_by_their_class_drafts_identically_in_ours(pair, dflash2):
                        init_dflash2=rt.zlab_dflash2_spec(dflash2["draft"]))
     assert "candidate_selector.successor_codebook" in made["initialised"]
     _assert_same(rt.compare(rt.run_ours(pair["target"], made_dir, prompts, n, DTYPE), made, n, made["block_size"]))
+
+
+def test_zlab_package_drafts_a_whole_vocabulary_selector_identically(pair):
+    """`selector_top_k` = the vocabulary (every token a candidate, `flashdraft train --selector-top-k <vocab>`): z-lab's
+    package reads the same layout and its walk over all tokens drafts what ours does (ours goes position by
+    position without a top-k: `CandidateSelector._walk_vocabulary`)."""
+    py = _python(rt.ZLAB_PYTHON, "z-lab dflash")
+    options = {**rt.DFLASH2_OPTIONS, "selector_top_k": rt.TINY_VOCAB}
+    _, draft_dir, _ = rt.build_pair(pair["out"], rope_theta=1e6, target_steps=150, draft_steps=300, arch="dflash2",
+                                    dflash2_options=options)
+    assert json.loads((draft_dir / "config.json").read_text())["dflash_config"]["selector_top_k"] == rt.TINY_VOCAB
+    ours = rt.run_ours(pair["target"], draft_dir, pair["prompts"], MAX_NEW, DTYPE)
+    theirs = rt.run_side(py, "zlab", pair["target"], draft_dir, pair["prompts"], MAX_NEW, DTYPE)
+    assert theirs["draft_class"] == "DFlash2DraftModel"
+    c = rt.compare(ours, theirs, MAX_NEW, theirs["block_size"])
+    _assert_same(c)
+    assert c["tau_ours"] > 1.5, c

@@ -4,6 +4,7 @@
     bash scripts/compat/setup_tf457_env.sh    # optional: a transformers 4.57 side venv (the remote-code line)
     python scripts/compat/zlab_roundtrip.py --out runs/compat/roundtrip --json runs/compat/roundtrip.json
     python scripts/compat/zlab_roundtrip.py --arch dflash2 --out runs/compat/roundtrip --json runs/compat/dflash2.json
+    python scripts/compat/zlab_roundtrip.py --arch dflash2 --selector-top-k 0 ...   # every token a candidate
 
 1. Trains a drafter (`--arch`: DFlash-1, or DFlash2 as `flashdraft train --arch dflash2` does) with our training
    pipeline (`Trainer`, the code `flashdraft train` runs: regenerated target answers, exported with
@@ -49,10 +50,12 @@ SHIPPED_TARGET = ROOT / "flashdraft" / "assets" / "default_pair" / "target"
 
 # DFlash2 options of the drafters trained here (the target's hidden size is 32)
 DFLASH2_OPTIONS = {"selector_rank": 8, "selector_top_k": 4, "conv_kernel_size": 3, "conv_group_size": 8}
+TINY_VOCAB = 64  # the target's
 
 
 def build_pair(out: Path, rope_theta: float = 1e6, target_steps: int = 150, draft_steps: int = 400,
-               seed: int = 0, arch: str = "dflash") -> tuple[Path, Path, list[list[int]]]:
+               seed: int = 0, arch: str = "dflash", dflash2_options: dict | None = None
+               ) -> tuple[Path, Path, list[list[int]]]:
     """A tiny Qwen3 target (rope base `rope_theta`) and a drafter of `arch` (dflash | dflash2) trained for it by our
     pipeline, both on disk; returns (target_dir, drafter_dir, held-out prompts). A target and regenerated data
     already in `out` (an earlier call) are reused."""
@@ -78,7 +81,7 @@ def build_pair(out: Path, rope_theta: float = 1e6, target_steps: int = 150, draf
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     else:
         torch.manual_seed(seed)
-        cfg = tiny_target_config(vocab_size=64, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1,
+        cfg = tiny_target_config(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, heads=2, kv_heads=1,
                                  num_layers=4)
         cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(rope_theta)}
         target = train_tiny_target(cfg, steps=target_steps, batch_size=16, length=32, lr=5e-3, seed=seed)
@@ -92,13 +95,15 @@ def build_pair(out: Path, rope_theta: float = 1e6, target_steps: int = 150, draf
         regenerate(target, prompts(256, seed + 1), regen, shard_size=64, batch_size=64, max_new_tokens=40,
                    stop_ids=[0], progress=False)
         (regen / "done").write_text("")
-    run = out / ("run" if arch == "dflash" else f"run_{arch}")
+    options = dflash2_options or DFLASH2_OPTIONS
+    run = out / ("run" if arch == "dflash" else f"run_{arch}" if options == DFLASH2_OPTIONS else
+                 f"run_{arch}_top{options['selector_top_k']}")
     if run.exists():
         shutil.rmtree(run)
     tc = TrainConfig(output_dir=str(run), block_size=8, num_draft_layers=2, mask_token_id=MASK, max_steps=draft_steps,
                      batch_size=8, num_anchors=16, lr=2e-3, save_every=max(draft_steps, 1), eval_at_start=False,
                      eval_every=0, eval_max_new_tokens=32, progress=False, seed=seed, export_dtype="float32",
-                     arch=arch, **(DFLASH2_OPTIONS if arch == "dflash2" else {}))
+                     arch=arch, **(options if arch == "dflash2" else {}))
     Trainer(tc, target_model=target, examples=load_examples(regen), eval_prompts=prompts(4, seed + 3)).train()
     return target_dir, run / "final", prompts(16, seed + 2)
 
@@ -230,15 +235,21 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
                     help="the drafter trained by our pipeline (dflash2: `flashdraft train --arch dflash2`)")
+    ap.add_argument("--selector-top-k", type=int, default=DFLASH2_OPTIONS["selector_top_k"],
+                    help="the DFlash2 selector's candidates (0: the whole vocabulary, as `flashdraft train "
+                         "--selector-top-k <vocab>`)")
     args = ap.parse_args(argv)
+    if args.selector_top_k < 0 or args.arch != "dflash2" and args.selector_top_k != DFLASH2_OPTIONS["selector_top_k"]:
+        ap.error(f"--selector-top-k {args.selector_top_k}: a DFlash2 option (--arch dflash2), 0 or more")
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    options = {**DFLASH2_OPTIONS, "selector_top_k": args.selector_top_k or TINY_VOCAB}
     target_dir, draft_dir, prompts = build_pair(out, args.rope_theta, args.target_steps, args.draft_steps,
-                                                arch=args.arch)
+                                                arch=args.arch, dflash2_options=options)
     report = {"arch": args.arch, "rope_theta": args.rope_theta, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "prompts": len(prompts), "draft_config": json.loads((draft_dir / "config.json").read_text())}
     ours = run_ours(target_dir, draft_dir, prompts, args.max_new_tokens, args.dtype)
