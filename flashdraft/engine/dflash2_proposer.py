@@ -63,9 +63,9 @@ class DraftConfidence:
 # A choice maps the selector's score rows [b, k, top_k (previous choice), top_k] and the candidates [b, k, top_k]
 # to an index per row [b, k, top_k]: every position's choice for every possible previous one at once
 # (`CandidateSelector.select` then follows the path); a row's choice may depend on its position, never on the path,
-# and is the same each time the walk asks for it. A selector whose candidates are the whole vocabulary asks for
-# positions `at`, `at` + 1, ... with one previous choice each (rows [b, n, 1, V], candidates None: the vocabulary in
-# its order).
+# and is the same each time the walk asks for it. A selector whose candidates are the whole vocabulary asks for one
+# position at a time, `at`, with one previous choice (rows [b, 1, 1, V], candidates None: the vocabulary in its
+# order); the choices take rows [b, n, 1, V] for positions `at` .. `at` + n - 1 alike.
 
 
 def greedy_choice(scores: torch.Tensor, candidates: torch.Tensor | None, at: int = 0) -> torch.Tensor:
