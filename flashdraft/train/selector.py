@@ -6,8 +6,9 @@ token is among the candidates (elsewhere the selector has no choice to learn; th
 the token into the top-k), optionally mixed (`distill_weight`) with KL(target || selector) over the candidates: the
 target's own distribution for that token given the true prefix, which is what the selector's q should be at T = 1
 and, unlike one sampled label, says so for every candidate at once. The marginal logits enter detached: this loss
-trains the pair term (codebooks, hidden projection) and, through the projection, the draft layers. Each slot carries the marginal loss's position weight,
-and the sum is normalised like the marginal loss (`loss.py`), so accumulation and ranks see one big batch.
+trains the pair term (codebooks, hidden projection) and, through the projection, the draft layers. Each slot
+carries the marginal loss's position weight, and the sum is normalised like the marginal loss (`loss.py`), so
+accumulation and ranks see one big batch.
 
 Why teacher forcing is the right conditioning here: a drafted token only counts while every token before it in the
 block was accepted, i.e. equalled the target's; the training labels are the target's own tokens, so conditioning on
