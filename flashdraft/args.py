@@ -226,6 +226,10 @@ def add_device_args(p) -> None:
                    help="continue a row's chain of drafts by prompt lookup where the context's last N or more tokens "
                         "occurred before and what followed starts with the drafter's first draft (repeats the "
                         "drafter starts and loses; no model call; default 4, 0 = off)")
+    p.add_argument("--walk-candidates", type=int_in(0, 1 << 20), default=None, metavar="K",
+                   help="DFlash2 drafters whose selector scores every token: each block position walks among its K "
+                        "likeliest winners (default 16; 0 = every token, as z-lab's package does; lossless either "
+                        "way)")
     p.add_argument("--lookup-steps", type=int_in(0, 8), default=4,
                    help="rows the adaptive policy leaves at one-token steps verify prompt lookup's "
                         "continuation where the context's last N or more tokens occurred before, as far as its "
@@ -297,6 +301,7 @@ def engine_config(args, plain: bool = False):
                           lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),
                           lookup_steps=getattr(args, "lookup_steps", EngineConfig.lookup_steps),
                           confidence_trim=getattr(args, "confidence_trim", EngineConfig.confidence_trim),
+                          walk_candidates=getattr(args, "walk_candidates", None),
                           mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
 

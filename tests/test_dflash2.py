@@ -20,7 +20,9 @@ from test_sampling import target as sampling_target  # noqa: F401  (its 8-token 
 from tiny import MASK_ID, greedy_reference, make_target
 
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine
-from flashdraft.engine.dflash2_proposer import DFlash2Proposer, greedy_choice, race_choice, sample_choice
+from flashdraft.engine import EngineConfig
+from flashdraft.engine.dflash2_proposer import DEFAULT_WALK_CANDIDATES, DFlash2Proposer, greedy_choice, race_choice, \
+    sample_choice
 from flashdraft.engine.proposers import DFlashProposer, ProposalInput
 from flashdraft.loading import load_drafter
 from flashdraft.model import CheckpointError, DFlash2DraftModel, TargetModel, make_dflash2_config
@@ -229,6 +231,58 @@ def test_a_whole_vocabulary_selector_walks_as_the_sequential_one(qwen3, chooser)
     assert torch.allclose(scores, walk["scores"].flatten(0, 1), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("chooser", ["greedy", "race"])
+def test_a_narrowed_whole_vocabulary_walk_is_the_walk_among_its_ranking_top_k(qwen3, chooser):
+    """`narrow_to` K: the walk of a whole-vocabulary selector among each position's K best by `ranking` is the
+    left-to-right walk over exactly those candidates (unary scores: the logits); narrowed to the whole vocabulary it
+    drafts what the walk over every token drafts; and the proposer ranks racing rows by s / T - log E, the race
+    with the pair term left out."""
+    vocab = qwen3.config.vocab_size
+    drafter = make_dflash2(qwen3, block_size=16, top_k=vocab)
+    selector = drafter.candidate_selector
+    hidden, logits, anchor, choose, pick = walk_inputs(qwen3, drafter, chooser, 32, 8)
+    ranking = logits + torch.randn_like(logits)
+    walk = selector.select(hidden, logits, anchor, choose, narrow_to=5, ranking=ranking)
+    candidates = ranking.topk(5, dim=-1).indices
+    assert torch.equal(walk["candidates"].sort(-1).values, candidates.sort(-1).values)
+    query = selector.hidden_projection(hidden)
+    previous, tokens = anchor, []
+    for i in range(hidden.shape[1]):
+        options = walk["candidates"][:, i]
+        scores = logits[:, i].gather(-1, options) + selector.pair_scores(query[:, i], previous, options)
+        previous = options.gather(-1, pick(i, scores, options)[:, None])[:, 0]
+        tokens.append(previous)
+    assert torch.equal(walk["tokens"], torch.stack(tokens, 1))
+    everything = selector.select(hidden, logits, anchor, choose, narrow_to=vocab)
+    assert torch.equal(everything["tokens"], selector.select(hidden, logits, anchor, choose)["tokens"])
+
+    proposer = DFlash2Proposer(drafter, TargetModel(qwen3), walk_candidates=5)
+    proposer._draft_hidden = lambda *args: hidden
+    block = torch.full((32, 16), MASK_ID)
+    block[:, 0] = anchor
+    if chooser == "greedy":
+        drafts = proposer._draft_tokens(None, None, None, None, block, None, None)[0]
+        expected = selector.select(hidden, logits, anchor, greedy_choice, narrow_to=5)["tokens"]
+    else:
+        torch.manual_seed(9)
+        noise = torch.empty(32, 15, vocab, dtype=torch.float64).exponential_()
+        inverse_temperature = torch.rand(32, dtype=torch.float64) + 0.5
+        drafts = proposer._draft_tokens(None, None, None, None, block, None, None, noise, inverse_temperature)[0]
+        race = logits * inverse_temperature[:, None, None] - noise.log()
+        expected = selector.select(hidden, logits, anchor, race_choice(noise, inverse_temperature), narrow_to=5,
+                                   ranking=race)["tokens"]
+    assert torch.equal(drafts, expected)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="walk_candidates"):
+            DFlash2Proposer(drafter, TargetModel(qwen3), walk_candidates=bad)
+        with pytest.raises(ValueError, match="walk_candidates"):
+            EngineConfig(walk_candidates=bad)
+    # the engine's option reaches the proposer (None: the proposer's default)
+    for option, walked in ((None, DEFAULT_WALK_CANDIDATES), (0, 0), (7, 7)):
+        with SpecEngine(qwen3, drafter, walk_candidates=option) as engine:
+            assert engine.proposer.walk_candidates == walked
+
+
 @pytest.mark.parametrize("sampled_race", ["marginal", "selector"])
 def test_sampled_rows_race_as_configured_and_greedy_rows_walk(qwen3, sampled_race):
     """Under counter-based noise, in a batch of sampled and greedy rows: greedy rows draft the selector's greedy walk
@@ -265,10 +319,12 @@ def test_sampled_rows_race_as_configured_and_greedy_rows_walk(qwen3, sampled_rac
         assert in_top[sampled].all()
 
 
-@pytest.mark.parametrize("whole_vocabulary", [False, True])
-def test_the_selector_race_keeps_plain_decodings_seeded_text(whole_vocabulary):
-    """The race that is not the default: seeded requests beside a greedy row still get plain decoding's text, and
-    the greedy row the target's own, with candidates among the top-k or the whole vocabulary."""
+@pytest.mark.parametrize("whole_vocabulary,walk_candidates", [(False, 0), (True, 0), (True, 3)],
+                         ids=["top-k", "whole-vocabulary", "whole-vocabulary-narrowed"])
+def test_the_selector_race_keeps_plain_decodings_seeded_text(whole_vocabulary, walk_candidates):
+    """The selector's race: seeded requests beside a greedy row still get plain decoding's text, and the greedy row
+    the target's own, with candidates among the top-k, the whole vocabulary, or the whole vocabulary's walk
+    narrowed to each position's likeliest race winners."""
     target = make_target("qwen3")
     drafter = make_dflash2(target, top_k=target.config.vocab_size if whole_vocabulary else 4)
     view = TargetModel(target)
@@ -276,7 +332,7 @@ def test_the_selector_race_keeps_plain_decodings_seeded_text(whole_vocabulary):
     params = [SamplingParams(max_new_tokens=20, temperature=t, seed=s) for t, s in ((1.0, 1), (0.7, 2), (0.0, None))]
     plain = [SpecEngine(target).generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)]
     assert plain[2] == greedy_reference(target, PROMPTS[2], 20)
-    proposer = DFlash2Proposer(drafter, view, sampled_race="selector")
+    proposer = DFlash2Proposer(drafter, view, sampled_race="selector", walk_candidates=walk_candidates)
     with SpecEngine(view, proposer=proposer, block_size=drafter.block_size, draft_policy="fixed") as engine:
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == plain
     with pytest.raises(ValueError, match="sampled_race"):
@@ -438,11 +494,13 @@ class SoftDraftCounter(DFlash2Proposer):
         return drafts, q
 
 
-@pytest.mark.parametrize("sampler,top_k", [("gumbel", 3), ("rejection", 3), ("rejection", VOCAB)])
-def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler, top_k):  # noqa: F811
+@pytest.mark.parametrize("sampler,top_k,walk_candidates", [("gumbel", 3, 0), ("rejection", 3, 0),
+                                                           ("rejection", VOCAB, 0), ("rejection", VOCAB, 3)])
+def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_target, sampler, top_k,  # noqa: F811
+                                                                  walk_candidates):
     """The first three tokens' joint distribution (chi-square, TV) and every position up to the tenth, as
     tests/test_sampling.py checks DFlash-1, with a DFlash2 drafter over the same 8-token vocabulary (its selector
-    choosing among 3 candidates, or among all 8)."""
+    choosing among 3 candidates, among all 8, or among all 8 with the walk narrowed to the marginal's top 3)."""
     params = SamplingParams(temperature=1.0)
     drafter = make_dflash2(sampling_target, top_k=top_k, mask_token_id=VOCAB - 1)
     if sampler == "gumbel":
@@ -451,7 +509,7 @@ def test_sampling_with_dflash2_drafts_matches_target_distribution(sampling_targe
     else:
         view = TargetModel(sampling_target)
         view.set_layer_ids(drafter.target_layer_ids)
-        proposer = SoftDraftCounter(drafter, view)
+        proposer = SoftDraftCounter(drafter, view, walk_candidates=walk_candidates)
         engine = SpecEngine(view, proposer=proposer, block_size=drafter.block_size, sampler="rejection")
     exact = exact_distribution(sampling_target, params)
     counts, long = empirical(engine, params, n_long=N_LONG_SAMPLES)

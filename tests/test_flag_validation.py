@@ -112,6 +112,7 @@ CASES = [
     (_bench, ["--server", "http://"], "--server"),
     (_bench, ["--server", "http://127.0.0.1:99999"], "--server"),
     (_bench, ["--output-dir", "{root}/a_file"], "is a file"),
+    (_bench, ["--walk-candidates", "-1"], "--walk-candidates"),
 ]
 
 

@@ -74,6 +74,9 @@ class EngineConfig:
     # confidence (the drafter's probability of each, `AdaptiveWidth.trim`) pays for verifying them. Ragged eager
     # verification with a DFlash drafter only; False: rows verify the width planned before the draft
     confidence_trim: bool = True
+    # a DFlash2 selector whose candidates are the whole vocabulary walks among each block position's K likeliest
+    # winners (`dflash2_proposer.py`; None: its default, 16; 0: every token, as z-lab's package walks)
+    walk_candidates: int | None = None
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"lookup_splice must be an integer in [0, {MAX_NGRAM}], got {self.lookup_splice!r}")
         if not integer(self.lookup_steps) or not 0 <= self.lookup_steps <= MAX_NGRAM:
             raise ValueError(f"lookup_steps must be an integer in [0, {MAX_NGRAM}], got {self.lookup_steps!r}")
+        if self.walk_candidates is not None and (not integer(self.walk_candidates) or self.walk_candidates < 0):
+            raise ValueError(f"walk_candidates must be an integer >= 0 (0: every token), got {self.walk_candidates!r}")
         if not isinstance(self.confidence_trim, bool):
             raise ValueError(f"confidence_trim must be True or False, got {self.confidence_trim!r}")
         if self.draft_policy not in DRAFT_POLICIES:

@@ -20,6 +20,11 @@ How each position's token is picked, per row:
   drawing each position from its marginal independently instead ignores the chosen prefix, z-lab #169). These rows
   draw from torch's global generator, not the request's seeded one: such output is exact in distribution but not
   reproducible per seed.
+- a selector whose candidates are the whole vocabulary walks among each position's `walk_candidates` (default 16)
+  likeliest winners, not all V tokens: greedy and rejection-sampled rows among the marginal's top 16, racing rows
+  among the top 16 of the race itself with the pair term left out (logits / T - log E). It drafts what the walk
+  over every token drafts unless the pair term lifts a token from further down; either way the verifier alone
+  decides the output (rejection-sampled rows hand it q over the 16, zero elsewhere). 0: every token.
 
 Per-position confidence for a draft policy: with `confidence=True` (which the engine sets where its policy trims
 verify widths by it), after each `propose` the field `last_confidence` (`DraftConfidence`) holds, per live row and
@@ -110,13 +115,19 @@ def sample_choice(inverse_temperature: torch.Tensor, uniform: torch.Tensor | Non
 
 
 SAMPLED_RACES = ("marginal", "selector")
+# a whole-vocabulary selector's walk among each position's 16 likeliest winners: greedy tau as the walk over every
+# token, and its compiled draft step ~1.1x DFlash-1's instead of ~1.4x (BENCHMARKS.md, 'The walk among sixteen')
+DEFAULT_WALK_CANDIDATES = 16
 
 
 class DFlash2Proposer(DFlashProposer):
     """`DFlashProposer` for a DFlash2 drafter (what `DFlashProposer(drafter, ...)` builds for one)."""
 
     def __init__(self, drafter, target, compile: bool = False, pack_weights: bool | None = False,
-                 confidence: bool = False, sampled_race: str | None = None):
+                 confidence: bool = False, sampled_race: str | None = None,
+                 walk_candidates: int = DEFAULT_WALK_CANDIDATES):
+        if isinstance(walk_candidates, bool) or not isinstance(walk_candidates, int) or walk_candidates < 0:
+            raise ValueError(f"walk_candidates must be an integer >= 0 (0: every token), not {walk_candidates!r}")
         if sampled_race is None:
             sampled_race = "selector" if drafter.candidate_selector.whole_vocabulary else "marginal"
         if sampled_race not in SAMPLED_RACES:
@@ -124,6 +135,7 @@ class DFlash2Proposer(DFlashProposer):
         super().__init__(drafter, target, compile=compile, pack_weights=pack_weights)
         self.confidence = confidence
         self.sampled_race = sampled_race
+        self.walk_candidates = walk_candidates
         self.last_confidence: DraftConfidence | None = None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block, positions, context_len,
@@ -145,8 +157,14 @@ class DFlash2Proposer(DFlashProposer):
             choose = sample_choice(inverse_temperature, torch.rand(hidden.shape[:2], device=hidden.device))
         else:
             choose = greedy_choice
+        narrow_to = self.walk_candidates if self.drafter.candidate_selector.whole_vocabulary else 0
+        narrow_to = narrow_to or None
+        ranking = None
+        if narrow_to is not None and noise is not None and raced is None:
+            # racing rows: the tokens most likely to win the race, s / T - log E with the pair term left out
+            ranking = logits.float() * inverse_temperature[:, None, None] - noise[:, :logits.shape[1]].log()
         walk = self.drafter.select(hidden, self.lm_head, block[:, 0], choose, with_scores=sampling or self.confidence,
-                                   logits=logits)
+                                   logits=logits, narrow_to=narrow_to, ranking=ranking)
         tokens, candidates = walk["tokens"], walk["candidates"]
         if raced is not None:
             tokens = raced if greedy_rows is None else torch.where(greedy_rows[:, None], tokens, raced)

@@ -291,6 +291,8 @@ class SpecEngine:
                 self._restore_layer_ids = list(self.target.layer_ids)
             self.target.set_layer_ids(drafter.target_layer_ids)
             self.proposer = DFlashProposer(drafter, self.target, compile=compile, pack_weights=pack_draft)
+            if config.walk_candidates is not None and hasattr(self.proposer, "walk_candidates"):
+                self.proposer.walk_candidates = config.walk_candidates
         else:
             self.proposer = NoProposer()
         if self.fast is not None:  # after the proposer: the drafter's bf16 read-out may be the copy it reads through

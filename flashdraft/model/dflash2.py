@@ -229,7 +229,8 @@ class CandidateSelector(nn.Module):
                             self.successor_codebook(candidates))
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, choose,
-               with_scores: bool = True) -> dict:
+               with_scores: bool = True, narrow_to: int | None = None,
+               ranking: torch.Tensor | None = None) -> dict:
         """Walk the block: hidden [b, k, H] and logits [b, k, V] of the k draft positions, anchor [b] the bonus
         token. `choose(scores [b, k, top_k, top_k], candidates [b, k, top_k]) -> [b, k, top_k]` picks, at every
         position i and for every candidate p that position i-1 may have chosen, an index among position i's
@@ -241,14 +242,22 @@ class CandidateSelector(nn.Module):
         positions: every row of pair scores in one batched product, every choice in one call, then the chosen
         path by composing the per-position maps (`follow`). Eager drafting pays per operator; a loop is ~6 of them
         per position. With every token a candidate (`whole_vocabulary`) the rows would be [V x V] per position: that
-        walk goes position by position (`_walk_vocabulary`)."""
-        if self.whole_vocabulary:
+        walk goes position by position (`_walk_vocabulary`).
+
+        `narrow_to` narrows the candidates at drafting time to each position's `narrow_to` best by `ranking` [b, k,
+        V] (default: the logits) and walks among them in one batch; the unary scores stay the logits."""
+        if narrow_to is None and self.whole_vocabulary:
             return self._walk_vocabulary(hidden, logits, anchor, choose, with_scores)
-        unary, candidates = top_k(logits, self.top_k)
+        width = min(narrow_to or self.top_k, self.top_k)
+        if ranking is None:
+            unary, candidates = top_k(logits, width)
+        else:
+            candidates = top_k(ranking, width)[1]
+            unary = logits.gather(-1, candidates)
         projection, predecessor_codebook, successor_codebook = self.drafting_weights()
         query = F.linear(hidden.to(projection.dtype), projection)
         # who can precede each position's candidates: the anchor at 0, the previous position's candidates after
-        previous = torch.cat([anchor[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], 1)
+        previous = torch.cat([anchor[:, None, None].expand(-1, 1, width), candidates[:, :-1]], 1)
         predecessors = F.embedding(previous, predecessor_codebook) * query[:, :, None]  # [b, k, previous, r]
         successors = F.embedding(candidates, successor_codebook)  # [b, k, candidate, r]
         if torch.compiler.is_compiling():  # one fused reduction with what follows, not an external bmm call
@@ -260,7 +269,7 @@ class CandidateSelector(nn.Module):
         walk = {"tokens": candidates.gather(-1, index[..., None])[..., 0], "candidates": candidates}
         if with_scores:
             came_from = F.pad(index[:, :-1], (1, 0))  # position 0's rows are all alike: any one will do
-            walk["scores"] = rows.gather(2, came_from[:, :, None, None].expand(-1, -1, 1, self.top_k))[:, :, 0]
+            walk["scores"] = rows.gather(2, came_from[:, :, None, None].expand(-1, -1, 1, width))[:, :, 0]
         return walk
 
     @property
@@ -362,12 +371,15 @@ class DFlash2DraftModel(DFlashDraftModel):
                                attention_mask)
 
     def select(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, choose,
-               with_scores: bool = True, logits: torch.Tensor | None = None) -> dict:
-        """The selector's walk over draft hidden states [b, k, H] (`CandidateSelector.select`), with the marginal
-        logits [b, k, V] it started from (`logits`, when the caller has them already) under "logits"."""
+               with_scores: bool = True, logits: torch.Tensor | None = None, narrow_to: int | None = None,
+               ranking: torch.Tensor | None = None) -> dict:
+        """The selector's walk over draft hidden states [b, k, H] (`CandidateSelector.select`, which says what
+        `narrow_to` and `ranking` do), with the marginal logits [b, k, V] it started from (`logits`, when the
+        caller has them already) under "logits"."""
         if logits is None:
             logits = self.compute_logits(hidden, lm_head)
-        out = self.candidate_selector.select(hidden.to(self.dtype), logits, anchor, choose, with_scores)
+        out = self.candidate_selector.select(hidden.to(self.dtype), logits, anchor, choose, with_scores,
+                                             narrow_to, ranking)
         out["logits"] = logits
         return out
 

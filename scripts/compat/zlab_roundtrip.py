@@ -132,7 +132,8 @@ def run_ours(target_dir: Path, draft_dir: Path, prompts, max_new_tokens: int, dt
     results = []
     try:
         # cycle by cycle the drafter's own chain, as their loop drafts (no prompt-lookup splice)
-        engine = SpecEngine(target, drafter, draft_policy="fixed", lookup_splice=0)
+        # every token walked where every token is a candidate, as their package walks
+        engine = SpecEngine(target, drafter, draft_policy="fixed", lookup_splice=0, walk_candidates=0)
         for prompt in prompts:
             drafts.clear()
             res = engine.generate([prompt], SamplingParams(max_new_tokens=max_new_tokens))[0]

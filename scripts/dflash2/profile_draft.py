@@ -3,7 +3,7 @@ write, block forward, read-out, choice of tokens) on the shipped pair's shapes, 
 so that the comparison is of the step alone and low in noise.
 
     python scripts/dflash2/profile_draft.py --threads 1 [--compile] [--iters 200] [--profile] [--temperature 1]
-        [--confidence] [--selector-top-k 8192]
+        [--confidence] [--selector-top-k 8192 [--walk-candidates K]]
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds
@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--confidence", action="store_true", help="drafts report their confidence (the trim's input)")
     ap.add_argument("--selector-top-k", type=int, default=None,
                     help="the DFlash2 selector's candidates (default: ours, 8; the vocabulary size: every token)")
+    ap.add_argument("--walk-candidates", type=int, default=None,
+                    help="a whole-vocabulary selector walks among each position's K likeliest winners (default: "
+                         "the engine's, 16; 0 = every token)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -77,6 +80,8 @@ def main(argv=None) -> int:
         # the engine's own proposer (packed read-out as the engine decides)
         proposer = SpecEngine(target, drafter, tokenizer, compile=args.compile, draft_policy="fixed").proposer
         proposer.confidence = args.confidence and not args.compile
+        if name == "dflash2" and args.walk_candidates is not None:
+            proposer.walk_candidates = args.walk_candidates
         fn = proposer._draft_step if args.compile else proposer._draft_tokens
         inputs = step_inputs(proposer, args.context, args.new, drafter.block_size, args.temperature)
         with torch.inference_mode():
@@ -109,6 +114,7 @@ def main(argv=None) -> int:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     out = {"threads": args.threads, "compile": args.compile, "temperature": args.temperature,
+           "selector_top_k": args.selector_top_k, "walk_candidates": args.walk_candidates,
            "confidence": args.confidence, "ms_per_step": ms,
            "rounds_ms": rounds, "ratio": ms["dflash2"] / ms["dflash"],
            "round_ratios": [b / a for a, b in zip(rounds["dflash"], rounds["dflash2"])]}

@@ -263,6 +263,9 @@ def main(argv=None) -> int:
                     help="what a DFlash2 drafter's sampled rows race on under the gumbel sampler (default: the "
                          "proposer's: the selector where every token is a candidate, else the marginal; "
                          "dflash2_proposer.py)")
+    ap.add_argument("--walk-candidates", type=int, default=None, metavar="K",
+                    help="a DFlash2 selector over every token walks among each position's K likeliest winners "
+                         "(the engine's --walk-candidates; default 16, 0 = every token)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="restrict a full-vocabulary drafter to this many most frequent tokens (needs --vocab-data)")
     ap.add_argument("--vocab-data", type=Path, default=None, help="regenerated training data to count tokens in")
@@ -312,6 +315,11 @@ def main(argv=None) -> int:
             ap.error("--dflash2-race needs a DFlash2 drafter")
         engine.proposer.sampled_race = args.dflash2_race
         label += f", {args.dflash2_race} race"
+    if args.walk_candidates is not None:
+        if not hasattr(engine.proposer, "walk_candidates") or args.walk_candidates < 0:
+            ap.error("--walk-candidates needs a DFlash2 drafter and K >= 0")
+        engine.proposer.walk_candidates = args.walk_candidates
+        label += f", walk among {args.walk_candidates or 'every token'}"
     t0 = time.perf_counter()
     results = measure(engine, cells, args.max_new_tokens, tokenizer.eos_token_id, temperature=args.temperature)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -320,6 +328,7 @@ def main(argv=None) -> int:
         {"label": label, "draft": args.draft, "target": args.target, "num": args.num, "lengths": lengths,
          "max_new_tokens": args.max_new_tokens, "block_size": args.block_size,
          "temperature": args.temperature, "sampler": args.sampler, "dflash2_race": args.dflash2_race,
+         "walk_candidates": args.walk_candidates,
          "draft_vocab_size": args.draft_vocab_size, "lookup_splice": args.lookup_splice,
          "wall_s": round(time.perf_counter() - t0, 1),
          "cells": results}, indent=1))
