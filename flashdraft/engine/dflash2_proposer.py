@@ -157,8 +157,7 @@ class DFlash2Proposer(DFlashProposer):
             choose = sample_choice(inverse_temperature, torch.rand(hidden.shape[:2], device=hidden.device))
         else:
             choose = greedy_choice
-        narrow_to = self.walk_candidates if self.drafter.candidate_selector.whole_vocabulary else 0
-        narrow_to = narrow_to or None
+        narrow_to = (self.walk_candidates or None) if self.drafter.candidate_selector.whole_vocabulary else None
         ranking = None
         if narrow_to is not None and noise is not None and raced is None:
             # racing rows: the tokens most likely to win the race, s / T - log E with the pair term left out
