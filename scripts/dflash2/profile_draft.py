@@ -3,7 +3,7 @@ write, block forward, read-out, choice of tokens) on the shipped pair's shapes, 
 so that the comparison is of the step alone and low in noise.
 
     python scripts/dflash2/profile_draft.py --threads 1 [--compile] [--iters 200] [--profile] [--temperature 1]
-        [--confidence] [--selector-top-k 8192 [--walk-candidates K]]
+        [--confidence] [--selector-top-k 8192 [--walk-candidates K]] [--selector-rank R]
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds
@@ -64,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--confidence", action="store_true", help="drafts report their confidence (the trim's input)")
     ap.add_argument("--selector-top-k", type=int, default=None,
                     help="the DFlash2 selector's candidates (default: ours, 8; the vocabulary size: every token)")
+    ap.add_argument("--selector-rank", type=int, default=None, help="the DFlash2 selector's rank (default: ours, 32)")
     ap.add_argument("--walk-candidates", type=int, default=None,
                     help="a whole-vocabulary selector walks among each position's K likeliest winners (default: "
                          "the engine's, 16; 0 = every token)")
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     from flashdraft.loading import load_pair
 
     target, tokenizer, dflash1 = load_pair()
-    drafters = {"dflash": dflash1, "dflash2": dflash2_like(dflash1, selector_top_k=args.selector_top_k)}
+    drafters = {"dflash": dflash1, "dflash2": dflash2_like(dflash1, selector_top_k=args.selector_top_k,
+                                                          selector_rank=args.selector_rank)}
     steps = {}
     for name, drafter in drafters.items():
         # the engine's own proposer (packed read-out as the engine decides)
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     out = {"threads": args.threads, "compile": args.compile, "temperature": args.temperature,
-           "selector_top_k": args.selector_top_k, "walk_candidates": args.walk_candidates,
+           "selector_top_k": args.selector_top_k, "selector_rank": args.selector_rank,
+           "walk_candidates": args.walk_candidates,
            "confidence": args.confidence, "ms_per_step": ms,
            "rounds_ms": rounds, "ratio": ms["dflash2"] / ms["dflash"],
            "round_ratios": [b / a for a, b in zip(rounds["dflash"], rounds["dflash2"])]}
