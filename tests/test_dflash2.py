@@ -161,10 +161,14 @@ def test_selector_changes_the_drafts(qwen3):
     assert (walk["tokens"][..., None] == walk["candidates"]).any(-1).all()
 
 
-def sequential_walk(selector, hidden, logits, anchor, pick):
+def sequential_walk(selector, hidden, logits, anchor, pick, candidates=None):
     """z-lab's `select` loop: position by position, each row's scores from the token chosen just before it;
-    `pick(i, scores [b, top_k], candidates [b, top_k]) -> index [b]`."""
-    unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    `pick(i, scores [b, top_k], candidates [b, top_k]) -> index [b]`. `candidates` [b, k, n]: walk among these
+    instead of the marginal's top-k (unary scores: their logits)."""
+    if candidates is None:
+        unary, candidates = torch.topk(logits, selector.top_k, dim=-1)
+    else:
+        unary = logits.gather(-1, candidates)
     query = selector.hidden_projection(hidden)
     previous, tokens, rows = anchor, [], []
     for i in range(hidden.shape[1]):
@@ -245,14 +249,7 @@ def test_a_narrowed_whole_vocabulary_walk_is_the_walk_among_its_ranking_top_k(qw
     walk = selector.select(hidden, logits, anchor, choose, narrow_to=5, ranking=ranking)
     candidates = ranking.topk(5, dim=-1).indices
     assert torch.equal(walk["candidates"].sort(-1).values, candidates.sort(-1).values)
-    query = selector.hidden_projection(hidden)
-    previous, tokens = anchor, []
-    for i in range(hidden.shape[1]):
-        options = walk["candidates"][:, i]
-        scores = logits[:, i].gather(-1, options) + selector.pair_scores(query[:, i], previous, options)
-        previous = options.gather(-1, pick(i, scores, options)[:, None])[:, 0]
-        tokens.append(previous)
-    assert torch.equal(walk["tokens"], torch.stack(tokens, 1))
+    assert torch.equal(walk["tokens"], sequential_walk(selector, hidden, logits, anchor, pick, walk["candidates"])[0])
     everything = selector.select(hidden, logits, anchor, choose, narrow_to=vocab)
     assert torch.equal(everything["tokens"], selector.select(hidden, logits, anchor, choose)["tokens"])
 
