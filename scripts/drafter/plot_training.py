@@ -20,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from flashdraft.train.checkpoint import LOG_NAME
+
 
 def read_log(run: Path) -> dict[str, np.ndarray]:
     """The run's training steps as arrays: step, loss, lr, first-position and mean accuracy, selector accuracy
     (NaN where a step logged none)."""
-    path = run / "train_log.jsonl" if run.is_dir() else run
+    path = run / LOG_NAME if run.is_dir() else run
     try:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
@@ -73,14 +75,14 @@ def main(argv=None) -> int:
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for name, log in zip(names, logs):
         x = log["step"]
-        line = axes[0].plot(x, smooth(log["loss"], args.smooth), label=name)[0]
-        axes[1].plot(x, smooth(log["all positions"], args.smooth), color=line.get_color(), label=f"{name}: all")
-        axes[1].plot(x, smooth(log["first position"], args.smooth), color=line.get_color(), linestyle="--",
-                     label=f"{name}: first")
-        if np.isfinite(log["selector"]).any():
-            axes[2].plot(x, smooth(log["selector"], args.smooth), color=line.get_color(), label=name)
+        curves = {k: smooth(v, args.smooth) for k, v in log.items() if k not in ("step", "lr")}
+        line = axes[0].plot(x, curves["loss"], label=name)[0]
+        axes[1].plot(x, curves["all positions"], color=line.get_color(), label=f"{name}: all")
+        axes[1].plot(x, curves["first position"], color=line.get_color(), linestyle="--", label=f"{name}: first")
+        if np.isfinite(curves["selector"]).any():
+            axes[2].plot(x, curves["selector"], color=line.get_color(), label=name)
         axes[3].plot(x, log["lr"], color=line.get_color(), label=name)
-        last = {k: smooth(v, args.smooth)[-1] for k, v in log.items() if k != "step"}
+        last = {**{k: v[-1] for k, v in curves.items()}, "lr": log["lr"][-1]}
         print(f"{name}: step {x[-1]}, " + ", ".join(f"{k} {v:.4g}" for k, v in last.items() if np.isfinite(v)))
     titles = ["loss", "teacher-forced accuracy (marginal)", "selector accuracy (DFlash2)", "learning rate"]
     for ax, title in zip(axes, titles):
