@@ -12,7 +12,8 @@ from flashdraft.engine.policy import (CALIBRATE_EVERY, JUDGED_ROWS, JUDGEMENT_SH
                                       MAX_PLAIN_RUN, MIN_HOLD, MIN_PLAIN_RUN, PLAIN_REFERENCE, PRIOR_SMOOTHING,
                                       REFRESH_AFTER, SEARCH_PROBE_EVERY, SETTLED, STALE_AFTER, AcceptancePriors,
                                       AdaptiveWidth, ConfidenceCalibration, CostModel, Curve, CycleTiming, FixedWidth,
-                                      Goodput, LookupGoodput, initial_prior, width_choices)
+                                      Goodput, LookupGoodput, initial_prior, median, trimmed_width,
+                                      width_choices)
 from tiny import OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30, 12, 4, 19, 22], list(range(20, 58))]
@@ -571,6 +572,25 @@ def test_curve_keeps_the_second_observation_and_interpolates():
     assert curve(8.5) == pytest.approx(2.0)  # between the points
     assert curve(31) == pytest.approx(3.0) and curve([31.0, 8.5])[0] == pytest.approx(3.0)  # beyond: flat
     assert width_choices(16) == (1, 2, 4, 8, 16) and width_choices(6) == (1, 2, 4, 6)
+
+
+def test_the_policys_median_and_trim_sums_are_the_plain_definitions():
+    """The cost buckets' median and the trim's running sums were rewritten for speed (they run every cycle):
+    they must give what statistics.median and the sum of each width's survivals give."""
+    import statistics
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 10):
+        values = rng.random(n).tolist()
+        assert median(values) == statistics.median(values)
+    for _ in range(200):
+        survival = np.cumprod(rng.random(int(rng.integers(1, 16))))
+        per_token = float(rng.random())
+        nets = {c: float(survival[:c - 1].sum()) - per_token * (c - 1) for c in (2, 4, 8, 16) if c - 1 <= len(survival)}
+        best = max(nets, key=nets.get)
+        expected = best if nets[best] > 1e-12 else 1
+        if abs(nets[best]) > 1e-9 and all(abs(nets[best] - v) > 1e-9 for c, v in nets.items() if c != best):
+            assert trimmed_width(survival, [2, 4, 8, 16], per_token) == expected
 
 
 def test_a_curve_does_not_extrapolate_the_noise_of_small_sizes():
