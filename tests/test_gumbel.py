@@ -142,6 +142,26 @@ def test_noise_keys_are_lowbias32_of_seed_and_position():
         assert got.dtype == torch.int32 and [[k & 0xFFFFFFFF for k in row] for row in got.tolist()] == want
 
 
+def test_small_batches_hash_their_keys_in_python_with_the_same_bits(monkeypatch):
+    """Up to PYTHON_KEYS slots are hashed in Python integers, more in numpy: the same keys either way, negative and
+    extreme seeds included."""
+    from flashdraft.engine import noise
+
+    g = torch.Generator().manual_seed(2)
+    for trial in range(60):
+        rows, width = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+        seeds = torch.randint(-2**62, 2**62, (rows,), generator=g) * (1 + trial % 3)
+        seeds[0] = (2**63 - 1, -2**63, -1, 2**32, 0)[trial % 5]
+        first = torch.randint(0, 3000, (rows,), generator=g)
+        first[-1] = (0, 2**31, 2**32 - 3, 2**33 + 5, 7)[trial % 5]
+        in_python = noise._slot_keys_python(seeds, first, width)
+        monkeypatch.setattr(noise, "PYTHON_KEYS", 0)
+        in_numpy = slot_keys(seeds, first, width)
+        monkeypatch.undo()
+        assert in_python.dtype == in_numpy.dtype == torch.int32 and torch.equal(in_python, in_numpy)
+    assert noise.PYTHON_KEYS >= 1  # one row's one position, a plain step's noise, takes the Python path
+
+
 @pytest.mark.parametrize("vocab,trials", [(300, 20), (8192, 3)])
 def test_a_batch_verifies_every_row_as_it_would_alone(vocab, trials):
     """Rows are verified together: greedy rows and rows racing on softmax(logits / T) at once, rows with top-k /

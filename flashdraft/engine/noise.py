@@ -31,6 +31,7 @@ _MASK16, _MASK17, _MASK24 = 0xFFFF, 0x1FFFF, 0xFFFFFF
 SMALLEST_EXPONENTIAL = 2.0 ** -25  # -log(1 - 2^-25), the noise of the top draw (`exponential`)
 TOKEN_SALT = 0x9E3779B9  # the golden ratio's 32 bits: token ids are mixed with it into codes (`token_codes`)
 SEED_HIGH_SALT = 0x5BD1E995  # what the position is mixed with before it meets the seed's high half (`slot_keys`)
+PYTHON_KEYS = 16  # slot keys up to this many (rows x positions) are hashed in Python integers (`slot_keys`)
 # Bumped whenever the noise of a (seed, output position, token) changes, or the rule that turns logits into the
 # distribution it races on, and with either every seeded text: 1 the first scheme, 2 the top draw's noise fixed
 # (`exponential`), 3 token codes (`token_codes`), 4 both halves of the seed mixed with every position (`slot_keys`),
@@ -73,8 +74,11 @@ def slot_keys(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> tor
     seeds differing in one half never share a key at a position; differing in both, they share one by chance, at each
     position apart. (Before `NOISE_VERSION` 4 the seed was first folded into a 32-bit row key: two seeds with the same
     row key shared the noise of every position, one pair in ~2^33 / N^2 of N unseeded requests, ~1 per 93,000.)
-    A few integers per row, so hashed in numpy on the host whatever the device: as torch operations they were ~40
-    calls on tensors of a few elements (~0.2 ms on CPU, 70 % of a one-row, one-position noise call)."""
+    A few integers per row, so hashed on the host whatever the device: up to PYTHON_KEYS of them in plain Python
+    integers (numpy's ~20 calls on arrays of a few elements took ~150 us, over half of a one-row, one-position noise
+    call on CPU), more in numpy (as torch operations they were ~40 calls, ~0.2 ms)."""
+    if seeds.numel() * width <= PYTHON_KEYS:
+        return _slot_keys_python(seeds, first_index, width)
     low32 = np.uint64(0xFFFFFFFF)
     seeds64 = seeds.cpu().numpy().astype(np.uint64)
     seed_lo, seed_hi = (seeds64 & low32).astype(np.uint32), ((seeds64 >> np.uint64(32)) & low32).astype(np.uint32)
@@ -84,6 +88,28 @@ def slot_keys(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> tor
     position_hi = _mix32_numpy(positions ^ np.uint32(SEED_HIGH_SALT))
     keys = _mix32_numpy(_mix32_numpy(seed_lo[:, None] ^ position_lo) ^ _mix32_numpy(seed_hi[:, None] ^ position_hi))
     return torch.from_numpy(np.ascontiguousarray(keys).view(np.int32))
+
+
+def _mix32_int(x: int) -> int:
+    """lowbias32 on a Python integer in [0, 2^32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _slot_keys_python(seeds: torch.Tensor, first_index: torch.Tensor, width: int) -> torch.Tensor:
+    """`slot_keys` in plain Python integers (the same bits: Python's >> on a negative seed, then the mask, keeps
+    the bits of its two's complement that numpy's uint64 view shifts down)."""
+    keys = []
+    for seed, start in zip(seeds.tolist(), first_index.tolist()):
+        low, high = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+        for position in range(start, start + width):
+            position &= 0xFFFFFFFF
+            keys.append(_mix32_int(_mix32_int(low ^ _mix32_int(position))
+                                   ^ _mix32_int(high ^ _mix32_int(position ^ SEED_HIGH_SALT))))
+    return torch.from_numpy(np.array(keys, dtype=np.uint32).view(np.int32).reshape(len(seeds), width))
 
 
 def exponential_noise(seeds: torch.Tensor, first_index: torch.Tensor, width: int, vocab: int,
