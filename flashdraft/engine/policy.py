@@ -949,7 +949,7 @@ class AdaptiveWidth:
         # expected committed tokens per second of the cycle as planned, on the rows' own estimates, and what a
         # verified draft costs: the target curve's mean slope over the sizes the trim can reach (the local slope
         # is 0 at the largest size timed, beyond which the curve is flat)
-        committed = len(rows) + sum(float(np.cumsum(np.cumprod(rows[i].acceptance[:w - 1]))[-1])
+        committed = len(rows) + sum(float(expected_gains(rows[i].acceptance, np.array([w]))[0])
                                     for i, w in enumerate(widths) if w > 1)
         least = verified - sum(widths[i] - 1 for i in trimmable)
         body = self.costs.body  # timed (`seconds` above needs it)
