@@ -330,3 +330,33 @@ def test_bf16_exact_mode_samples_plain_decodings_text_in_any_batch():
     spec = SpecEngine(target, drafter, exact=True)
     assert [spec.generate([p], [q])[0].token_ids for p, q in zip(PROMPTS, params)] == plain
     assert [r.token_ids for r in spec.generate(PROMPTS, params)] == plain
+
+
+@pytest.mark.parametrize("screen", [True, False])  # the race read out by the target's screened argmax, or verified
+def test_noise_made_on_its_own_thread_leaves_seeded_text_unchanged(screen, monkeypatch):
+    """Where no sampled row drafts, the noise (and the race offsets of a screened read-out) is made on a thread of
+    its own while the target runs (`EngineConfig.noise_thread`): the same text as plain decoding made inline, in
+    a batch with greedy rows that draft, and the thread really made it."""
+    target = make_target("qwen3", dtype=torch.float32 if screen else torch.float64)  # the read-out screens fp32
+    monkeypatch.setattr("flashdraft.engine.generate.NOISE_THREAD_MIN_VALUES", 0)  # a tiny vocabulary's noise too
+    params = [SamplingParams(max_new_tokens=20), _sampled(5, max_new=20), _sampled(6, temperature=0.7, max_new=20),
+              _sampled(None, top_p=1.0 if screen else 0.9, max_new=20)]  # top-p: the verifier races, not the read-out
+    plain_engine = SpecEngine(target, noise_thread=False, screen_greedy=screen)
+    plain = [plain_engine.generate([p], [q])[0].token_ids for p, q in zip(PROMPTS[:3], params[:3])]
+    engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=target.dtype), noise_thread=True,
+                        screen_greedy=screen)
+    batch = engine.open_batch()
+    batch.policy.widths = lambda rows, pending=None: [1 if r.sampled else 4 for r in rows]
+    events = list(engine.add(batch, PROMPTS, params))
+    submitted = []
+    worker = engine._noise_thread()
+    submit = worker.submit
+    worker.submit = lambda *a: submitted.append(a) or submit(*a)
+    while batch.rows:
+        events += engine.step(batch)
+    results = {e.index: e.result for e in events if e.finished}
+    assert [results[i].token_ids for i in range(3)] == plain
+    assert results[0].stats.acceptance_lengths  # the greedy row drafted beside the sampled rows' steps
+    assert len(submitted) >= 19  # every cycle's noise (and, screened, its offsets) came from the thread
+    assert (engine.fast.screened is not None) == screen
+    assert SpecEngine(target, noise_thread=False)._noise_thread() is None

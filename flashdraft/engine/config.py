@@ -77,6 +77,10 @@ class EngineConfig:
     # a DFlash2 selector whose candidates are the whole vocabulary walks among each block position's K likeliest
     # winners (`dflash2_proposer.py`; None: its default, 16; 0: every token, as z-lab's package walks)
     walk_candidates: int | None = None
+    # CPU: sampled rows' counter-based noise (and their race offsets) made on a thread of its own while the target
+    # forward runs, in cycles where no sampled row drafts (their noise is then read only at the read-out). None:
+    # where the process may use more cores than torch's threads (one torch thread on a 2-core machine)
+    noise_thread: bool | None = None
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -106,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.exact and self.compile:
             raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+        if self.noise_thread is not None and not isinstance(self.noise_thread, bool):
+            raise ValueError(f"noise_thread must be True, False or None, got {self.noise_thread!r}")
         if self.screen_greedy is not None and not isinstance(self.screen_greedy, bool):
             raise ValueError(f"screen_greedy must be True, False or None, got {self.screen_greedy!r}")
         if self.exact and self.fast_path is False:

@@ -38,9 +38,11 @@ batching (the server drives `SpecEngine` one cycle at a time through `open_batch
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -66,6 +68,12 @@ from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, pack
 from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
 from flashdraft.model.target import TargetModel, validate_pair
 
+# the noise thread (`SpecEngine._noise_soon`) takes a cycle's noise from this many values (positions x vocabulary) on:
+# below it the thread cost the target's forward more than the noise it made, by taking the interpreter's lock
+# between the forward's many small operations (shipped pair, one torch thread on 2 cores, plain decoding at T = 1:
+# +0.4 ms a step at 1 row of vocabulary 8192, 0.97x at 4 rows, 1.01x at 8 and 16, 1.07x at 32, 1.16x at 64;
+# docs/bench/noise_thread/noise_thread.py)
+NOISE_THREAD_MIN_VALUES = 1 << 17
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
@@ -362,6 +370,7 @@ class SpecEngine:
         self.cycle_trace: Callable[[dict], None] | None = None
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
         self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
+        self._noise_worker: ThreadPoolExecutor | None | bool = False  # `_noise_thread`; False: not decided yet
 
     def _screened(self, config: EngineConfig, use_fast: bool) -> ScreenedArgmax | None:
         """The argmax read-out (greedy rows, raced sampled rows) through a bf16 copy of the target's lm_head
@@ -409,6 +418,8 @@ class SpecEngine:
         elif self._restore_layer_ids is not None:
             self.target.set_layer_ids(self._restore_layer_ids)
         self.fast = self.block_step = self.proposer = None
+        if self._noise_worker:
+            self._noise_worker.shutdown(wait=False)
 
     def __enter__(self) -> "SpecEngine":
         self._check_open()
@@ -735,14 +746,15 @@ class SpecEngine:
         # rows at one-token steps that verify a prompt-lookup continuation instead: {row: continuation}
         copies, searched = ({}, ()) if trees or forced_width is not None else self._lookup_copies(batch, widths)
         verified = [1 + len(copies[i]) if i in copies else w for i, w in enumerate(widths)] if copies else widths
-        # sampled rows' counter-based noise at the output positions their draft and verify cover
-        noise = self._noise(rows, [draft_width if w > 1 else v for w, v in zip(widths, verified)])
+        # sampled rows' counter-based noise at the output positions their draft and verify cover (a Future where
+        # no sampled row drafts: it is made on another core while the target runs, `_noise_soon`)
+        noise = self._noise_soon(rows, [draft_width if w > 1 else v for w, v in zip(widths, verified)], widths, trees)
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
         else:
-            block, positions, draft_probs, context, confidence = self._propose(batch, drafting, max(verified),
-                                                                               draft_width, noise, copies)
+            block, positions, draft_probs, context, confidence = self._propose(
+                batch, drafting, max(verified), draft_width, None if isinstance(noise, Future) else noise, copies)
             if confidence and forced_width is None and hasattr(batch.policy, "trim"):  # each drafting row verifies
                 verified = batch.policy.trim([r.acceptance for r in rows], verified, confidence,  # as far as its
                                              len(drafting) * draft_width)  # drafts' confidence pays
@@ -754,6 +766,8 @@ class SpecEngine:
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
                                                                     seated[1] if seated else (), noise)
             prof.mark("target")
+            if isinstance(noise, Future):
+                noise = noise.result()
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
             prof.mark("verify")
         self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies, set(drafting))
@@ -805,6 +819,30 @@ class SpecEngine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
         return time.perf_counter()
+
+    def _noise_thread(self) -> ThreadPoolExecutor | None:
+        """The thread that makes noise during target forwards (`EngineConfig.noise_thread`), decided at the first
+        sampled cycle (a server's scheduler sets torch's threads in its own thread after the engine is built).
+        None on a GPU (the noise is made there, queued behind the forward) and, by default, where torch's threads
+        already use every core the process may run on: a second thread would take its time from theirs."""
+        if self._noise_worker is False:
+            wanted = self.config.noise_thread
+            if wanted is None:
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                wanted = torch.get_num_threads() < cores
+            self._noise_worker = (ThreadPoolExecutor(1, "flashdraft-noise", torch.set_num_threads, (1,))
+                                  if wanted and self.target.device.type == "cpu" else None)
+        return self._noise_worker
+
+    def _noise_soon(self, rows: list[_Row], widths: list[int], planned: list[int], trees: bool):
+        """`_noise(rows, widths)`, or its Future where the noise thread runs and no sampled row drafts (`planned`
+        widths > 1): the noise is then read only by the target's read-out and the verifier, after the layers."""
+        sampled = [not r.params.greedy for r in rows]
+        values = sum(w for s, w in zip(sampled, widths) if s) * self.target.vocab_size
+        if (self.config.sampler != "gumbel" or values < NOISE_THREAD_MIN_VALUES or trees
+                or any(s and w > 1 for s, w in zip(sampled, planned)) or self._noise_thread() is None):
+            return self._noise(rows, widths)
+        return self._noise_worker.submit(self._noise, list(rows), list(widths))
 
     def _noise(self, rows: list[_Row], widths: list[int]) -> list[torch.Tensor] | None:
         """Exponential noise [w, V] of each row's next w output positions (ones for greedy rows); None when every
@@ -1029,14 +1067,22 @@ class SpecEngine:
         """The target over each row's block: logits [g, w, V] per width group (where the target screens its
         read-out and every row takes its argmax, `_chooses`: the chosen token ids [g, w]), features [b, W, F] (or
         None), and (last logits [1, 1, V], features [1, n, F] or None) per prompt of `prompts` (`_seat`) prefilled
-        beside. `noise`: the rows' noise windows (`_noise`)."""
+        beside. `noise`: the rows' noise windows (`_noise`), or their Future (`_noise_soon`): the race offsets are
+        then made on the noise thread too and passed as a callable, which the target calls after its layers."""
         capture = self.proposer.needs_features
         end = max(r.n_cached for r in batch.rows) + block.shape[1]  # 1 + the largest position in the blocks
         choose = self._chooses(batch.rows, noise)
-        offsets = [self._race_offsets(batch.rows, noise, w, idx) for w, idx in groups] if choose else None
+        offsets = None
+        if choose and isinstance(noise, Future):  # made on the noise thread after the noise, read after the layers
+            rows = list(batch.rows)
+            offsets = self._noise_worker.submit(
+                lambda: [self._race_offsets(rows, noise.result(), w, idx) for w, idx in groups]).result
+        elif choose:
+            offsets = [self._race_offsets(batch.rows, noise, w, idx) for w, idx in groups]
         if len(groups) == 1 and not prompts:
             logits, features = batch.kv.forward_block(block, positions, capture, end, choose,
-                                                      offsets[0] if offsets else None)
+                                                      (lambda: offsets()[0]) if callable(offsets)
+                                                      else offsets[0] if offsets else None)
             return [logits], features, []
         if self.ragged:
             outputs = batch.kv.forward_ragged([(idx, block[idx, :w], positions[idx, :w]) for w, idx in groups],

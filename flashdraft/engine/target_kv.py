@@ -26,11 +26,13 @@ What this module does not know about: drafting, acceptance, stop conditions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import DynamicCache
 
 from flashdraft.engine.batch import Features, RowBuckets, zero_pad
-from flashdraft.model.fast_target import FastTarget
+from flashdraft.model.fast_target import FastTarget, resolved
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, compaction_order, gather_slots
 from flashdraft.model.target import TargetModel
 
@@ -145,7 +147,7 @@ class PagedTargetKV:
             logits, features = self.compiled_forward(block, positions, self.kv, capture=capture)
         else:
             if offsets is not None and rows > n:
-                offsets = torch.cat([offsets, offsets.new_zeros(rows - n, *offsets.shape[1:])])
+                offsets = functools.partial(_padded_offsets, offsets, rows - n)
             logits, features = self.fast.forward(block, positions, self.kv, capture=capture, key_len=end,
                                                  greedy=greedy, offsets=offsets)
         if rows > n:
@@ -191,6 +193,12 @@ class PagedTargetKV:
             other.kv.select_rows(torch.arange(other.live, device=other.kv.keys[0].device))
         keep, self.live = self.live, self.live + other.live
         self.kv.merge(other.kv, keep=keep, pad=self.buckets.rows(self.live) - self.live)
+
+
+def _padded_offsets(offsets, extra: int) -> torch.Tensor | None:
+    """Race offsets [n, w, V] (or the callable standing for them, `resolved`) with zeros for `extra` padding rows."""
+    offsets = resolved(offsets)
+    return None if offsets is None else torch.cat([offsets, offsets.new_zeros(extra, *offsets.shape[1:])])
 
 
 def _prompt_features(features, positions, valid) -> Features | None:

@@ -75,6 +75,14 @@ def packable_weights(model) -> list[torch.Tensor]:
                               (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for p in names]
 
 
+
+def resolved(offsets):
+    """`offsets`, or what it returns when it is a callable: the engine passes sampled rows' race offsets that way
+    while another thread is still making them (`SpecEngine._noise_soon`), and the read-out, after the layers, is
+    the first to need them."""
+    return offsets() if callable(offsets) else offsets
+
+
 class FastTarget:
     """Lean forward over a supported transformers model's own weights; see the module docstring."""
 
@@ -135,7 +143,8 @@ class FastTarget:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H];
         with `greedy` and a screened read-out (`screened`), the token ids [b, q] of the logits' argmax in their
-        place (of the logits plus `offsets` [b, q, V] where given: sampled rows' race, `ScreenedArgmax`).
+        place (of the logits plus `offsets` [b, q, V] where given: sampled rows' race, `ScreenedArgmax`; or a
+        callable returning them, called after the layers: `resolved`).
 
         Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
         steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact`
@@ -158,7 +167,7 @@ class FastTarget:
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         if greedy and self.screened is not None and not exact:
-            return self.screened(x, offsets), features
+            return self.screened(x, resolved(offsets)), features
         return (per_token if exact else _call)(self.lm_head, x), features
 
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
@@ -211,6 +220,7 @@ class FastTarget:
         if greedy and self.screened is not None:  # blocks: their argmax; prompts: their last logits, as without
             blocks = len(counts) - len(prompts)
             split = sum(counts[:blocks])
+            offsets = resolved(offsets)
             if offsets is not None and any(o is not None for o in offsets):
                 offsets = torch.cat([read.new_zeros(n, self.screened.vocab) if o is None else o.reshape(n, -1)
                                      for o, n in zip(offsets, counts)])
