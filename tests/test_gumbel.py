@@ -360,3 +360,34 @@ def test_noise_made_on_its_own_thread_leaves_seeded_text_unchanged(screen, monke
     assert len(submitted) >= 19  # every cycle's noise (and, screened, its offsets) came from the thread
     assert (engine.fast.screened is not None) == screen
     assert SpecEngine(target, noise_thread=False)._noise_thread() is None
+
+
+@torch.inference_mode()
+def test_noise_hashed_ahead_is_the_targets_own_race(monkeypatch):
+    """Sampled rows hash the noise of several positions at once and reuse it at later steps (`NOISE_AHEAD`): each
+    seeded text is still the target's own race under (seed, position) noise, computed here without an engine, at
+    one-token steps alone, drafting, and two rows together; and the engine really hashed fewer windows than it took."""
+    import flashdraft.engine.generate as generate_module
+
+    target = make_target("qwen3")
+    params = [_sampled(11, max_new=20), _sampled(12, temperature=0.7, max_new=20)]
+    prompts = PROMPTS[:2]
+    reference = []
+    for prompt, q in zip(prompts, params):
+        ids, out = list(prompt), []
+        for j in range(q.max_new_tokens):
+            logits = target(torch.tensor([ids])).logits[0, -1].float()
+            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
+            out.append(int(race(torch.softmax(logits / q.temperature, dim=-1), noise)))
+            ids.append(out[-1])
+        reference.append(out)
+    hashed = []
+    monkeypatch.setattr(generate_module, "exponential_noise",
+                        lambda *a, **k: hashed.append(a[2]) or exponential_noise(*a, **k))
+    plain = SpecEngine(target)
+    assert [plain.generate([p], [q])[0].token_ids for p, q in zip(prompts, params)] == reference
+    assert len(hashed) < 8 and max(hashed) == generate_module.NOISE_AHEAD  # 40 positions in a few windows
+    assert [r.token_ids for r in plain.generate(prompts, params)] == reference
+    spec = SpecEngine(target, make_drafter(target, block_size=4))
+    assert [spec.generate([p], [q])[0].token_ids for p, q in zip(prompts, params)] == reference
+    assert [r.token_ids for r in spec.generate(prompts, params)] == reference

@@ -74,6 +74,11 @@ from flashdraft.model.target import TargetModel, validate_pair
 # +0.4 ms a step at 1 row of vocabulary 8192, 0.97x at 4 rows, 1.01x at 8 and 16, 1.07x at 32, 1.16x at 64;
 # docs/bench/noise_thread/noise_thread.py)
 NOISE_THREAD_MIN_VALUES = 1 << 17
+# sampled rows hash the noise of up to NOISE_AHEAD positions at once, as many as keep a cycle's fresh noise within
+# NOISE_AHEAD_VALUES values (positions x vocabulary x sampled rows), and reuse it at the next steps (`_noise`): a
+# call's cost is mostly fixed and cache-cold after the forward (one row of vocabulary 8192 on this CPU: 362 us for
+# one position, 812 us for 16), so one row at one-token steps paid ~5 % of its step for noise it now pays once in 16
+NOISE_AHEAD, NOISE_AHEAD_VALUES = 16, 1 << 17
 # a row's target features pending for the drafter (it writes them when the row drafts) are written regardless
 # once they reach this many positions: the memory a row that keeps stepping holds for them stays bounded
 PENDING_CONTEXT_LIMIT = 256
@@ -853,19 +858,23 @@ class SpecEngine:
         dev, vocab = self.target.device, self.target.vocab_size
         ones = {w: torch.ones(w, vocab, device=dev) for w, s in zip(widths, sampled) if not s}  # one per width
         windows = [None if s else ones[w] for s, w in zip(sampled, widths)]
-        reused = {i: rows[i].cached_noise(w) for i, (s, w) in enumerate(zip(sampled, widths)) if s}
+        ahead = min(NOISE_AHEAD, NOISE_AHEAD_VALUES // (sum(sampled) * vocab))  # positions a fresh window covers
+        reused = {i: rows[i].cached_noise(max(w, ahead)) for i, (s, w) in enumerate(zip(sampled, widths)) if s}
         by_count: dict[int, list[int]] = {}  # fresh positions -> rows: one hash call for all rows of a count
         for i, cached in reused.items():
-            fresh = widths[i] - (0 if cached is None else cached.shape[0])
-            by_count.setdefault(fresh, []).append(i)
+            have = 0 if cached is None else cached.shape[0]
+            if have >= widths[i]:  # the window a former call hashed ahead covers this one
+                windows[i] = cached[:widths[i]]
+            else:
+                by_count.setdefault(max(widths[i], ahead) - have, []).append(i)
         for fresh, idx in by_count.items():
             seeds = torch.tensor([rows[i].noise_seed for i in idx])  # host integers: the keys are hashed there
-            starts = torch.tensor([len(rows[i].output) + widths[i] - fresh for i in idx])
-            noise = exponential_noise(seeds, starts, fresh, vocab, device=dev) if fresh else None
+            starts = torch.tensor([len(rows[i].output) + (0 if reused[i] is None else reused[i].shape[0]) for i in idx])
+            noise = exponential_noise(seeds, starts, fresh, vocab, device=dev)
             for j, i in enumerate(idx):
-                cached = reused[i]
-                windows[i] = cached if noise is None else noise[j] if cached is None else torch.cat([cached, noise[j]])
-                rows[i].noise_cache = (len(rows[i].output), windows[i])
+                window = noise[j] if reused[i] is None else torch.cat([reused[i], noise[j]])
+                rows[i].noise_cache = (len(rows[i].output), window)
+                windows[i] = window[:widths[i]]
         return windows
 
     def _propose(self, batch: Batch, drafting: list[int], width: int, draft_width: int,
