@@ -202,7 +202,9 @@ def _padded_offsets(offsets, extra: int) -> torch.Tensor | None:
 
 
 def _prompt_features(features, positions, valid) -> Features | None:
-    """The prompts' features for the drafter; padded prompt slots may hold garbage: zeroed, so no NaN reaches it."""
+    """The prompts' features for the drafter. Padded slots hold anything (garbage, unwritten memory): only the
+    valid ones are read (`SpecEngine._prefilled_batch`), and zeroing them was a pass over rows x width x features
+    for nothing."""
     if features is None:
         return None
-    return Features(features.masked_fill(~valid[..., None], 0.0), positions, valid)
+    return Features(features, positions, valid)

@@ -318,8 +318,8 @@ class FastTarget:
                                                         capture=capture, key_len=width)
             if logits is None:
                 logits = group_logits.new_empty((input_ids.shape[0], *group_logits.shape[1:]))
-                if group_features is not None:
-                    features = group_features.new_zeros((*input_ids.shape, group_features.shape[-1]))
+                if group_features is not None:  # a row's slots past its prompt are never read: left unwritten
+                    features = group_features.new_empty((*input_ids.shape, group_features.shape[-1]))
             logits[rows] = group_logits
             if features is not None:
                 features[rows, :width] = group_features
