@@ -688,11 +688,12 @@ class SpecEngine:
         self._drop_finished(batch)
         return batch
 
-    def _prefilled_batch(self, rows: list[_Row], kv, features: Features | None, lengths: list[int]) -> Batch:
+    def _prefilled_batch(self, rows: list[_Row], kv, features: list[torch.Tensor] | None, lengths: list[int]) -> Batch:
+        """`features`: each row's prompt features [n, F] (positions 0 .. n - 1), or None."""
         batch = self._new_batch(rows=list(rows), kv=kv)
         batch.grow(lengths)
-        if features is not None:  # a prompt's valid slots are its positions 0 .. n - 1
-            self._pend_prompts(batch, rows, [values[valid] for values, valid in zip(features.values, features.valid)])
+        if features is not None:
+            self._pend_prompts(batch, rows, features)
         return batch
 
     def _first_tokens(self, rows: Sequence[_Row], logits: torch.Tensor) -> None:

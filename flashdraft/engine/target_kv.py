@@ -1,6 +1,6 @@
 """The target's KV cache as the engine sees it. Two implementations with one interface, all in live rows:
 
-    cache, logits, features = Cache.prefill(...)         the prompts; last-position logits, tapped features
+    cache, logits, features = Cache.prefill(...)         the prompts; last-position logits, each row's features
     logits, features = cache.forward_block(block, positions, capture, end)
                                                           the target over one block per row (logits [b, w, V])
     [(logits, features)] = cache.forward_ragged(groups, capture, end)
@@ -31,7 +31,7 @@ import functools
 import torch
 from transformers.cache_utils import DynamicCache
 
-from flashdraft.engine.batch import Features, RowBuckets, zero_pad
+from flashdraft.engine.batch import RowBuckets, zero_pad
 from flashdraft.model.fast_target import FastTarget, resolved
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, compaction_order, gather_slots
 from flashdraft.model.target import TargetModel
@@ -45,7 +45,7 @@ class DynamicTargetKV:
 
     @classmethod
     def prefill(cls, target: TargetModel, prompts: list[list[int]], capture: bool, pad_id: int = 0):
-        """(cache, last-position logits [b, V], the prompts' `Features` or None)."""
+        """(cache, last-position logits [b, V], each prompt's features [n_r, F] or None)."""
         dev = target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -56,7 +56,8 @@ class DynamicTargetKV:
         positions = (mask.long().cumsum(dim=1) - 1).clamp_min(0)
         cache = DynamicCache()
         logits, features = target.forward(ids, positions, mask.long(), cache, logits_to_keep=1, capture=capture)
-        return cls(target, cache, mask), logits[:, -1], _prompt_features(features, positions, mask)
+        prompt_features = None if features is None else [f[m] for f, m in zip(features, mask)]
+        return cls(target, cache, mask), logits[:, -1], prompt_features
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
                       greedy: bool = False, offsets=None):  # (transformers' forward: always the logits)
@@ -125,13 +126,11 @@ class PagedTargetKV:
             ids[i, : len(p)] = torch.tensor(p, device=dev)  # right-padded: slot = position
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         positions = torch.arange(width, device=dev)[None].expand(len(prompts), -1)
-        valid = positions < lengths[:, None]
         kv = fast.new_cache(len(prompts), [max(n, len(p)) for n, p in zip(lengths, prompts)], page_size, max_pages)
         logits, features = fast.prefill(ids, positions, kv, lengths, capture, exact_from)
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
-        return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], _prompt_features(features, positions,
-                                                                                               valid)
+        return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], features
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
                       greedy: bool = False, offsets: torch.Tensor | None = None):
@@ -200,11 +199,3 @@ def _padded_offsets(offsets, extra: int) -> torch.Tensor | None:
     offsets = resolved(offsets)
     return None if offsets is None else torch.cat([offsets, offsets.new_zeros(extra, *offsets.shape[1:])])
 
-
-def _prompt_features(features, positions, valid) -> Features | None:
-    """The prompts' features for the drafter. Padded slots hold anything (garbage, unwritten memory): only the
-    valid ones are read (`SpecEngine._prefilled_batch`), and zeroing them was a pass over rows x width x features
-    for nothing."""
-    if features is None:
-        return None
-    return Features(features, positions, valid)

@@ -277,13 +277,13 @@ class FastTarget:
         return x, (torch.cat([captured[i] for i in taps], dim=-1) if taps else None)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKV, lengths: torch.Tensor,
-                capture: bool, exact_from: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompts (right-padded to one width): last-position logits [b, 1, V] and features [b, w, F]. In exact
+                capture: bool, exact_from: list[int] | None = None) -> tuple[torch.Tensor, list | None]:
+        """The prompts (right-padded to one width): last-position logits [b, 1, V] and, with `capture`, each row's
+        features [n_r, F] of its n_r = lengths[r] positions (views of the forwards' outputs, no padded copy). In exact
         mode each row's prompt runs alone as one ordinary block, so a row's prompt is computed the same way
         whatever the batch (and as transformers' own prefill computes it); the tokens after it go one row at a
         time through `forward`. A resumed row (preempted, recomputed) holds its prompt then the tokens it had
         decoded, from `exact_from[r]` on: in exact mode those go through the exact forward, as they did first."""
-        width = input_ids.shape[1]
         if not self.exact:
             return self._prefill_by_length(input_ids, positions, kv, lengths, capture)
         logits, features = [], []
@@ -299,17 +299,19 @@ class FastTarget:
                 row_features = None if row_features is None else torch.cat([row_features, decoded], dim=1)
             logits.append(row_logits)
             if row_features is not None:
-                features.append(F.pad(row_features, (0, 0, 0, width - n)))
-        return torch.cat(logits), (torch.cat(features) if features else None)
+                features.append(row_features[0])
+        return torch.cat(logits), (features if capture else None)
 
     def _prefill_by_length(self, input_ids, positions, kv: PagedKV, lengths: torch.Tensor, capture: bool):
         """Prompts of similar lengths in one forward each (`length_groups`): one long prompt does not make every
         short one beside it compute, and hold the attention scores of, its length."""
-        groups = length_groups(lengths.tolist())
+        n = lengths.tolist()
+        groups = length_groups(n)
         if len(groups) == 1:
-            return self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture,
-                                key_len=input_ids.shape[1])
-        logits = features = None
+            logits, features = self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture,
+                                            key_len=input_ids.shape[1])
+            return logits, None if features is None else [f[:length] for f, length in zip(features, n)]
+        logits, features = None, [None] * len(n) if capture else None
         for idx in groups:
             rows = torch.tensor(idx, device=input_ids.device)
             width = int(lengths[rows].max())
@@ -318,11 +320,10 @@ class FastTarget:
                                                         capture=capture, key_len=width)
             if logits is None:
                 logits = group_logits.new_empty((input_ids.shape[0], *group_logits.shape[1:]))
-                if group_features is not None:  # a row's slots past its prompt are never read: left unwritten
-                    features = group_features.new_empty((*input_ids.shape, group_features.shape[-1]))
             logits[rows] = group_logits
-            if features is not None:
-                features[rows, :width] = group_features
+            if capture:
+                for r, f in zip(idx, group_features):
+                    features[r] = f[:n[r]]
         return logits, features
 
     def _qkv(self, i: int, h: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
