@@ -321,7 +321,7 @@ class FastTarget:
             if logits is None:
                 logits = group_logits.new_empty((input_ids.shape[0], *group_logits.shape[1:]))
             logits[rows] = group_logits
-            if capture:
+            if capture:  # views: a row's pending features hold its group's output, at most twice the group's tokens
                 for r, f in zip(idx, group_features):
                     features[r] = f[:n[r]]
         return logits, features
