@@ -861,16 +861,16 @@ class SpecEngine:
         windows = [None if s else ones[w] for s, w in zip(sampled, widths)]
         ahead = min(NOISE_AHEAD, NOISE_AHEAD_VALUES // (sum(sampled) * vocab))  # positions a fresh window covers
         reused = {i: rows[i].cached_noise(max(w, ahead)) for i, (s, w) in enumerate(zip(sampled, widths)) if s}
+        have = {i: 0 if cached is None else cached.shape[0] for i, cached in reused.items()}  # positions cached
         by_count: dict[int, list[int]] = {}  # fresh positions -> rows: one hash call for all rows of a count
         for i, cached in reused.items():
-            have = 0 if cached is None else cached.shape[0]
-            if have >= widths[i]:  # the window a former call hashed ahead covers this one
+            if have[i] >= widths[i]:  # the window a former call hashed ahead covers this one
                 windows[i] = cached[:widths[i]]
             else:
-                by_count.setdefault(max(widths[i], ahead) - have, []).append(i)
+                by_count.setdefault(max(widths[i], ahead) - have[i], []).append(i)
         for fresh, idx in by_count.items():
             seeds = torch.tensor([rows[i].noise_seed for i in idx])  # host integers: the keys are hashed there
-            starts = torch.tensor([len(rows[i].output) + (0 if reused[i] is None else reused[i].shape[0]) for i in idx])
+            starts = torch.tensor([len(rows[i].output) + have[i] for i in idx])
             noise = exponential_noise(seeds, starts, fresh, vocab, device=dev)
             for j, i in enumerate(idx):
                 window = noise[j] if reused[i] is None else torch.cat([reused[i], noise[j]])
