@@ -54,6 +54,7 @@ import json
 import random
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,6 +199,42 @@ def serve(engine: SpecEngine, prompts: list[list[int]], concurrency: int, max_to
     return served.tokens, served.seconds, served.taus, served.firsts
 
 
+def shipped_pair(set_name: str = "default", num_prompts: int = 32, threads: int = 1):
+    """(target, tokenizer, drafter, the set's first prompts as token ids): the shipped pair on CPU, `threads` torch
+    threads, for the diagnostic scripts beside the benchmark records (docs/bench/*)."""
+    torch.set_num_threads(threads)
+    target, tokenizer, drafter = load_pair(None, None, "cpu", None)
+    return target, tokenizer, drafter, [tokenizer.encode(q.text) for q in load_prompts(set_name, num_prompts)]
+
+
+def warm(engine: SpecEngine, prompts: list[list[int]], concurrency: int, temperature: float, top_p: float = 1.0,
+         top_k: int = 0) -> None:
+    """As `flashdraft serve` does before its first request (`SpecEngine.warmup`), and a short untimed pass: plain
+    decoding's warmup runs nothing, so the first engine timed would carry the first launches (on an H100, `never`
+    ran 1.46-4.17x plain decoding without it)."""
+    engine.warmup(concurrency)
+    serve(engine, prompts[:concurrency], concurrency, 8, temperature, None, top_p, top_k)
+
+
+def tally_cycles(trace: list[dict], kind) -> dict[str, list]:
+    """Cycle-trace records (`SpecEngine.cycle_trace`) grouped by `kind(record)`: {kind: [cycles, tokens committed,
+    ms, rows]}."""
+    kinds = defaultdict(lambda: [0, 0, 0.0, 0])
+    for c in trace:
+        k = kinds[kind(c)]
+        k[0] += 1
+        k[1] += len(c["requests"]) + sum(c["accepted"])
+        k[2] += c["ms"]
+        k[3] += len(c["requests"])
+    return dict(kinds)
+
+
+def print_tally(kinds: dict[str, list], order=None) -> None:
+    for label, (n, tokens, ms, rows) in sorted(kinds.items(), key=order):
+        print(f"  {label:28s} {n:4d} cycles {rows / n:5.1f} rows {tokens:5d} tokens {ms:7.0f} ms "
+              f"{tokens / ms:.2f} tokens/ms")
+
+
 def serve_lockstep(engines: dict[str, SpecEngine], prompts: list[list[int]], concurrency: int, max_tokens: int,
                    temperature: float, constants: dict[str, dict] | None = None,
                    served: dict[str, Served] | None = None, top_p: float = 1.0, top_k: int = 0) -> dict[str, Served]:
@@ -294,12 +331,9 @@ def main(argv=None) -> int:
             for variant, values in variants.items():  # built under its constants: some are read at construction
                 with policy_constants(values):
                     engines[variant] = build_engine(target, tokenizer, drafter, "adaptive")
-            for key, engine in engines.items():  # as `flashdraft serve` does before its first request
+            for key, engine in engines.items():
                 with policy_constants(variants.get(key, {})):
-                    engine.warmup(concurrency)
-                    # and a short untimed pass: plain decoding's warmup runs nothing, so the first engine timed
-                    # would carry the first launches (on an H100, `never` ran 1.46-4.17x plain decoding without it)
-                    serve(engine, prompts[:concurrency], concurrency, 8, args.temperature, None, args.top_p, args.top_k)
+                    warm(engine, prompts, concurrency, args.temperature, args.top_p, args.top_k)
                     if args.warm_full:  # every shape of the timed queue seen once (a GPU plans each new one)
                         serve(engine, prompts, concurrency, lengths, args.temperature, None, args.top_p,
                               args.top_k)

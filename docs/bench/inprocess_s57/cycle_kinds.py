@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
@@ -27,8 +24,6 @@ sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
 import engine_concurrency  # noqa: E402
 
-from flashdraft.bench.datasets import load_prompts  # noqa: E402
-from flashdraft.loading import load_pair  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,33 +34,23 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    target, tokenizer, drafter = load_pair(None, None, "cpu", None)
-    prompts = [tokenizer.encode(q.text) for q in load_prompts("default", args.num_prompts)]
+    target, tokenizer, drafter, prompts = engine_concurrency.shipped_pair("default", args.num_prompts)
     engines = {"plain": engine_concurrency.build_engine(target, tokenizer, drafter, None),
                "adaptive": engine_concurrency.build_engine(target, tokenizer, drafter, "adaptive")}
     for engine in engines.values():
-        engine.warmup(args.concurrency)
-        engine_concurrency.serve(engine, prompts[:args.concurrency], args.concurrency, 8, args.temperature)
+        engine_concurrency.warm(engine, prompts, args.concurrency, args.temperature)
     trace = []
     engines["adaptive"].cycle_trace = trace.append
     served = None
     for r in range(args.rounds):
         served = engine_concurrency.serve_lockstep(engines, prompts, args.concurrency,
                                                    [args.max_tokens] * len(prompts), args.temperature, served=served)
-        kinds = defaultdict(lambda: [0, 0, 0.0, 0])  # cycles, tokens, ms, rows
-        for c in trace:
-            kind = "draft" if any(w > 1 for w in c["widths"]) else "copy" if c["lookups"] else "plain"
-            k = kinds[(c["decision"], kind)]
-            k[0] += 1
-            k[1] += len(c["requests"]) + sum(c["accepted"])
-            k[2] += c["ms"]
-            k[3] += len(c["requests"])
+        kinds = engine_concurrency.tally_cycles(
+            trace, lambda c: f"{c['decision']} " + ("draft" if any(w > 1 for w in c["widths"])
+                                                   else "copy" if c["lookups"] else "plain"))
         rate = {key: s.tokens / s.seconds for key, s in served.items()}
         print(f"round {r} (rounds so far): DFlash / plain decoding {rate['adaptive'] / rate['plain']:.3f}")
-        for (decision, kind), (n, tokens, ms, rows) in sorted(kinds.items(), key=lambda x: -x[1][2]):
-            print(f"  {decision:>10s} {kind:5s}: {n:3d} cycles, {rows / n:4.1f} rows, {tokens:5d} tokens, {ms:6.0f} ms, "
-                  f"{tokens / ms:.2f} tokens/ms")
+        engine_concurrency.print_tally(kinds, order=lambda x: -x[1][2])
         trace.clear()
     return 0
 

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
@@ -28,8 +25,6 @@ sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
 import engine_concurrency  # noqa: E402
 
-from flashdraft.bench.datasets import load_prompts  # noqa: E402
-from flashdraft.loading import load_pair  # noqa: E402
 
 
 def kind(cycle: dict, concurrency: int) -> str:
@@ -50,15 +45,12 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--trace", action="store_true")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    target, tokenizer, drafter = load_pair(None, None, "cpu", None)
-    prompts = [tokenizer.encode(q.text) for q in load_prompts(args.set, args.num_prompts)]
+    target, tokenizer, drafter, prompts = engine_concurrency.shipped_pair(args.set, args.num_prompts)
     engines = {"plain": engine_concurrency.build_engine(target, tokenizer, drafter, None),
                "adaptive": engine_concurrency.build_engine(target, tokenizer, drafter, "adaptive")}
     traces = {name: [] for name in engines}
     for name, engine in engines.items():
-        engine.warmup(args.concurrency)
-        engine_concurrency.serve(engine, prompts[:args.concurrency], args.concurrency, 8, args.temperature)
+        engine_concurrency.warm(engine, prompts, args.concurrency, args.temperature)
         engine.cycle_trace = traces[name].append
     served = None
     for _ in range(2):
@@ -69,17 +61,9 @@ def main(argv=None) -> int:
     rate = {name: s.tokens / s.seconds for name, s in served.items()}
     print(f"DFlash / plain decoding {rate['adaptive'] / rate['plain']:.3f} (both rounds)")
     for name, trace in (("dflash", traces["adaptive"]), ("plain", traces["plain"])):
-        kinds = defaultdict(lambda: [0, 0, 0.0, 0])  # cycles, tokens, ms, rows
-        for c in trace:
-            k = kinds[kind(c, args.concurrency)]
-            k[0] += 1
-            k[1] += len(c["requests"]) + sum(c["accepted"])
-            k[2] += c["ms"]
-            k[3] += len(c["requests"])
+        kinds = engine_concurrency.tally_cycles(trace, lambda c: kind(c, args.concurrency))
         print(f"{name}: {sum(k[2] for k in kinds.values()):.0f} ms of cycles, {len(trace)} cycles")
-        for label, (n, tokens, ms, rows) in sorted(kinds.items()):
-            print(f"  {label:28s} {n:4d} cycles {rows / n:5.1f} rows {tokens:5d} tokens {ms:7.0f} ms "
-                  f"{tokens / ms:.2f} tokens/ms")
+        engine_concurrency.print_tally(kinds)
     if args.trace:
         for c in traces["adaptive"]:
             widths = "".join(f"{w - 1:x}" if w > 1 else "." for w in c["widths"])

@@ -23,17 +23,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
 import engine_concurrency  # noqa: E402
 
-from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.engine import generate, policy  # noqa: E402
-from flashdraft.loading import load_pair  # noqa: E402
 
 ENGINE_PARTS = ("_cycle", "_prefill", "_target_forward", "_propose", "_verify", "_commit_block", "_lookup_copies",
                 "_noise", "_update_text")
@@ -66,17 +62,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
     seconds, calls = defaultdict(float), defaultdict(int)
     for name in ENGINE_PARTS:
         timed(generate.SpecEngine, name, seconds, calls)
     for name in POLICY_CALLS:
         timed(policy.AdaptiveWidth, name, seconds, calls)
-    target, tokenizer, drafter = load_pair(None, None, "cpu", None)
-    prompts = [tokenizer.encode(q.text) for q in load_prompts("default", args.num_prompts)]
+    target, tokenizer, drafter, prompts = engine_concurrency.shipped_pair("default", args.num_prompts)
     engine = engine_concurrency.build_engine(target, tokenizer, drafter, None if args.engine == "plain" else args.engine)
-    engine.warmup(args.concurrency)
-    engine_concurrency.serve(engine, prompts[:args.concurrency], args.concurrency, 8, args.temperature)
+    engine_concurrency.warm(engine, prompts, args.concurrency, args.temperature)
     seconds.clear()
     calls.clear()
     started = time.perf_counter()

@@ -17,17 +17,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
 import engine_concurrency  # noqa: E402
 
-from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.engine import generate  # noqa: E402
-from flashdraft.loading import load_pair  # noqa: E402
 
 
 def served(engine, prompts, concurrency: int, max_tokens: int, ahead_values: int) -> tuple[float, int, list]:
@@ -49,9 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    target, tokenizer, drafter = load_pair(None, None, "cpu", None)
-    prompts = [tokenizer.encode(q.text) for q in load_prompts("default", args.num_prompts)]
+    target, tokenizer, drafter, prompts = engine_concurrency.shipped_pair("default", args.num_prompts)
     engines = {"plain decoding": engine_concurrency.build_engine(target, tokenizer, drafter, None),
                "dflash": engine_concurrency.build_engine(target, tokenizer, drafter, "adaptive")}
     settings = {"per cycle": 0, "ahead": generate.NOISE_AHEAD_VALUES}
@@ -59,8 +53,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for concurrency in map(int, args.concurrency.split(",")):
         for name, engine in engines.items():
-            engine.warmup(concurrency)
-            engine_concurrency.serve(engine, prompts[:concurrency], concurrency, 8, 1.0)
+            engine_concurrency.warm(engine, prompts, concurrency, 1.0)
             totals = {s: [0.0, 0] for s in settings}
             per_round, same = [], True
             for r in range(args.rounds):
