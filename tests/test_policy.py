@@ -294,9 +294,9 @@ def test_a_rows_first_draft_is_priced_by_the_first_drafts_before_it():
     fresh = [policy.new_row() for _ in range(16)]
     assert fresh[0].first and fresh[0].acceptance[0] < 0.1 < 0.5 < policy.priors[False][0]
     assert policy.widths(fresh) == [1] * 16
-    # the same rows priced by the prior of all drafts: every one drafts
+    # the same rows priced by the prior of all drafts (as rows that have drafted are): every one drafts
     for r in fresh:
-        r.acceptance, r.planned = policy.priors[False].copy(), False
+        r.acceptance, r.planned, r.first = policy.priors[False].copy(), False, False
     assert all(w > 1 for w in AdaptiveWidth(16, costs, ragged=True, priors=policy.priors).widths(fresh))
     # a first draft updates both priors; the row then goes on from the prior of all drafts and what it saw
     row = [policy.new_row()]
@@ -305,6 +305,27 @@ def test_a_rows_first_draft_is_priced_by_the_first_drafts_before_it():
     assert not row[0].first and row[0].acceptance[0] > 0.5
     assert policy.priors.first[False][0] > before_first and policy.priors[False][0] > before_all
     assert not policy.new_row(sampled=True).acceptance[0] < 0.9  # the sampled rows' priors learnt nothing
+
+
+def test_a_first_wave_tests_the_optimistic_prior_on_a_few_rows_before_betting_the_batch(monkeypatch):
+    """64 fresh greedy rows whose first drafts accept nothing, on a machine where drafting them all would pay at the
+    optimistic start: the first plan drafts two of them, the next plans price the other rows by the first-draft prior
+    those drafts taught (not the start they joined on), a few more test it, and the load is held; rows that joined at the start and have not
+    drafted are priced by the prior as it is now. Uncapped, the first plan drafted all 64 on the optimistic start."""
+    costs = _measured(GPU, rows=64)
+    policy = AdaptiveWidth(16, costs, ragged=True)
+    rows = [policy.new_row() for _ in range(64)]
+    assert rows[10].acceptance[0] == pytest.approx(0.9)
+    history = run(policy, rows, lambda i, c, w: 0, GPU, 6)
+    drafting = [sum(w > 1 for w in h) for h in history]
+    # two untested rows, then two per first draft seen beside the two that drafted, then the load is held
+    assert 1 <= drafting[0] <= 2 and drafting[1] <= 2 + 4 and sum(drafting) <= 8, drafting
+    assert rows[10].first and rows[10].acceptance[0] < 0.5  # repriced by what the first drafts taught
+    # the same rows with the optimistic start left untested: the whole wave drafts at once
+    monkeypatch.setattr("flashdraft.engine.policy.UNTESTED_PER_FIRST_DRAFT", 1000)
+    uncapped = AdaptiveWidth(16, _measured(GPU, rows=64), ragged=True)
+    fresh = [uncapped.new_row() for _ in range(64)]
+    assert sum(w > 1 for w in uncapped.widths(fresh)) == 64
 
 
 def test_rows_whose_lookup_searches_give_less_than_they_cost_are_searched_only_to_keep_measuring():

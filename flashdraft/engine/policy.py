@@ -20,7 +20,10 @@ created by `new_row()` and travels with the row.
     the same averages over every row's drafts, kept apart for greedy and sampled rows (acceptance at temperature
     1 says little about greedy rows; the sampled rows' prior is a plain mean over its first drafts, so it leaves
     the optimistic start at once), its first draft priced by the lower of that and the prior of rows' first drafts
-    (an answer's first block accepts least: `AcceptancePriors`). A row left at one-token steps is probed after a
+    (an answer's first block accepts least: `AcceptancePriors`), as that prior is at each plan until the row has
+    drafted; a plan drafts only a few rows on the first-draft prior per first draft it has seen
+    (`UNTESTED_PER_FIRST_DRAFT`), so a first wave tests the optimistic start on a row or two before the batch bets
+    on it. A row left at one-token steps is probed after a
     while (4 steps, doubling up to 128 while probes keep losing; a new sampled row starts from the wait the last
     sampled row reached by drafting, so at temperature 1 with a weak drafter a new request does not lose its first
     probes again, a new greedy row from 4: greedy acceptance is the prompt's): judged by the optimistic starting
@@ -153,6 +156,12 @@ LOOKUP_JUDGED = 8
 # for 0-8 accepted tokens (~2 % of their time); greedy, a search gave ~0.55 tokens. SEARCH_MEMORY: the searches the
 # yield averages over (a mean until then)
 SEARCH_PROBE_EVERY, SEARCH_MEMORY = 16, 512
+
+# rows a plan may draft on the first-draft prior alone in one cycle, per first draft that prior has seen (two before
+# any): the optimistic start is tested on a few rows before a whole first wave bets on it (`_cap_untested`). One
+# per draft seen ramped 16 rows whose drafts pay up so slowly (1, 2, 4, 8 rows drafting) that the goodput check
+# judged the ramp with the first exploring cycle and held the load; two ramp in three cycles
+UNTESTED_PER_FIRST_DRAFT = 2
 
 NUMBER = (int, float, np.integer, np.floating)
 
@@ -774,8 +783,10 @@ class AdaptiveWidth:
                 self.decision = "refresh"
         else:
             self.decision = "plan"
+            self._reprice_untested(rows)
             plan = self._plan(np.stack([r.gains(self.drafting_widths) for r in rows]), pending,
                               np.stack([self._verified_drafts(r) for r in rows]))
+            self._cap_untested(plan, rows, pending)
             self._explore(plan, probe, n)
             if self._refresh(plan, rows):
                 self.decision = "refresh"
@@ -786,6 +797,36 @@ class AdaptiveWidth:
         drafting = bool((plan > 1).any())
         self._plain_cycles_left, self._plain_bucket = (0 if drafting else REPLAN_PLAIN_EVERY - 1), bucket(n)
         return plan.tolist()
+
+    def _reprice_untested(self, rows: list[RowAcceptance]) -> None:
+        """Rows that have not drafted yet are priced by the first-draft prior as it is now, not as it was when they
+        joined: other rows' first drafts may have taught it since (a whole first wave joins on the optimistic start)."""
+        current = {}
+        for r in rows:
+            if r.first:
+                if r.sampled not in current:
+                    current[r.sampled] = np.minimum(self.priors.first[r.sampled], self.priors[r.sampled])
+                if r.probing:
+                    r.judged = current[r.sampled].copy()
+                else:
+                    r.acceptance = current[r.sampled].copy()
+
+    def _cap_untested(self, plan: np.ndarray, rows: list[RowAcceptance], pending: np.ndarray) -> None:
+        """Of the rows a plan drafts on the first-draft prior alone, at most UNTESTED_PER_FIRST_DRAFT per first
+        draft that prior has seen (as many before any) draft in this cycle, per kind; the others step, to be planned
+        again next cycle on a prior that has learnt from these. The optimistic start is a bet worth making on a row
+        or two (at batch 1 a failed draft costs ~2 one-token steps), not on a whole first wave: 64 fresh greedy rows
+        on CPU drafted 63 rows at width 8 on it, accepted 1.5 drafts a row in a cycle of 7 one-token steps' time
+        (0.89x plain decoding over the cell's first round). Where rows join one by one the cap rarely binds; with
+        a padded forward (every row one width) it does not apply."""
+        if not self.ragged:
+            return
+        for sampled in (False, True):
+            untested = [i for i, r in enumerate(rows)
+                        if plan[i] > 1 and r.first and not r.probing and r.sampled == sampled]
+            allowed = int(max(1, self.priors.seen[sampled][0]) * UNTESTED_PER_FIRST_DRAFT)
+            for i in sorted(untested, key=lambda i: pending[i])[allowed:]:  # the cheapest contexts to write first
+                plan[i] = 1
 
     def _newcomers_draft(self, rows: list[RowAcceptance], joined: list[int], n: int, pending: np.ndarray) -> bool:
         """Whether a row that joined since the last plan would draft alone beside n - 1 one-token steps, judged on
