@@ -25,7 +25,6 @@ sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 import engine_concurrency  # noqa: E402
 
 
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=16)

@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 import engine_concurrency  # noqa: E402
 
 
-
 def kind(cycle: dict, concurrency: int) -> str:
     rows = len(cycle["requests"])
     drain = "" if rows >= concurrency - 2 else f" (< {concurrency - 2} rows)"
