@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from flashdraft.args import (ArgumentParser, add_model_args, apply_threads, engine_from_args, histogram_lines,
-                             int_at_least, load_models, parse_args, positive_int, run_command, seed_arg, temperature_arg,
-                             top_p_arg)
+                             int_at_least, int_in, load_models, parse_args, positive_int, run_command, seed_arg,
+                             temperature_arg, top_p_arg)
 from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
+from flashdraft.engine.logprobs import MAX_LOGPROBS
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +56,7 @@ def run_generate(args) -> int:
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)
         return 2
-    params = _sampling_params(args, tokenizer)
+    params = replace(_sampling_params(args, tokenizer), logprobs=args.logprobs)
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
     engine = engine_from_args(args, target, drafter, tokenizer)
     baseline_engine = engine_from_args(args, target, drafter, tokenizer, plain=True) if args.compare else None
@@ -70,6 +72,10 @@ def run_generate(args) -> int:
         result = engine.generate([prompt_ids], params)[0]
     report = {"prompt": args.prompt, "text": result.text, "finish_reason": result.finish_reason,
               "stats": result.stats.to_dict()}
+    if result.logprobs is not None:
+        report["logprobs"] = [{"token": e.token, "text": tokenizer.decode([e.token]), "logprob": e.logprob,
+                               "top": [{"token": t, "text": tokenizer.decode([t]), "logprob": lp} for t, lp in e.top]}
+                              for e in result.logprobs]
     check = None
     if args.compare:
         # plain decoding through our own engine: only the speed ratio (same engine, same kernels)
@@ -93,6 +99,9 @@ def run_generate(args) -> int:
         return code
     if not args.stream:
         print(args.prompt + result.text)
+    for entry in report.get("logprobs", ()):
+        others = ", ".join(f"{t['text']!r} {t['logprob']:.3f}" for t in entry["top"])
+        print(f"{entry['text']!r:>16} {entry['logprob']:8.3f}" + (f"   top: {others}" if others else ""))
     s = result.stats
     plain = f", {s.plain_steps} one-token steps" if s.plain_steps else ""
     print(f"\n-- {s.output_tokens} tokens, finish={result.finish_reason}, tau={s.tau:.2f} "
@@ -127,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain decoding through the same engine (speedup) and, greedy, the target's own "
                         "transformers generate (equality check; exit 1 when they differ)")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
+    g.add_argument("--logprobs", type=int_in(0, MAX_LOGPROBS), default=None, metavar="N",
+                   help="print each output token's log-probability under the target, with the N most likely tokens "
+                        f"at its position (0-{MAX_LOGPROBS})")
     g.set_defaults(func=run_generate)
 
     d = sub.add_parser("demo", help="the main job: the shipped pair on held-out prompts, vs plain decoding")

@@ -56,6 +56,16 @@ def test_generate_stream_and_stop_string(pair, capsys):
     assert plain.rpartition("\n\n-- ")[0] == "import os" + streamed
 
 
+def test_generate_logprobs(pair, capsys):
+    report = json.loads(_generate(pair, capsys, "--json", "--logprobs", "3"))
+    logprobs = report["logprobs"]
+    assert len(logprobs) == report["stats"]["output_tokens"] and "".join(e["text"] for e in logprobs) == report["text"]
+    for e in logprobs:  # the chosen token is at most as likely as the most likely one, and both are probabilities
+        assert len(e["top"]) == 3 and e["logprob"] <= e["top"][0]["logprob"] + 1e-6 <= 1e-6
+    printed = _generate(pair, capsys, "--logprobs", "1")
+    assert printed.count("top: ") == report["stats"]["output_tokens"]
+
+
 def test_bad_arguments_give_clear_errors(pair, capsys):
     code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--prompt", "x",
                  "--temperature", "-1", "--device", "cpu"])

@@ -221,6 +221,47 @@ def test_sampled_request_is_seeded_and_stop_strings(server, reference):
         assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.find(stop)]
 
 
+def test_logprobs_in_every_format(server, reference):
+    """Completions, chat and streams carry the engine's figures for exactly the tokens of the text (the engine's
+    figures against the target's own forward: tests/test_logprobs.py)."""
+    c, tok = client(server), reference.tokenizer
+    prompt = "def add(a, b):"
+    expected = reference(tok(prompt)["input_ids"], 12, logprobs=2)
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert lp.tokens == [tok.decode([e.token]) for e in expected.logprobs] and "".join(lp.tokens) == expected.text
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-6)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, figure, top, e in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, expected.logprobs):
+        assert top[token] == figure and len(top) <= 3  # the chosen token beside the 2 most likely
+        assert {tok.decode([t]): v for t, v in e.top}.items() <= {k: pytest.approx(v) for k, v in top.items()}.items()
+
+    stream = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2,
+                                       stream=True))
+    parts = [ch.choices[0].logprobs for ch in stream if ch.choices and ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.token_logprobs for p in parts), []) == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+
+    messages = [{"role": "user", "content": "sort a list"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = reference(list(ids), 10, logprobs=3)
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                     top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [x.token for x in content] == [tok.decode([e.token]) for e in expected.logprobs]
+    assert [x.logprob for x in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-6)
+    for x, e in zip(content, expected.logprobs):
+        assert bytes(x.bytes).decode() == x.token and len(x.top_logprobs) == 3
+        assert [t.token for t in x.top_logprobs] == [tok.decode([t]) for t, _ in e.top]
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            logprobs=True, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [x.token for x in streamed] == [x.token for x in content] and all(x.top_logprobs == [] for x in streamed)
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
 # ---- load: 64 concurrent streams --------------------------------------------------------------------------------
 
 
@@ -354,7 +395,8 @@ HOSTILE = [
     ("boolean as int", C, _with(OK, max_tokens=True), 400, "max_tokens"),
     ("n=2", C, _with(OK, n=2), 400, "'n' is not supported"),
     ("best_of", C, _with(OK, best_of=3), 400, "best_of"),
-    ("logprobs", C, _with(OK, logprobs=1), 400, "logprobs"),
+    ("logprobs above 20", C, _with(OK, logprobs=21), 400, "logprobs"),
+    ("logprobs as boolean", C, _with(OK, logprobs=True), 400, "logprobs"),
     ("echo", C, _with(OK, echo=True), 400, "echo"),
     ("presence_penalty", C, _with(OK, presence_penalty=1.0), 400, "presence_penalty"),
     ("logit_bias", C, _with(OK, logit_bias={"5": 10}), 400, "logit_bias"),
@@ -384,7 +426,8 @@ HOSTILE = [
     ("missing content", CH, _with(OK_CHAT, messages=[{"role": "user"}]), 400, "content"),
     ("image content", CH, _with(OK_CHAT, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "images"),
-    ("chat logprobs", CH, _with(OK_CHAT, logprobs=True), 400, "logprobs"),
+    ("top_logprobs without logprobs", CH, _with(OK_CHAT, top_logprobs=2), 400, "requires 'logprobs': true"),
+    ("top_logprobs above 20", CH, _with(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("tools", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("json mode", CH, _with(OK_CHAT, response_format={"type": "json_object"}), 400, "response_format"),
     ("chat n=3", CH, _with(OK_CHAT, n=3), 400, "'n'"),

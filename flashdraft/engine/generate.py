@@ -53,6 +53,7 @@ from flashdraft.engine.batch import (Batch, Features, PendingContext, RowBuckets
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.engine.logprobs import TokenLogprob, token_logprobs
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
@@ -189,6 +190,7 @@ class GenerationResult:
     text: str | None
     finish_reason: str  # "stop" (stop token or string) or "length"
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, if the request asked (`logprobs.py`)
 
 
 @dataclass
@@ -200,6 +202,7 @@ class StreamEvent:
     text: str | None
     finished: bool
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, if the request asked
 
 
 @dataclass
@@ -222,6 +225,7 @@ class _Row:
     noise_cache: tuple[int, torch.Tensor] | None = None  # (first output position, noise [w, V]) of the last window
     pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
     lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice` and `lookup_steps`
+    logprobs: list[TokenLogprob] | None = None  # one per output token, for a request that asks (`params.logprobs`)
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -236,6 +240,26 @@ class _Row:
     @property
     def history(self) -> list[int]:
         return self.prompt + self.output
+
+
+def _wants_logprobs(rows: Sequence[_Row]) -> bool:
+    return any(r.logprobs is not None for r in rows)
+
+
+def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, accepted: list[int],
+                        next_tokens: list[int]) -> dict[int, list[TokenLogprob]] | None:
+    """Per row that asks for log-probabilities, its committed tokens' (accepted drafts, then the target's own),
+    from its width group's logits [g, w, V] (`_target_forward`); None when no row asks."""
+    if not _wants_logprobs(rows):
+        return None
+    out = {}
+    for (_, idx), group_logits in zip(groups, logits):
+        for j, i in enumerate(idx.tolist()):
+            r, a = rows[i], accepted[i]
+            if r.logprobs is not None:
+                out[i] = token_logprobs(group_logits[j, :a + 1], block[i, 1:1 + a].tolist() + [next_tokens[i]],
+                                        r.params.logprobs)
+    return out
 
 
 def _group_noise(noise: list[torch.Tensor] | None, members: list[int], width: int) -> torch.Tensor | None:
@@ -662,7 +686,8 @@ class SpecEngine:
             rows.append(_Row(request_ids[i], prompt, p, gen, RequestStats(self.block_size, len(prompt)),
                              noise_seed=int(p.seed) if p.seed is not None else random_seed(),
                              lookup=NgramIndex(min(n for n in (self.lookup_splice, self.lookup_steps) if n))
-                             if self.lookup_splice or self.lookup_steps else None))
+                             if self.lookup_splice or self.lookup_steps else None,
+                             logprobs=None if p.logprobs is None else []))
         return rows
 
     def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
@@ -701,13 +726,14 @@ class SpecEngine:
         output token."""
         noise = self._noise(rows, [1] * len(rows))
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
-                              torch.stack(noise) if noise is not None else None)
+                              torch.stack(noise) if noise is not None else None).tolist()
         now = time.perf_counter()
-        for r, token in zip(rows, first.tolist()):
+        for i, (r, token) in enumerate(zip(rows, first)):
             r.n_cached = len(r.prompt)
             r.bonus = token
             r.stats.time_to_first_token = now - r.started
-            self._append(r, [token])
+            self._append(r, [token], None if r.logprobs is None else token_logprobs(logits[i:i + 1], [token],
+                                                                                     r.params.logprobs))
 
     def _pend_prompts(self, batch: Batch, rows: Sequence[_Row], values: list[torch.Tensor]) -> None:
         """Each new row's prompt features [n, F] (positions 0 .. n - 1) wait for its first draft; long ones are
@@ -745,7 +771,7 @@ class SpecEngine:
         widths = ([forced_width] * len(rows) if forced_width is not None
                   else batch.policy.widths([r.acceptance for r in rows], [r.pending.length for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
-        trees = bool(self.tree_budget and drafting) and (
+        trees = bool(self.tree_budget and drafting) and not _wants_logprobs(rows) and (
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
@@ -758,6 +784,7 @@ class SpecEngine:
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
+            logprobs = None  # no row asks: trees are off in cycles of rows that do
         else:
             block, positions, draft_probs, context, confidence = self._propose(
                 batch, drafting, max(verified), draft_width, None if isinstance(noise, Future) else noise, copies)
@@ -775,8 +802,10 @@ class SpecEngine:
             if isinstance(noise, Future):
                 noise = noise.result()
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
+            logprobs = _committed_logprobs(rows, groups, logits, block, accepted, next_tokens)
             prof.mark("verify")
-        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies, set(drafting))
+        self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies, set(drafting),
+                           logprobs)
         if joining:
             self._join(batch, joining, seated[0], prompt_outputs)
         prof.mark("commit")
@@ -1111,7 +1140,7 @@ class SpecEngine:
     def _chooses(self, rows: list[_Row], noise) -> bool:
         """Whether the target's screened read-out picks every row's tokens this cycle: each row greedy, or sampled
         by the race under counter-based noise at plain temperature (top-k / top-p need the distribution)."""
-        return self.screens_readout and all(
+        return self.screens_readout and not _wants_logprobs(rows) and all(
             r.params.greedy or (noise is not None and r.params.top_k == 0 and r.params.top_p == 1.0) for r in rows)
 
     @staticmethod
@@ -1173,10 +1202,12 @@ class SpecEngine:
         return accepted, next_tokens
 
     def _commit_block(self, batch: Batch, block, features, widths, accepted, next_tokens, draft_width: int,
-                      copies: dict[int, list[int]], drafting: Sequence[int] = ()) -> None:
+                      copies: dict[int, list[int]], drafting: Sequence[int] = (),
+                      logprobs: dict[int, list[TokenLogprob]] | None = None) -> None:
         """Each row keeps its accepted drafts plus the target's own token; the kept slots' target features go to
         the drafter. `copies`: rows whose one-token step verified a lookup continuation (`_lookup_copies`);
-        `drafting`: rows that drafted (a confidence trim may have left one verifying its bonus alone)."""
+        `drafting`: rows that drafted (a confidence trim may have left one verifying its bonus alone); `logprobs`:
+        the committed tokens' log-probabilities of the rows that ask (`_committed_logprobs`)."""
         rows, width = batch.rows, block.shape[1]
         kept = torch.tensor(accepted, device=block.device)
         kept_valid = torch.arange(width, device=block.device)[None] < kept[:, None] + 1
@@ -1201,10 +1232,11 @@ class SpecEngine:
                 r.stats.plain_steps += 1
             r.n_cached += a + 1
             r.bonus = nxt
-            self._append(r, blk[1:1 + a] + [nxt])
+            self._append(r, blk[1:1 + a] + [nxt], logprobs.get(i) if logprobs else None)
 
-    def _append(self, r: _Row, tokens: list[int]) -> None:
-        """Append tokens to a row's output, applying max_new_tokens, stop ids and stop strings."""
+    def _append(self, r: _Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append tokens (with their log-probabilities, if the row asks) to a row's output, applying max_new_tokens,
+        stop ids and stop strings."""
         p = r.params
         for t in tokens:
             if len(r.output) >= p.max_new_tokens:
@@ -1217,6 +1249,9 @@ class SpecEngine:
             r.finish_reason = "length"
         if self.tokenizer is not None:
             self._update_text(r)
+        if r.logprobs is not None:  # what the output kept of the tokens (a stop string may have cut earlier ones)
+            del r.logprobs[len(r.output):]
+            r.logprobs.extend(logprobs[:len(r.output) - len(r.logprobs)] if logprobs else ())
         if r.finish_reason is not None:
             r.stats.output_tokens = len(r.output)
             r.stats.decode_time = time.perf_counter() - r.started - r.stats.time_to_first_token
@@ -1251,6 +1286,7 @@ class SpecEngine:
             if r.reported or (r.emitted_tokens == len(r.output) and not finished):
                 continue
             new_tokens = r.output[r.emitted_tokens:]
+            new_logprobs = None if r.logprobs is None else r.logprobs[r.emitted_tokens:]
             r.emitted_tokens = len(r.output)
             text_delta = None
             if r.detok is not None:  # held back: an incomplete character, a possible stop-string prefix
@@ -1259,5 +1295,5 @@ class SpecEngine:
             if finished:
                 r.reported = True
                 result = GenerationResult(list(r.output), r.detok.text if r.detok is not None else None,
-                                          r.finish_reason, r.stats)
-            yield StreamEvent(r.index, new_tokens, text_delta, finished, result)
+                                          r.finish_reason, r.stats, None if r.logprobs is None else list(r.logprobs))
+            yield StreamEvent(r.index, new_tokens, text_delta, finished, result, new_logprobs)

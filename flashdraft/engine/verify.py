@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from flashdraft.engine.argmax import argmax, fill_below, kth_largest, largest_sorted, sort_descending
+from flashdraft.engine.logprobs import MAX_LOGPROBS
 from flashdraft.engine.noise import race, race_offsets
 
 
@@ -48,6 +49,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     include_stop_str_in_output: bool = False
+    # None: no log-probabilities; k: each output token's, with the k most likely tokens at its position (`logprobs.py`)
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -60,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

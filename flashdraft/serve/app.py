@@ -29,6 +29,7 @@ model loading and command-line options (`cli.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -111,6 +112,8 @@ class Server:
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(engine)
+        # a token id's string in log-probability responses (vLLM's convention: the token decoded alone)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: self.tokenizer.decode([token]))
         self.draining = False
         self._closing: asyncio.Event | None = None  # set when draining starts (created on the serving loop)
 
@@ -281,7 +284,8 @@ class Server:
                 max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -545,18 +549,30 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         if isinstance(item, Failure):
             raise _failure(item)
         result = item.result
+        logprobs = None if result.logprobs is None else protocol.logprobs_body(result.logprobs, server.token_text,
+                                                                               chat)
         return protocol.completion_body(rid, cfg.model_name, chat, result.text or "", result.finish_reason,
                                         protocol.usage(prompt_len, len(result.token_ids)), server.stats(result),
-                                        server.fingerprint)
+                                        server.fingerprint, logprobs)
 
     async def _stream(handle, rid: str, prompt_len: int, chat: bool, opts):
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         created, finished, n_out = int(time.time()), False, 0
+        pending, sent, offset = [], 0, 0  # log-probabilities: of tokens not yet sent, how many were, text offset
 
-        def chunk(text, finish_reason=None, first=False, choices=True, use=None):
+        def take_logprobs(entries) -> dict | None:
+            """The log-probabilities (if asked) of tokens whose chunk goes out now (each token's once, in order)."""
+            nonlocal sent, offset
+            if not entries:
+                return None
+            body = protocol.logprobs_body(entries, server.token_text, chat, offset)
+            sent, offset = sent + len(entries), offset + sum(len(t) for t in body.get("tokens", ()))
+            return body
+
+        def chunk(text, finish_reason=None, first=False, choices=True, use=None, logprobs=None):
             body = protocol.chunk_body(rid, cfg.model_name, chat, created, text, finish_reason, first, choices,
-                                       server.fingerprint)
+                                       server.fingerprint, logprobs)
             if include_usage:
                 body["usage"] = use if use is not None else (
                     protocol.usage(prompt_len, n_out) if continuous else None)
@@ -572,13 +588,16 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                     yield _sse(_failure(item).body())
                     break
                 n_out += len(item.token_ids)
-                if item.text:
-                    yield _sse(chunk(item.text))
+                pending += item.logprobs or ()
+                if item.text:  # tokens whose text is held back (a partial character, a stop string's start) wait
+                    yield _sse(chunk(item.text, logprobs=take_logprobs(pending)))
+                    pending = []
                 if item.finished:
                     finished = True
                     result = item.result
                     n_out = len(result.token_ids)
-                    final = chunk(None, result.finish_reason)
+                    final = chunk(None, result.finish_reason,
+                                  logprobs=take_logprobs(result.logprobs[sent:] if result.logprobs else None))
                     final["dflash"] = server.stats(result)
                     yield _sse(final)
                     if include_usage:

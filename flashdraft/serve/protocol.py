@@ -2,7 +2,7 @@
 
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
-implement (n > 1, logprobs, tools, penalties, ...) are refused with a message naming the option, never silently
+implement (n > 1, echo, tools, penalties, ...) are refused with a message naming the option, never silently
 ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
 out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
 is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
@@ -28,6 +28,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1  # seeds are refused outside [0, 2**63 - 1] (torch's generators take uint64; JSON clients int64)
 MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (the app passes 0 then)
 MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (the engine's bound, `engine.logprobs`)
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
 
@@ -212,7 +213,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     echo: bool = _only(False, nullable=False, default=False)
     best_of: int | None = _only(1, default=None)
-    logprobs: int | None = _only(None, default=None)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = _only("", default=None)
 
     @field_validator("prompt", mode="before")
@@ -240,10 +241,8 @@ class CompletionRequest(_SamplingFields):
         super().check_supported()
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
-        if self.logprobs is not None:
-            raise unsupported("logprobs")
         if self.echo:
-            raise unsupported("echo")
+            raise unsupported("echo", "prompt log-probabilities are not implemented")
         if self.suffix:
             raise unsupported("suffix")
 
@@ -277,8 +276,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = _only(False, nullable=False, default=False)
-    top_logprobs: int | None = _only(None, default=None)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
     tool_choice: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
@@ -298,10 +297,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            raise unsupported("logprobs")
-        if self.top_logprobs is not None:
-            raise unsupported("top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise unsupported(name, "tool calling is not implemented")
@@ -314,6 +311,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- parsing: bytes -> validated model, every failure an APIError(400) ----------------------------------------
@@ -409,27 +411,51 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict, stats: dict,
-                    fingerprint: str | None = None) -> dict:
+def logprobs_body(entries, token_text, chat: bool, offset: int = 0) -> dict:
+    """Committed tokens' log-probabilities (`engine.logprobs.TokenLogprob`) in OpenAI's shape: chat's
+    `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's `{tokens, token_logprobs,
+    top_logprobs, text_offset}`, where each top_logprobs dict also holds the chosen token (up to the request's `logprobs` + 1 entries,
+    as OpenAI documents) and text offsets count from `offset` by the tokens' strings. `token_text`: id ->
+    the token's string."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        def item(token, logprob):
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    top = [{**{token_text(t): lp for t, lp in e.top}, text: e.logprob}
+           for e, text in zip(entries, tokens)]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict, stats: dict,
+                    fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "system_fingerprint": fingerprint, "choices": [choice], "usage": use, "dflash": stats}
 
 
 def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None = None,
-               first: bool = False, choices: bool = True, fingerprint: str | None = None) -> dict:
+               first: bool = False, choices: bool = True, fingerprint: str | None = None,
+               logprobs: dict | None = None) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": []}
     if choices:
         if chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
-            body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
     return body
 
 
@@ -460,6 +486,20 @@ _STATS = {"type": "object",
 _FINISH = {"enum": ["stop", "length"]}
 # what a seeded request's text depends on besides the model and the request (OpenAI's field for the purpose)
 _FINGERPRINT = {"type": ["string", "null"]}
+_TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
+                  "properties": {"token": {"type": "string"}, "logprob": {"type": "number", "maximum": 0},
+                                 "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}}
+# null unless the request asked: chat's {"content": [...]}, or the completions API's parallel lists
+_LOGPROBS = {"anyOf": [
+    {"type": "null"},
+    {"type": "object", "required": ["content"], "properties": {"content": {"type": "array", "items": {
+        **_TOKEN_LOGPROB, "required": ["token", "logprob", "bytes", "top_logprobs"],
+        "properties": {**_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}},
+    {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage", "dflash"],
                "properties": {
                    "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion"]},
@@ -467,6 +507,7 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
                    "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
                        "type": "object", "required": ["index", "finish_reason"],
                        "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                                      "logprobs": _LOGPROBS,
                                       "message": {"type": "object", "required": ["role", "content"], "properties": {
                                           "role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
                    "usage": _USAGE, "dflash": _STATS}}
@@ -476,7 +517,7 @@ _CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "ch
               "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": _FINGERPRINT,
               "choices": {"type": "array", "maxItems": 1, "items": {
                   "type": "object", "required": ["index", "finish_reason"],
-                  "properties": {"index": {"const": 0}, "text": {"type": "string"},
+                  "properties": {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": _LOGPROBS,
                                  "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                                             "content": {"type": "string"}}},
                                  "finish_reason": {"enum": ["stop", "length", None]}}}},

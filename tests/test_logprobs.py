@@ -1,0 +1,127 @@
+"""Log-probabilities of committed tokens (`SamplingParams.logprobs`).
+
+Each reported figure is compared with the target's own: transformers' forward over the prompt and the output in one
+pass, log_softmax at the position that chose each token (the raw distribution, before temperature and top-k). Cases
+drive every way a token is committed: accepted drafts of every length (an oracle drafter), the target's own token
+after a rejection, one-token steps, an answer's first token from the prefill, rows beside rows that do not ask, both
+target paths, the screened greedy read-out of the shipped pair, sampling, stop ids and stop strings, streaming.
+Asking for log-probabilities must not change a token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft import SamplingParams, SpecEngine
+from flashdraft.loading import load_pair
+from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+
+PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("qwen3")
+
+
+@torch.inference_mode()
+def reference_logprobs(target, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V]: the target's log_softmax at the positions that chose each output token."""
+    logits = target(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(output)]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def check_logprobs(result, reference: torch.Tensor, k: int, tol: float) -> None:
+    assert result.logprobs is not None and len(result.logprobs) == len(result.token_ids)
+    for j, (entry, token) in enumerate(zip(result.logprobs, result.token_ids)):
+        assert entry.token == token
+        assert entry.logprob == pytest.approx(reference[j, token].item(), abs=tol), f"position {j}"
+        values, ids = reference[j].topk(k)
+        assert [t for t, _ in entry.top] == ids.tolist(), f"position {j}"
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=tol)
+
+
+@pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
+@pytest.mark.parametrize("proposer", ["oracle", "dflash", "none"])
+def test_greedy_logprobs_are_the_targets_own(target, fast_path, proposer):
+    max_new = 30
+    expected = [greedy_reference(target, p, max_new) for p in PROMPTS]
+    if proposer == "oracle":
+        engine = SpecEngine(target, block_size=8, fast_path=fast_path, draft_policy="fixed",
+                            proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], corrupt=0.5, seed=2))
+    else:
+        engine = SpecEngine(target, make_drafter(target, block_size=8) if proposer == "dflash" else None,
+                            fast_path=fast_path)
+    asks = [SamplingParams(max_new_tokens=max_new, logprobs=5), SamplingParams(max_new_tokens=max_new, logprobs=0),
+            SamplingParams(max_new_tokens=max_new)]
+    results = engine.generate(PROMPTS, asks)
+    assert [r.token_ids for r in results] == expected
+    check_logprobs(results[0], reference_logprobs(target, PROMPTS[0], expected[0]), 5, 1e-9)
+    check_logprobs(results[1], reference_logprobs(target, PROMPTS[1], expected[1]), 0, 1e-9)
+    assert results[2].logprobs is None
+    if proposer == "oracle":  # accepted drafts of several lengths reached the log-probabilities
+        assert max(results[0].stats.acceptance_lengths) >= 4 and min(results[0].stats.acceptance_lengths) <= 2
+
+
+def test_rows_that_ask_verify_chains_where_the_engine_builds_trees(target):
+    engine = SpecEngine(target, make_drafter(target, block_size=8), tree_budget=16)
+    expected = [greedy_reference(target, p, 20) for p in PROMPTS]
+    results = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=20, logprobs=1)] * len(PROMPTS))
+    assert [r.token_ids for r in results] == expected
+    for prompt, result in zip(PROMPTS, results):
+        check_logprobs(result, reference_logprobs(target, prompt, result.token_ids), 1, 1e-9)
+
+
+def test_sampled_tokens_do_not_change_and_report_the_raw_distribution(target):
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    base = dict(max_new_tokens=24, temperature=0.7, top_k=20, seed=123)
+    plain = engine.generate(PROMPTS, SamplingParams(**base))
+    asked = engine.generate(PROMPTS, SamplingParams(**base, logprobs=2))
+    for prompt, p, a in zip(PROMPTS, plain, asked):
+        assert a.token_ids == p.token_ids
+        check_logprobs(a, reference_logprobs(target, prompt, a.token_ids), 2, 1e-9)
+
+
+def test_stops_and_streaming_keep_one_figure_per_token(target):
+    engine = SpecEngine(target, make_drafter(target, block_size=8))
+    free = greedy_reference(target, PROMPTS[0], 20)
+    stop = free[7]
+    params = SamplingParams(max_new_tokens=20, stop_token_ids=(stop,), logprobs=1)
+    events = list(engine.stream([PROMPTS[0]], params))
+    result = events[-1].result
+    assert result.token_ids == free[:free.index(stop) + 1] and result.finish_reason == "stop"
+    streamed = [e for event in events for e in event.logprobs]
+    assert streamed == result.logprobs
+    check_logprobs(result, reference_logprobs(target, PROMPTS[0], result.token_ids), 1, 1e-9)
+
+
+@pytest.mark.parametrize("value", [-1, 21, True, 1.0])
+def test_out_of_range_logprobs_are_refused(value):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=value)
+
+
+@torch.inference_mode()
+def test_shipped_pair_screened_read_out_and_stop_strings():
+    """The shipped pair in float32 with its default engine (screened greedy read-out where the CPU has it): asking
+    turns the screen off for that cycle and the tokens stay the target's own `generate`'s; a stop string's cut
+    keeps one figure per kept token."""
+    model, tokenizer, drafter = load_pair(device="cpu", dtype="float32")
+    engine = SpecEngine(model, drafter, tokenizer)
+    prompts = [tokenizer.encode("def fibonacci(n):\n"), tokenizer.encode("import os\nimport sys\n\n\ndef main(")]
+    asks = [SamplingParams(max_new_tokens=40, logprobs=3), SamplingParams(max_new_tokens=40)]
+    results = engine.generate(prompts, asks)
+    for prompt, result in zip(prompts, results):
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert result.token_ids == want
+    check_logprobs(results[0], reference_logprobs(model, prompts[0], results[0].token_ids), 3, 2e-4)
+    assert results[0].stats.num_drafts > 0
+    text = results[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]  # may start inside a token: the cut keeps that token
+    cut = engine.generate([prompts[0]], SamplingParams(max_new_tokens=40, logprobs=0, stop_strings=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    assert len(cut.logprobs) == len(cut.token_ids) and cut.token_ids == results[0].token_ids[:len(cut.token_ids)]
+    engine.close()
