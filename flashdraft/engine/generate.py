@@ -249,16 +249,29 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
 def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, accepted: list[int],
                         next_tokens: list[int]) -> dict[int, list[TokenLogprob]] | None:
     """Per row that asks for log-probabilities, its committed tokens' (accepted drafts, then the target's own),
-    from its width group's logits [g, w, V] (`_target_forward`); None when no row asks."""
+    from its width group's logits [g, w, V] (`_target_forward`); None when no row asks. One log-softmax over the
+    committed positions of every row that asks."""
     if not _wants_logprobs(rows):
         return None
-    out = {}
-    for (_, idx), group_logits in zip(groups, logits):
+    picked, tokens, asking = [], [], []
+    for (w, idx), group_logits in zip(groups, logits):
+        slots = []
         for j, i in enumerate(idx.tolist()):
-            r, a = rows[i], accepted[i]
-            if r.logprobs is not None:
-                out[i] = token_logprobs(group_logits[j, :a + 1], block[i, 1:1 + a].tolist() + [next_tokens[i]],
-                                        r.params.logprobs)
+            if rows[i].logprobs is not None:
+                a = accepted[i]
+                slots += range(j * w, j * w + a + 1)
+                tokens += block[i, 1:1 + a].tolist() + [next_tokens[i]]
+                asking.append(i)
+        if slots:
+            flat = group_logits.reshape(-1, group_logits.shape[-1])
+            picked.append(flat.index_select(0, torch.tensor(slots, device=flat.device)))
+    most = max(rows[i].params.logprobs for i in asking)
+    entries = token_logprobs(torch.cat(picked), tokens, most)
+    out, start = {}, 0
+    for i in asking:
+        n, k = accepted[i] + 1, rows[i].params.logprobs
+        out[i] = entries[start:start + n] if k == most else [replace(e, top=e.top[:k]) for e in entries[start:start + n]]
+        start += n
     return out
 
 
