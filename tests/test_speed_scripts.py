@@ -234,6 +234,15 @@ def test_greedy_readout_script_smoke(tmp_path, capsys):
     assert report["cells"][0]["outputs_equal"]
 
 
+def test_logprobs_cost_script_smoke(capsys):
+    """Asking for log-probabilities changes no token (exit 0 only then), sampled rows included."""
+    import logprobs_cost
+
+    assert logprobs_cost.main(["--batch", "1,3", "--num-prompts", "3", "--max-tokens", "6", "--rounds", "1",
+                               "--temperature", "1", "--top", "2"]) == 0
+    assert capsys.readouterr().out.count("| True |") == 6
+
+
 def test_excluded_tokens_script_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lossless"))
     import excluded_tokens

@@ -6,7 +6,7 @@
 
 Per batch size, every round runs the held-out prompts in batches of that many rows through each setting (the order
 rotating by round) and prints tokens per second of each, its ratio to not asking, and whether every setting
-produced the same tokens (asking must change none). Rows that ask keep the full fp32 read-out (`_chooses`), so on a
+produced the same tokens (asking must change none; exit 1 if one did not). Rows that ask keep the full fp32 read-out (`_chooses`), so on a
 CPU with the screened greedy read-out the greedy cost includes losing it.
 
 What this script does not know about: HTTP (the server formats the same figures), plain decoding.
@@ -52,6 +52,7 @@ def main(argv=None) -> int:
     names = {None: "not asked", 0: "logprobs=0", args.top: f"logprobs={args.top}"}
     print(f"temperature {args.temperature}, {len(prompts)} held-out prompts x {args.max_tokens} tokens, "
           f"{args.rounds} rounds, screened read-out: {engine.screens_readout}")
+    all_same = True
     print("| rows | setting | tok/s | / not asked | same tokens |")
     print("|---|---|---|---|---|")
     for batch in map(int, args.batch.split(",")):
@@ -68,8 +69,10 @@ def main(argv=None) -> int:
         base = tokens[None] / seconds[None]
         for s in settings:
             rate = tokens[s] / seconds[s]
-            print(f"| {batch} | {names[s]} | {rate:.1f} | {rate / base:.3f} | {outputs[s] == outputs[None]} |")
-    return 0
+            same = outputs[s] == outputs[None]
+            all_same &= same
+            print(f"| {batch} | {names[s]} | {rate:.1f} | {rate / base:.3f} | {same} |")
+    return 0 if all_same else 1
 
 
 if __name__ == "__main__":
