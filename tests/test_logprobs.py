@@ -10,6 +10,8 @@ Asking for log-probabilities must not change a token.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -125,3 +127,34 @@ def test_shipped_pair_screened_read_out_and_stop_strings():
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
     assert len(cut.logprobs) == len(cut.token_ids) and cut.token_ids == results[0].token_ids[:len(cut.token_ids)]
     engine.close()
+
+
+@pytest.mark.parametrize("chunk", [None, 3], ids=["one-forward", "chunks-of-3"])
+def test_prompt_logprobs_are_the_targets_own(target, monkeypatch, chunk):
+    """`prompt_logprobs`: each prompt token's figure given the tokens before it (None for the first), for rows
+    prefilled by `add` and rows whose prompts ride a running batch's cycle (`step`), in chunks of positions or not."""
+    from flashdraft.engine import logprobs
+
+    if chunk:
+        monkeypatch.setattr(logprobs, "PROMPT_LOGITS_CHUNK", chunk * target.config.vocab_size)
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    batch = engine.open_batch()
+    first = engine.add(batch, [PROMPTS[2]], SamplingParams(max_new_tokens=12, prompt_logprobs=2), request_ids=["a"])
+    assert engine.rides_cycle(batch, [SimpleNamespace(prompt=PROMPTS[0]), SimpleNamespace(prompt=PROMPTS[1])])
+    joined = engine.step(batch, [PROMPTS[0], PROMPTS[1]], [SamplingParams(max_new_tokens=4, prompt_logprobs=0),
+                                                             SamplingParams(max_new_tokens=4)], request_ids=["b", "c"])
+    events = {e.index: e for e in first + joined if e.prompt_logprobs is not None}
+    assert sorted(events) == ["a", "b"]  # once, on the first event; never for a row that did not ask
+    for rid, prompt, k in (("a", PROMPTS[2], 2), ("b", PROMPTS[0], 0)):
+        got = events[rid].prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        reference = torch.log_softmax(target(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        for p in range(1, len(prompt)):
+            assert got[p].token == prompt[p] and got[p].logprob == pytest.approx(reference[p - 1, prompt[p]].item(),
+                                                                                abs=1e-9)
+            assert [t for t, _ in got[p].top] == reference[p - 1].topk(k).indices.tolist()
+    while batch.rows:
+        for e in engine.step(batch):
+            if e.finished and e.index == "a":
+                assert e.result.prompt_logprobs == events["a"].prompt_logprobs
+    assert engine.generate([[7]], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0].prompt_logprobs == [None]

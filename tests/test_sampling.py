@@ -391,6 +391,15 @@ def test_top_p_keeps_or_drops_tied_tokens_together():
             assert torch.allclose(probs[row].double(), torch.where(want, p, 0.0) / p[want].sum(), atol=1e-6)
 
 
+def test_a_top_p_below_float32s_range_keeps_the_most_probable_token():
+    """top_p = 1e-300 is valid (> 0) but rounds to 0 in float32: the prefix is the first token, not an index
+    error (the server's fuzzer found it: a 500 on a schema-valid request)."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, -2.0], [2.0, 2.0, 0.0, 1.0]])
+    probs = target_probs(logits, 1.0, 1e-300)
+    assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0]))  # ties with the first are kept with it
+
+
 def test_seeded_sampling_is_reproducible(target, drafter):
     engine = SpecEngine(target, drafter)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)

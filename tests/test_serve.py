@@ -262,6 +262,43 @@ def test_logprobs_in_every_format(server, reference):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
 
 
+def test_echo_scores_the_prompt(server, reference):
+    """What evaluation harnesses send to score a continuation (lm-eval's loglikelihood over the completions API):
+    token ids, echo, one token, logprobs 1; the prompt's figures come first, its first token's null."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("def add(a, b):\n    return")["input_ids"]
+    expected = reference(ids, 1, logprobs=1, prompt_logprobs=1)
+    resp = c.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert choice.text == tok.decode(ids) + expected.text and resp.usage.completion_tokens == 1
+    assert lp.tokens == [tok.decode([t]) for t in ids + expected.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [e.logprob for e in expected.prompt_logprobs[1:] + expected.logprobs], abs=1e-6)
+    assert all(top[token] == figure for token, figure, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                                   lp.top_logprobs[1:]))
+    stream = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == choice.text
+    parts = [ch.choices[0].logprobs for ch in stream if ch.choices and ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens and sum((p.text_offset for p in parts), []) == lp.text_offset
+    assert sum((p.token_logprobs for p in parts), [])[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    text_only = c.completions.create(model=MODEL, prompt="x = 1", max_tokens=3, temperature=0, echo=True)
+    assert text_only.choices[0].text.startswith("x = 1") and text_only.choices[0].logprobs is None
+    # max_tokens 0: the prompt scored, nothing generated (other harnesses' way), streamed or not
+    scored = c.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].text == tok.decode(ids) and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.tokens == lp.tokens[:-1]
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-6)
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == tok.decode(ids)
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="only allowed with 'echo'"):
+        c.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=1)
+
+
 # ---- load: 64 concurrent streams --------------------------------------------------------------------------------
 
 
@@ -397,7 +434,7 @@ HOSTILE = [
     ("best_of", C, _with(OK, best_of=3), 400, "best_of"),
     ("logprobs above 20", C, _with(OK, logprobs=21), 400, "logprobs"),
     ("logprobs as boolean", C, _with(OK, logprobs=True), 400, "logprobs"),
-    ("echo", C, _with(OK, echo=True), 400, "echo"),
+    ("echo not boolean", C, _with(OK, echo="yes"), 400, "echo"),
     ("presence_penalty", C, _with(OK, presence_penalty=1.0), 400, "presence_penalty"),
     ("logit_bias", C, _with(OK, logit_bias={"5": 10}), 400, "logit_bias"),
     ("unknown field", C, _with(OK, foo=1), 400, "Unrecognized request argument supplied: foo"),

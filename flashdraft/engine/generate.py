@@ -53,7 +53,7 @@ from flashdraft.engine.batch import (Batch, Features, PendingContext, RowBuckets
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
-from flashdraft.engine.logprobs import TokenLogprob, token_logprobs
+from flashdraft.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
@@ -191,6 +191,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (stop token or string) or "length"
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, if the request asked (`logprobs.py`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (None first), if asked
 
 
 @dataclass
@@ -203,6 +204,7 @@ class StreamEvent:
     finished: bool
     result: GenerationResult | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, if the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on a request's first event, if it asked
 
 
 @dataclass
@@ -226,6 +228,7 @@ class _Row:
     pending: PendingContext = field(default_factory=PendingContext)  # target features the drafter has not read
     lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice` and `lookup_steps`
     logprobs: list[TokenLogprob] | None = None  # one per output token, for a request that asks (`params.logprobs`)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # `params.prompt_logprobs`: one per prompt token
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -587,6 +590,7 @@ class SpecEngine:
         return self._add_rows(batch, self._make_rows(prompts, params, request_ids))
 
     def _add_rows(self, batch: "Batch", rows: list[_Row]) -> list[StreamEvent]:
+        self._score_prompts(rows)
         for r in rows:
             r.acceptance = batch.policy.new_row(sampled=not r.params.greedy)
         batch.merge(self._prefill(rows))
@@ -611,6 +615,7 @@ class SpecEngine:
         events = []
         if joining and not self.rides_cycle(batch, joining):
             events, joining = self._add_rows(batch, joining), []
+        self._score_prompts(joining)
         for r in joining:
             r.acceptance = batch.policy.new_row(sampled=not r.params.greedy)
             r.started = time.perf_counter()
@@ -618,6 +623,12 @@ class SpecEngine:
         if rows:
             self._cycle(batch, joining=joining)
         return events + list(self._events(rows + joining))
+
+    def _score_prompts(self, rows: Sequence[_Row]) -> None:
+        """New rows that ask for their prompt's log-probabilities get them (a forward of their own, `logprobs.py`)."""
+        for r in rows:
+            if r.params.prompt_logprobs is not None:
+                r.prompt_logprobs = prompt_logprobs(self.target, r.prompt, r.params.prompt_logprobs)
 
     def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
               ) -> None:
@@ -1300,6 +1311,7 @@ class SpecEngine:
                 continue
             new_tokens = r.output[r.emitted_tokens:]
             new_logprobs = None if r.logprobs is None else r.logprobs[r.emitted_tokens:]
+            first_event = r.emitted_tokens == 0
             r.emitted_tokens = len(r.output)
             text_delta = None
             if r.detok is not None:  # held back: an incomplete character, a possible stop-string prefix
@@ -1308,5 +1320,7 @@ class SpecEngine:
             if finished:
                 r.reported = True
                 result = GenerationResult(list(r.output), r.detok.text if r.detok is not None else None,
-                                          r.finish_reason, r.stats, None if r.logprobs is None else list(r.logprobs))
-            yield StreamEvent(r.index, new_tokens, text_delta, finished, result, new_logprobs)
+                                          r.finish_reason, r.stats, None if r.logprobs is None else list(r.logprobs),
+                                          r.prompt_logprobs)
+            yield StreamEvent(r.index, new_tokens, text_delta, finished, result, new_logprobs,
+                              r.prompt_logprobs if first_event else None)

@@ -8,6 +8,10 @@ would report up to the verify's rounding (a 16-token forward sums in another ord
 Reported distribution: the target's own, log_softmax(logits), before temperature, top-k and top-p (vLLM's default,
 `raw_logprobs`), so a token's figure does not depend on how it was sampled.
 
+A prompt's own tokens (`SamplingParams.prompt_logprobs`, what evaluation harnesses score through `echo`) are the
+exception: the prefill keeps only its last position's logits, so `prompt_logprobs` runs the target over the prompt
+once more, in chunks of positions whose logits fit PROMPT_LOGITS_CHUNK values.
+
 What this module does not know about: which rows asked (the engine passes their logits), text, the HTTP formats.
 """
 
@@ -16,8 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's top_logprobs bound)
+PROMPT_LOGITS_CHUNK = 1 << 26  # logits held at once by `prompt_logprobs` (256 MB in float32; 441 positions at 152k)
 
 
 @dataclass(frozen=True)
@@ -40,3 +46,18 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
     return [TokenLogprob(t, lp, tuple(zip(row_ids, row_values)))
             for t, lp, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())]
+
+
+@torch.inference_mode()
+def prompt_logprobs(target, prompt: list[int], top: int) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it, aligned with the prompt (None first: nothing
+    precedes it), by the target's own forward over the prompt (`model.target.TargetModel`, the taps off)."""
+    n, out = len(prompt), [None]
+    step, cache = max(1, PROMPT_LOGITS_CHUNK // target.vocab_size), DynamicCache()
+    for start in range(0, n - 1, step):  # the last token's logits choose the answer's first token, not a prompt's
+        end = min(start + step, n - 1)
+        ids = torch.tensor([prompt[start:end]], device=target.device)
+        logits, _ = target.forward(ids, torch.arange(start, end, device=target.device)[None], None, cache,
+                                   capture=False)
+        out += token_logprobs(logits[0], prompt[start + 1:end + 1], top)
+    return out

@@ -51,6 +51,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: no log-probabilities; k: each output token's, with the k most likely tokens at its position (`logprobs.py`)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for the prompt's own tokens (a forward of its own)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -63,8 +64,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):
@@ -127,7 +130,7 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
     def prefix_last(descending, mass):
         before = descending.cumsum(dim=-1) - descending
-        length = torch.searchsorted(before, mass)
+        length = torch.searchsorted(before, mass).clamp_min(1)  # a top_p below float32's range keeps the first
         return descending.gather(-1, length - 1), length
 
     m = TOP_P_CANDIDATES

@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect
 
 from flashdraft import memory
 from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.logprobs import TokenLogprob
 from flashdraft.engine.noise import NOISE_VERSION
 from flashdraft.memory import engine_bytes_per_position
 from flashdraft.serve import protocol
@@ -200,7 +201,9 @@ class Server:
             params = self.sampling_params(req, len(prompt), req.max_new_tokens, None)
         else:
             prompt = self.completion_prompt(req)
-            params = self.sampling_params(req, len(prompt), req.max_tokens, self.config.default_completion_tokens)
+            # max_tokens 0 (with echo): one token is generated and not returned; its cycle scores the prompt
+            params = self.sampling_params(req, len(prompt), req.max_tokens or (None if req.max_tokens is None else 1),
+                                          self.config.default_completion_tokens)
         return req, prompt, params
 
     def check_model(self, name: str) -> None:
@@ -285,7 +288,8 @@ class Server:
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs)
+                logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs,
+                prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -360,6 +364,11 @@ def _error(e: APIError, headers: dict | None = None) -> Response:
 
 def _failure(item: Failure) -> APIError:
     return APIError(item.status, item.message, code="shutting_down" if item.status == 503 else None)
+
+
+def _echoed(prompt: list[int], prompt_logprobs) -> list[TokenLogprob] | None:
+    """An echoed prompt's entries for the completions API's logprobs: its first token's figures are null."""
+    return None if prompt_logprobs is None else [TokenLogprob(prompt[0], None)] + prompt_logprobs[1:]
 
 
 def _sse(obj) -> str:
@@ -515,14 +524,19 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
 
     async def _generate(request: Request, req, prompt: list[int], params: SamplingParams, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # completions' echo: the prompt as the client sent it (token ids: decoded), before the completion (none with
+        # max_tokens 0)
+        echo = None if chat or not req.echo else \
+            (req.prompt if isinstance(req.prompt, str) else server.tokenizer.decode(prompt), prompt, req.max_tokens != 0)
         handle = server.submit(prompt, params, rid)
         if req.stream:
             opts = req.stream_options
-            return StreamingResponse(_stream(handle, rid, len(prompt), chat, opts), media_type="text/event-stream",
+            return StreamingResponse(_stream(handle, rid, len(prompt), chat, opts, echo),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, handle, rid, len(prompt), chat)
+        return await _collect(request, handle, rid, len(prompt), chat, echo)
 
-    async def _collect(request: Request, handle, rid: str, prompt_len: int, chat: bool):
+    async def _collect(request: Request, handle, rid: str, prompt_len: int, chat: bool, echo):
         """Wait for the result, watching for the client going away (then cancel the request)."""
 
         async def disconnected():
@@ -549,25 +563,31 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         if isinstance(item, Failure):
             raise _failure(item)
         result = item.result
-        logprobs = None if result.logprobs is None else protocol.logprobs_body(result.logprobs, server.token_text,
-                                                                               chat)
-        return protocol.completion_body(rid, cfg.model_name, chat, result.text or "", result.finish_reason,
-                                        protocol.usage(prompt_len, len(result.token_ids)), server.stats(result),
+        text, entries, n_out = result.text or "", result.logprobs, len(result.token_ids)
+        if echo is not None:
+            prompt_text, prompt_ids, completes = echo
+            if not completes:
+                text, entries, n_out = "", entries and [], 0
+            text = prompt_text + text
+            entries = None if entries is None else _echoed(prompt_ids, result.prompt_logprobs) + entries
+        logprobs = None if entries is None else protocol.logprobs_body(entries, server.token_text, chat)
+        return protocol.completion_body(rid, cfg.model_name, chat, text, "length" if n_out == 0 else result.finish_reason,
+                                        protocol.usage(prompt_len, n_out), server.stats(result),
                                         server.fingerprint, logprobs)
 
-    async def _stream(handle, rid: str, prompt_len: int, chat: bool, opts):
+    async def _stream(handle, rid: str, prompt_len: int, chat: bool, opts, echo):
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        created, finished, n_out = int(time.time()), False, 0
+        created, finished, n_out, completes = int(time.time()), False, 0, True
         pending, sent, offset = [], 0, 0  # log-probabilities: of tokens not yet sent, how many were, text offset
 
-        def take_logprobs(entries) -> dict | None:
+        def logprobs_of(entries) -> dict | None:
             """The log-probabilities (if asked) of tokens whose chunk goes out now (each token's once, in order)."""
-            nonlocal sent, offset
+            nonlocal offset
             if not entries:
                 return None
             body = protocol.logprobs_body(entries, server.token_text, chat, offset)
-            sent, offset = sent + len(entries), offset + sum(len(t) for t in body.get("tokens", ()))
+            offset += sum(len(t) for t in body.get("tokens", ()))
             return body
 
         def chunk(text, finish_reason=None, first=False, choices=True, use=None, logprobs=None):
@@ -587,17 +607,22 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                     finished = True
                     yield _sse(_failure(item).body())
                     break
-                n_out += len(item.token_ids)
-                pending += item.logprobs or ()
-                if item.text:  # tokens whose text is held back (a partial character, a stop string's start) wait
-                    yield _sse(chunk(item.text, logprobs=take_logprobs(pending)))
-                    pending = []
+                if echo is not None:  # the prompt first, in a chunk of its own
+                    yield _sse(chunk(echo[0], logprobs=logprobs_of(_echoed(echo[1], item.prompt_logprobs))))
+                    completes, echo = echo[2], None
+                if completes:
+                    n_out += len(item.token_ids)
+                    pending += item.logprobs or ()
+                if completes and item.text:  # tokens whose text is held back (a partial character, a stop string's start) wait
+                    yield _sse(chunk(item.text, logprobs=logprobs_of(pending)))
+                    sent, pending = sent + len(pending), []
                 if item.finished:
                     finished = True
                     result = item.result
-                    n_out = len(result.token_ids)
-                    final = chunk(None, result.finish_reason,
-                                  logprobs=take_logprobs(result.logprobs[sent:] if result.logprobs else None))
+                    n_out = len(result.token_ids) if completes else 0
+                    final = chunk(None, result.finish_reason if completes else "length",
+                                  logprobs=logprobs_of(result.logprobs[sent:] if result.logprobs and completes
+                                                       else None))
                     final["dflash"] = server.stats(result)
                     yield _sse(final)
                     if include_usage:

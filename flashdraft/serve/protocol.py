@@ -2,7 +2,7 @@
 
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
-implement (n > 1, echo, tools, penalties, ...) are refused with a message naming the option, never silently
+implement (n > 1, tools, penalties, ...) are refused with a message naming the option, never silently
 ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
 out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
 is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
@@ -211,7 +211,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
-    echo: bool = _only(False, nullable=False, default=False)
+    echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     best_of: int | None = _only(1, default=None)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = _only("", default=None)
@@ -239,10 +240,11 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens' must be >= 1; 0 is only allowed with 'echo': true (to score the prompt)",
+                           param="max_tokens")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "only best_of=1 is supported")
-        if self.echo:
-            raise unsupported("echo", "prompt log-probabilities are not implemented")
         if self.suffix:
             raise unsupported("suffix")
 
@@ -412,11 +414,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def logprobs_body(entries, token_text, chat: bool, offset: int = 0) -> dict:
-    """Committed tokens' log-probabilities (`engine.logprobs.TokenLogprob`) in OpenAI's shape: chat's
+    """Tokens' log-probabilities (`engine.logprobs.TokenLogprob`) in OpenAI's shape: chat's
     `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the completions API's `{tokens, token_logprobs,
-    top_logprobs, text_offset}`, where each top_logprobs dict also holds the chosen token (up to the request's `logprobs` + 1 entries,
-    as OpenAI documents) and text offsets count from `offset` by the tokens' strings. `token_text`: id ->
-    the token's string."""
+    top_logprobs, text_offset}`, where each top_logprobs dict also holds the chosen token (up to the request's
+    `logprobs` + 1 entries, as OpenAI documents), text offsets count from `offset` by the tokens' strings, and an
+    echoed prompt's first token, which nothing predicts (logprob None), has null figures. `token_text`: id -> the
+    token's string."""
     if chat:
         def item(token, logprob):
             text = token_text(token)
@@ -428,7 +431,7 @@ def logprobs_body(entries, token_text, chat: bool, offset: int = 0) -> dict:
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    top = [{**{token_text(t): lp for t, lp in e.top}, text: e.logprob}
+    top = [None if e.logprob is None else {**{token_text(t): lp for t, lp in e.top}, text: e.logprob}
            for e, text in zip(entries, tokens)]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
             "text_offset": offsets}
@@ -497,8 +500,9 @@ _LOGPROBS = {"anyOf": [
         "properties": {**_TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}},
     {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"], "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
-        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"], "maximum": 0}},
+        "top_logprobs": {"type": "array", "items": {"anyOf": [
+            {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage", "dflash"],
                "properties": {
@@ -555,7 +559,8 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
         if max_model_len:
             for key in ("max_tokens", "max_completion_tokens"):
                 if key in props:
-                    props[key] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": max_model_len},
+                    low = 0 if name == "CompletionRequest" and key == "max_tokens" else 1
+                    props[key] = {"anyOf": [{"type": "integer", "minimum": low, "maximum": max_model_len},
                                             {"type": "null"}], "default": None}
         if vocab_size:
             token = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
