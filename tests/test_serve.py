@@ -299,6 +299,56 @@ def test_echo_scores_the_prompt(server, reference):
         c.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=1)
 
 
+def test_batched_prompts_and_n_choices(server, reference):
+    """A batch of prompts times n: choice i * n + j is prompt i's j-th, each what the prompt gives served alone
+    (greedy: all n the same; seeded: the first choice is the n = 1 request's, the others their own seeds');
+    streamed, every choice's chunks carry its index and join into the same texts."""
+    c, tok = client(server), reference.tokenizer
+    prompts = ["def add(a, b):", "import os\n", "class A:"]
+    greedy = c.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0, n=2, logprobs=1)
+    assert [ch.index for ch in greedy.choices] == list(range(6))
+    alone = [reference(tok(p)["input_ids"], 10, logprobs=1) for p in prompts]
+    for ch in greedy.choices:
+        expected = alone[ch.index // 2]
+        assert ch.text == expected.text
+        assert ch.logprobs.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-6)
+    assert greedy.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
+    assert greedy.usage.completion_tokens == 2 * sum(len(e.token_ids) for e in alone)
+    stats = greedy.model_extra["dflash"]
+    assert stats["drafts"] == 2 * sum(e.stats.num_drafts for e in alone)
+    assert stats["tau"] == pytest.approx(1 + stats["accepted_tokens"] / stats["drafts"], abs=1e-4)
+    ids = [tok(p)["input_ids"] for p in prompts[:2]]  # token-id prompts batched as lm-eval-harness sends them
+    as_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert [ch.text for ch in as_ids.choices] == [alone[0].text, alone[1].text]
+
+    sampled = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=1, seed=5, n=4)
+    single = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=1, seed=5)
+    texts = [ch.text for ch in sampled.choices]
+    assert texts[0] == single.choices[0].text and len(set(texts)) > 1
+    again = c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=1, seed=5, n=4)
+    assert [ch.text for ch in again.choices] == texts
+
+    streamed = {}
+    chunks = list(c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=1, seed=5, n=4,
+                                       stream=True, stream_options={"include_usage": True}))
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == texts
+    assert sum(1 for ch in chunks for choice in ch.choices if choice.finish_reason) == 4
+    assert chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1, seed=3, n=3)
+    chat_stream = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1,
+                                                 seed=3, n=3, stream=True))
+    joined = {}
+    for ch in chat_stream:
+        for choice in ch.choices:
+            joined[choice.index] = joined.get(choice.index, "") + (choice.delta.content or "")
+    assert [joined[i] for i in range(3)] == [ch.message.content for ch in chat.choices]
+    server.wait_idle()
+
+
 # ---- load: 64 concurrent streams --------------------------------------------------------------------------------
 
 
@@ -430,7 +480,11 @@ HOSTILE = [
     ("top_p above one", C, _with(OK, top_p=1.5), 400, "top_p"),
     ("top_k below -1", C, _with(OK, top_k=-2), 400, "top_k"),
     ("boolean as int", C, _with(OK, max_tokens=True), 400, "max_tokens"),
-    ("n=2", C, _with(OK, n=2), 400, "'n' is not supported"),
+    ("n above 16", C, _with(OK, n=17), 400, "'n'"),
+    ("n zero", C, _with(OK, n=0), 400, "'n'"),
+    ("prompts x n above 64", C, _with(OK, prompt=["a"] * 5, n=16), 400, "64 choices"),
+    ("too many prompts", C, _with(OK, prompt=["a"] * 65), 400, "at most 64"),
+    ("batch with an empty prompt", C, _with(OK, prompt=["a", ""]), 400, "must not be empty"),
     ("best_of", C, _with(OK, best_of=3), 400, "best_of"),
     ("logprobs above 20", C, _with(OK, logprobs=21), 400, "logprobs"),
     ("logprobs as boolean", C, _with(OK, logprobs=True), 400, "logprobs"),
@@ -443,7 +497,6 @@ HOSTILE = [
     ("empty prompt", C, _with(OK, prompt=""), 400, "must not be empty"),
     ("empty token list", C, _with(OK, prompt=[]), 400, "must not be empty"),
     ("prompt wrong type", C, _with(OK, prompt={"text": "hi"}), 400, "prompt"),
-    ("batched prompts", C, _with(OK, prompt=["a", "b"]), 400, "batched prompts"),
     ("out-of-vocab token ids", C, _with(OK, prompt=[1, 2, 99999999]), 400, "outside the vocabulary"),
     ("negative token id", C, _with(OK, prompt=[5, -1]), 400, "outside the vocabulary"),
     ("mixed token list", C, _with(OK, prompt=[1, "a"]), 400, "prompt"),
@@ -467,7 +520,7 @@ HOSTILE = [
     ("top_logprobs above 20", CH, _with(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("tools", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("json mode", CH, _with(OK_CHAT, response_format={"type": "json_object"}), 400, "response_format"),
-    ("chat n=3", CH, _with(OK_CHAT, n=3), 400, "'n'"),
+    ("chat n=17", CH, _with(OK_CHAT, n=17), 400, "'n'"),
     ("chat oversized max_completion_tokens", CH, _with(OK_CHAT, max_completion_tokens=5000), 400,
      "maximum context length"),
 ]

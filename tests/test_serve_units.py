@@ -175,9 +175,12 @@ def test_protocol_messages():
                             protocol.ChatCompletionRequest)
     req = protocol.parse_body(b'{"model": "m", "prompt": ["abc"], "stop": "\\n", "top_k": -1, "user": "u"}',
                               protocol.CompletionRequest)
-    assert req.prompt == "abc" and req.stop == ["\n"] and req.top_k == -1
+    assert req.prompt == ["abc"] and req.stop == ["\n"] and req.top_k == -1  # prompts, as a list
     req = protocol.parse_body(b'{"model": "m", "prompt": [[1, 2]]}', protocol.CompletionRequest)
-    assert req.prompt == [1, 2]
+    assert req.prompt == [[1, 2]]
+    assert protocol.parse_body(b'{"model": "m", "prompt": [1, 2]}', protocol.CompletionRequest).prompt == [[1, 2]]
+    req = protocol.parse_body(b'{"model": "m", "prompt": ["a", [3]], "n": 2}', protocol.CompletionRequest)
+    assert req.prompt == ["a", [3]] and req.n == 2
 
 
 def test_cli_parser_and_argument_errors():

@@ -273,7 +273,8 @@ def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, a
     out, start = {}, 0
     for i in asking:
         n, k = accepted[i] + 1, rows[i].params.logprobs
-        out[i] = entries[start:start + n] if k == most else [replace(e, top=e.top[:k]) for e in entries[start:start + n]]
+        mine = entries[start:start + n]
+        out[i] = mine if k == most else [replace(e, top=e.top[:k]) for e in mine]
         start += n
     return out
 

@@ -37,7 +37,8 @@ class TokenLogprob:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """logits [n, V]: the target's logits at the n positions that chose `tokens` (n ids); top: alternatives per token."""
+    """logits [n, V]: the target's logits at the n positions that chose `tokens` (n ids); top: alternatives per
+    token."""
     dtype = torch.promote_types(logits.dtype, torch.float32)  # float64 targets keep their precision
     logp = torch.log_softmax(logits.to(dtype), dim=-1)
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()

@@ -37,7 +37,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -190,21 +190,25 @@ class Server:
     # ---- request -> (prompt ids, SamplingParams), in a worker thread ---------------------------------------------
 
     async def prepare(self, raw: bytes, chat: bool):
-        """(request, prompt ids, SamplingParams) of a raw body; parsing and tokenizing run in the worker threads."""
+        """(request, the prompts' ids, the choices) of a raw body (`_prepare`); parsing and tokenizing run in the
+        worker threads."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare, raw, chat)
 
     def _prepare(self, raw: bytes, chat: bool):
+        """The choices are (prompt index, SamplingParams), choice i * n + j for prompt i: every prompt of a batched
+        completions request, each `n` times."""
         req = protocol.parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
         self.check_model(req.model)
         if chat:
-            prompt = self.chat_prompt(req)
-            params = self.sampling_params(req, len(prompt), req.max_new_tokens, None)
+            prompts = [self.chat_prompt(req)]
+            params = [self.sampling_params(req, len(prompts[0]), req.max_new_tokens, None)]
         else:
-            prompt = self.completion_prompt(req)
+            prompts = [self.completion_prompt(p) for p in req.prompt]
             # max_tokens 0 (with echo): one token is generated and not returned; its cycle scores the prompt
-            params = self.sampling_params(req, len(prompt), req.max_tokens or (None if req.max_tokens is None else 1),
-                                          self.config.default_completion_tokens)
-        return req, prompt, params
+            max_tokens = req.max_tokens or (None if req.max_tokens is None else 1)
+            params = [self.sampling_params(req, len(p), max_tokens, self.config.default_completion_tokens)
+                      for p in prompts]
+        return req, prompts, [(i, choice_params(p, j)) for i, p in enumerate(params) for j in range(req.n or 1)]
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -217,25 +221,25 @@ class Server:
                                 f"{size} bytes, more than the {self.max_prompt_bytes} bytes that many tokens can hold "
                                 "(refused before tokenizing)", param=param, code="context_length_exceeded")
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            self.check_prompt_bytes(len(req.prompt.encode("utf-8")), "prompt")
+    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_prompt_bytes(len(prompt.encode("utf-8")), "prompt")
             try:
-                ids = list(self.tokenizer(req.prompt)["input_ids"])
+                ids = list(self.tokenizer(prompt)["input_ids"])
             except Exception as e:  # the tokenizer refusing a text is the client's problem, not a 500
                 raise APIError(400, f"the prompt could not be tokenized: {clip(str(e), 200)}", param="prompt") \
                     from None
             if not ids:
                 raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
             return ids
-        if len(req.prompt) > self.max_model_len:
+        if len(prompt) > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                                f"{len(req.prompt)} tokens", param="prompt", code="context_length_exceeded")
-        bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
+                                f"{len(prompt)} tokens", param="prompt", code="context_length_exceeded")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"'prompt' has token ids outside the vocabulary [0, {self.vocab_size}): "
                                 f"{clip(bad[:5])}", param="prompt")
-        return list(req.prompt)
+        return list(prompt)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not self.has_chat_template:
@@ -366,9 +370,55 @@ def _failure(item: Failure) -> APIError:
     return APIError(item.status, item.message, code="shutting_down" if item.status == 503 else None)
 
 
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of a prompt's `n` choices: a seeded request's first choice keeps the seed (the same text as with
+    n = 1), the others take seeds derived from it; unseeded choices each get a random one (`SpecEngine`)."""
+    if j == 0 or params.seed is None:
+        return params
+    return replace(params, seed=(params.seed + j * 0x9E3779B97F4A7C15) % 2**63)
+
+
 def _echoed(prompt: list[int], prompt_logprobs) -> list[TokenLogprob] | None:
     """An echoed prompt's entries for the completions API's logprobs: its first token's figures are null."""
     return None if prompt_logprobs is None else [TokenLogprob(prompt[0], None)] + prompt_logprobs[1:]
+
+
+@dataclass
+class _Echo:
+    """A completions request's echo for one choice: the prompt's text, its ids, and whether the completion follows
+    (max_tokens 0: the prompt alone)."""
+
+    text: str
+    prompt: list[int]
+    completes: bool
+
+
+@dataclass
+class _Choice:
+    """One choice of a request (a prompt's j-th of n) on its way out: its scheduler handle and what its stream has
+    sent."""
+
+    index: int
+    prompt: list[int]
+    echo: _Echo | None
+    handle: object = None
+    finished: bool = False
+    echoed: bool = False
+    n_out: int = 0
+    pending: list = field(default_factory=list)  # log-probabilities of tokens not yet sent
+    sent: int = 0  # log-probabilities sent
+    offset: int = 0  # text offset of the next token's (completions' logprobs)
+
+    def result_parts(self, result) -> tuple[str, list | None, int, str]:
+        """(text, log-probability entries or None, completion tokens, finish reason) of the choice's result, the
+        echo included."""
+        text, entries, n_out, reason = result.text or "", result.logprobs, len(result.token_ids), result.finish_reason
+        if self.echo is not None:
+            if not self.echo.completes:
+                text, entries, n_out, reason = "", entries and [], 0, "length"
+            text = self.echo.text + text
+            entries = None if entries is None else _echoed(self.echo.prompt, result.prompt_logprobs) + entries
+        return text, entries, n_out, reason
 
 
 def _sse(obj) -> str:
@@ -514,125 +564,151 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req, prompt, params = await server.prepare(await server.read_body(request), chat=False)
-        return await _generate(request, req, prompt, params, chat=False)
+        req, prompts, choices = await server.prepare(await server.read_body(request), chat=False)
+        return await _generate(request, req, prompts, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req, prompt, params = await server.prepare(await server.read_body(request), chat=True)
-        return await _generate(request, req, prompt, params, chat=True)
+        req, prompts, choices = await server.prepare(await server.read_body(request), chat=True)
+        return await _generate(request, req, prompts, choices, chat=True)
 
-    async def _generate(request: Request, req, prompt: list[int], params: SamplingParams, chat: bool):
+    async def _generate(request: Request, req, prompts: list[list[int]], choices: list, chat: bool):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        # completions' echo: the prompt as the client sent it (token ids: decoded), before the completion (none with
-        # max_tokens 0)
-        echo = None if chat or not req.echo else \
-            (req.prompt if isinstance(req.prompt, str) else server.tokenizer.decode(prompt), prompt, req.max_tokens != 0)
-        handle = server.submit(prompt, params, rid)
+        states = [_Choice(c, prompts[i], None if chat or not req.echo else _Echo(
+            # completions' echo: the prompt as the client sent it (token ids: decoded), before the completion (none
+            # with max_tokens 0)
+            req.prompt[i] if isinstance(req.prompt[i], str) else server.tokenizer.decode(prompts[i]), prompts[i],
+            req.max_tokens != 0)) for c, (i, _) in enumerate(choices)]
+        try:
+            for state, (_, params) in zip(states, choices):
+                state.handle = server.submit(state.prompt, params, rid if len(choices) == 1 else f"{rid}-{state.index}")
+        except BaseException:
+            _cancel(states)
+            raise
+        prompt_tokens = sum(map(len, prompts))
         if req.stream:
-            opts = req.stream_options
-            return StreamingResponse(_stream(handle, rid, len(prompt), chat, opts, echo),
+            return StreamingResponse(_stream(states, rid, prompt_tokens, chat, req.stream_options),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, handle, rid, len(prompt), chat, echo)
+        return await _collect(request, states, rid, prompt_tokens, chat)
 
-    async def _collect(request: Request, handle, rid: str, prompt_len: int, chat: bool, echo):
-        """Wait for the result, watching for the client going away (then cancel the request)."""
+    def _cancel(states) -> None:
+        """Free the batch slots of the choices still running (their client went away, or one of them failed)."""
+        for state in states:
+            if state.handle is not None and not state.finished:
+                server.scheduler.cancel(state.handle.rid)
+
+    async def _collect(request: Request, states, rid: str, prompt_tokens: int, chat: bool):
+        """Wait for every choice's result, watching for the client going away (then cancel them all)."""
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        async def finished():
+        async def finished(state):
             while True:
-                item = await handle.queue.get()
+                item = await state.handle.queue.get()
                 if isinstance(item, Failure) or item.finished:
+                    state.finished = True
                     return item
 
-        done_task, gone_task = asyncio.ensure_future(finished()), asyncio.ensure_future(disconnected())
+        done_task = asyncio.ensure_future(asyncio.gather(*(finished(state) for state in states)))
+        gone_task = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait([done_task, gone_task], return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone_task.cancel()
             if not done_task.done():
                 done_task.cancel()
-                server.scheduler.cancel(rid)
+                _cancel(states)
         if not done_task.done() or done_task.cancelled():
             return Response(status_code=499)  # nobody is listening
-        item = done_task.result()
-        if isinstance(item, Failure):
-            raise _failure(item)
-        result = item.result
-        text, entries, n_out = result.text or "", result.logprobs, len(result.token_ids)
-        if echo is not None:
-            prompt_text, prompt_ids, completes = echo
-            if not completes:
-                text, entries, n_out = "", entries and [], 0
-            text = prompt_text + text
-            entries = None if entries is None else _echoed(prompt_ids, result.prompt_logprobs) + entries
-        logprobs = None if entries is None else protocol.logprobs_body(entries, server.token_text, chat)
-        return protocol.completion_body(rid, cfg.model_name, chat, text, "length" if n_out == 0 else result.finish_reason,
-                                        protocol.usage(prompt_len, n_out), server.stats(result),
-                                        server.fingerprint, logprobs)
+        items = done_task.result()
+        failure = next((item for item in items if isinstance(item, Failure)), None)
+        if failure is not None:
+            raise _failure(failure)
+        bodies, n_out = [], 0
+        for state, item in zip(states, items):
+            text, entries, n, reason = state.result_parts(item.result)
+            logprobs = None if entries is None else protocol.logprobs_body(entries, server.token_text, chat)
+            bodies.append(protocol.choice_body(state.index, chat, text, reason, logprobs))
+            n_out += n
+        stats = protocol.merge_stats([server.stats(item.result) for item in items])
+        return protocol.completion_body(rid, cfg.model_name, chat, bodies, protocol.usage(prompt_tokens, n_out), stats,
+                                        server.fingerprint)
 
-    async def _stream(handle, rid: str, prompt_len: int, chat: bool, opts, echo):
+    async def _stream(states, rid: str, prompt_tokens: int, chat: bool, opts):
+        """The choices' events as SSE chunks in the order they come, each tagged with its choice's index; a usage
+        chunk (with every choice's statistics merged) and [DONE] once all have finished."""
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        created, finished, n_out, completes = int(time.time()), False, 0, True
-        pending, sent, offset = [], 0, 0  # log-probabilities: of tokens not yet sent, how many were, text offset
+        created, merged = int(time.time()), asyncio.Queue()
 
-        def logprobs_of(entries) -> dict | None:
-            """The log-probabilities (if asked) of tokens whose chunk goes out now (each token's once, in order)."""
-            nonlocal offset
-            if not entries:
-                return None
-            body = protocol.logprobs_body(entries, server.token_text, chat, offset)
-            offset += sum(len(t) for t in body.get("tokens", ()))
-            return body
+        async def pump(state):
+            while True:
+                item = await state.handle.queue.get()
+                await merged.put((state, item))
+                if isinstance(item, Failure) or item.finished:
+                    return
 
-        def chunk(text, finish_reason=None, first=False, choices=True, use=None, logprobs=None):
+        def chunk(state, text, finish_reason=None, first=False, choices=True, use=None, logprobs=None):
             body = protocol.chunk_body(rid, cfg.model_name, chat, created, text, finish_reason, first, choices,
-                                       server.fingerprint, logprobs)
+                                       server.fingerprint, logprobs, state.index if state is not None else 0)
             if include_usage:
                 body["usage"] = use if use is not None else (
-                    protocol.usage(prompt_len, n_out) if continuous else None)
+                    protocol.usage(prompt_tokens, sum(s.n_out for s in states)) if continuous else None)
             return body
 
+        def logprobs_of(state, entries) -> dict | None:
+            """The log-probabilities (if asked) of a choice's tokens whose chunk goes out now (each once, in order)."""
+            if not entries:
+                return None
+            body = protocol.logprobs_body(entries, server.token_text, chat, state.offset)
+            state.offset += sum(len(t) for t in body.get("tokens", ()))
+            return body
+
+        pumps = [asyncio.ensure_future(pump(state)) for state in states]
         try:
             if chat:
-                yield _sse(chunk("", first=True))
-            while True:
-                item = await handle.queue.get()
+                for state in states:
+                    yield _sse(chunk(state, "", first=True))
+            results, failed = [], False
+            while len(results) < len(states):
+                state, item = await merged.get()
                 if isinstance(item, Failure):
-                    finished = True
+                    state.finished = failed = True
                     yield _sse(_failure(item).body())
                     break
-                if echo is not None:  # the prompt first, in a chunk of its own
-                    yield _sse(chunk(echo[0], logprobs=logprobs_of(_echoed(echo[1], item.prompt_logprobs))))
-                    completes, echo = echo[2], None
+                if state.echo is not None and not state.echoed:  # the prompt first, in a chunk of its own
+                    state.echoed = True
+                    yield _sse(chunk(state, state.echo.text, logprobs=logprobs_of(
+                        state, _echoed(state.echo.prompt, item.prompt_logprobs))))
+                completes = state.echo is None or state.echo.completes
                 if completes:
-                    n_out += len(item.token_ids)
-                    pending += item.logprobs or ()
-                if completes and item.text:  # tokens whose text is held back (a partial character, a stop string's start) wait
-                    yield _sse(chunk(item.text, logprobs=logprobs_of(pending)))
-                    sent, pending = sent + len(pending), []
+                    state.n_out += len(item.token_ids)
+                    state.pending += item.logprobs or ()
+                if completes and item.text:  # tokens whose text is held back (a partial character, a stop
+                    # string's start) wait for the next chunk with text
+                    yield _sse(chunk(state, item.text, logprobs=logprobs_of(state, state.pending)))
+                    state.sent, state.pending = state.sent + len(state.pending), []
                 if item.finished:
-                    finished = True
+                    state.finished = True
                     result = item.result
-                    n_out = len(result.token_ids) if completes else 0
-                    final = chunk(None, result.finish_reason if completes else "length",
-                                  logprobs=logprobs_of(result.logprobs[sent:] if result.logprobs and completes
-                                                       else None))
+                    _, _, state.n_out, reason = state.result_parts(result)
+                    rest = result.logprobs[state.sent:] if result.logprobs and completes else None
+                    final = chunk(state, None, reason, logprobs=logprobs_of(state, rest))
                     final["dflash"] = server.stats(result)
+                    results.append(final["dflash"])
                     yield _sse(final)
-                    if include_usage:
-                        last = chunk(None, choices=False, use=protocol.usage(prompt_len, n_out))
-                        last["dflash"] = final["dflash"]
-                        yield _sse(last)
-                    break
+            if include_usage and not failed:
+                last = chunk(None, None, choices=False,
+                             use=protocol.usage(prompt_tokens, sum(s.n_out for s in states)))
+                last["dflash"] = protocol.merge_stats(results)
+                yield _sse(last)
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away (or the server is stopping): free the slot now
-                server.scheduler.cancel(rid)
+            for task in pumps:
+                task.cancel()
+            _cancel(states)  # the client went away, the server is stopping, or a choice failed: free the slots
 
     return app

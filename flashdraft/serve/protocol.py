@@ -2,7 +2,7 @@
 
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
-implement (n > 1, tools, penalties, ...) are refused with a message naming the option, never silently
+implement (best_of, tools, penalties, ...) are refused with a message naming the option, never silently
 ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
 out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
 is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
@@ -29,6 +29,8 @@ MAX_SEED = 2**63 - 1  # seeds are refused outside [0, 2**63 - 1] (torch's genera
 MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (the app passes 0 then)
 MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (the engine's bound, `engine.logprobs`)
+MAX_N = 16  # choices per prompt (`n`)
+MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
 
@@ -130,9 +132,10 @@ _STOP_SCHEMA = {"anyOf": [
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}
 _PROMPT_SCHEMA = {"anyOf": [
     {"type": "string", "minLength": 1}, _TOKEN_IDS,
-    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
-    {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}],
-    "description": "one prompt: a string or a list of token ids (or a one-element list of either)"}
+    {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}},
+    {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": _TOKEN_IDS}],
+    "description": "a prompt (a string or a list of token ids) or a batch of them (a list of strings or of token-id "
+                   "lists): one choice per prompt and `n`, choice i * n + j for prompt i"}
 _CONTENT_SCHEMA = {"anyOf": [
     {"type": "string"},
     {"type": "array", "items": {"type": "object", "required": ["type", "text"], "additionalProperties": False,
@@ -161,7 +164,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = _finite(ge=0.0, le=2.0)
     top_p: float | None = _finite(gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
-    n: int | None = _only(1, default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
@@ -197,8 +200,6 @@ class _SamplingFields(BaseModel):
         return v
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("n", "only n=1 is supported; send several requests instead")
         if self.presence_penalty:
             raise unsupported("presence_penalty", "penalties would change the target's distribution")
         if self.frequency_penalty:
@@ -220,26 +221,27 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v):
-        """One prompt: a string, a list of token ids, or a one-element list of either."""
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]
-        if isinstance(v, str):
-            if v == "":
-                raise ValueError("'prompt' must not be empty")
-            return v
-        if isinstance(v, list):
+        """The prompts, as a list: one (a string or a list of token ids) or a batch (a list of either)."""
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"'prompt' has {len(v)} prompts; at most {MAX_CHOICES} in one request")
+            return [cls._one_prompt(p) for p in v]
+        return [cls._one_prompt(v)]
+
+    @staticmethod
+    def _one_prompt(v):
+        if isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in v)):
             if not v:
                 raise ValueError("'prompt' must not be empty")
-            if all(isinstance(t, str) for t in v) or all(isinstance(t, list) for t in v):
-                raise ValueError("batched prompts (a list of several prompts) are not supported; send one request "
-                                 "per prompt")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-                raise ValueError("'prompt' must be a string or a list of integer token ids")
             return v
-        raise ValueError("'prompt' must be a string or a list of integer token ids")
+        raise ValueError("'prompt' must be a string, a list of integer token ids, or a list of either")
 
     def check_supported(self) -> None:
         super().check_supported()
+        if len(self.prompt) * (self.n or 1) > MAX_CHOICES:
+            raise APIError(400, f"{len(self.prompt)} prompts x n = {self.n} is more than {MAX_CHOICES} choices in one "
+                                "request", param="n")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "'max_tokens' must be >= 1; 0 is only allowed with 'echo': true (to score the prompt)",
                            param="max_tokens")
@@ -437,28 +439,50 @@ def logprobs_body(entries, token_text, chat: bool, offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def completion_body(rid: str, model: str, chat: bool, text: str, finish_reason: str, use: dict, stats: dict,
-                    fingerprint: str | None = None, logprobs: dict | None = None) -> dict:
+def merge_stats(items: list[dict]) -> dict:
+    """The acceptance statistics of several choices (`dflash_stats` of each) as one: counts summed, tau and
+    per-position acceptance over all their drafting cycles."""
+    if len(items) == 1:
+        return items[0]
+    out = {k: sum(d[k] for d in items) for k in ("drafts", "draft_tokens", "one_token_steps", "lookup_splices",
+                                                  "lookup_steps", "lookup_draft_tokens", "accepted_tokens")}
+    drafts = out["drafts"]
+    out["tau"] = round(1 + out["accepted_tokens"] / drafts, 4) if drafts else 1.0
+    out["verify_widths"] = [w for d in items for w in d["verify_widths"]]
+    out["acceptance_histogram"] = [sum(column) for column in zip(*(d["acceptance_histogram"] for d in items))]
+    positions = range(len(items[0]["per_position_acceptance"]))
+    out["per_position_acceptance"] = [
+        round(sum(d["drafts"] * d["per_position_acceptance"][i] for d in items) / drafts, 4) if drafts else 0.0
+        for i in positions]
+    out["block_size"] = items[0]["block_size"]
+    return out
+
+
+def choice_body(index: int, chat: bool, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict, stats: dict,
+                    fingerprint: str | None = None) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "system_fingerprint": fingerprint, "choices": [choice], "usage": use, "dflash": stats}
+            "model": model, "system_fingerprint": fingerprint, "choices": choices, "usage": use, "dflash": stats}
 
 
 def chunk_body(rid: str, model: str, chat: bool, created: int, text: str | None, finish_reason: str | None = None,
                first: bool = False, choices: bool = True, fingerprint: str | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": model, "system_fingerprint": fingerprint, "choices": []}
     if choices:
         if chat:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         else:
-            body["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs,
+                                "finish_reason": finish_reason}]
     return body
 
 
@@ -491,7 +515,8 @@ _FINISH = {"enum": ["stop", "length"]}
 _FINGERPRINT = {"type": ["string", "null"]}
 _TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
                   "properties": {"token": {"type": "string"}, "logprob": {"type": "number", "maximum": 0},
-                                 "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}}
+                                 "bytes": {"type": "array",
+                                           "items": {"type": "integer", "minimum": 0, "maximum": 255}}}}
 # null unless the request asked: chat's {"content": [...]}, or the completions API's parallel lists
 _LOGPROBS = {"anyOf": [
     {"type": "null"},
@@ -508,9 +533,10 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
                "properties": {
                    "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion"]},
                    "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": _FINGERPRINT,
-                   "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                   "choices": {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {
                        "type": "object", "required": ["index", "finish_reason"],
-                       "properties": {"index": {"const": 0}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                       "properties": {"index": {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1},
+                                      "text": {"type": "string"}, "finish_reason": _FINISH,
                                       "logprobs": _LOGPROBS,
                                       "message": {"type": "object", "required": ["role", "content"], "properties": {
                                           "role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
@@ -521,7 +547,8 @@ _CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "ch
               "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": _FINGERPRINT,
               "choices": {"type": "array", "maxItems": 1, "items": {
                   "type": "object", "required": ["index", "finish_reason"],
-                  "properties": {"index": {"const": 0}, "text": {"type": "string"}, "logprobs": _LOGPROBS,
+                  "properties": {"index": {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1},
+                                 "text": {"type": "string"}, "logprobs": _LOGPROBS,
                                  "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                                             "content": {"type": "string"}}},
                                  "finish_reason": {"enum": ["stop", "length", None]}}}},
@@ -570,8 +597,8 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
                 if max_model_len:
                     ids["maxItems"] = max_model_len
                 string = {"type": "string", "minLength": 1}
-                one = [{"type": "array", "minItems": 1, "maxItems": 1, "items": s} for s in (string, ids)]
-                props["prompt"] = {"anyOf": [string, ids, *one], "description": _PROMPT_SCHEMA["description"]}
+                batches = [{"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": s} for s in (string, ids)]
+                props["prompt"] = {"anyOf": [string, ids, *batches], "description": _PROMPT_SCHEMA["description"]}
     schemas.update(Error=_ERROR, Completion=_COMPLETION, ModelCard=_MODEL_CARD, ModelList=_MODEL_LIST,
                    Health=_HEALTH)
 

@@ -6,8 +6,8 @@
 
 Per batch size, every round runs the held-out prompts in batches of that many rows through each setting (the order
 rotating by round) and prints tokens per second of each, its ratio to not asking, and whether every setting
-produced the same tokens (asking must change none; exit 1 if one did not). Rows that ask keep the full fp32 read-out (`_chooses`), so on a
-CPU with the screened greedy read-out the greedy cost includes losing it.
+produced the same tokens (asking must change none; exit 1 if one did not). Rows that ask keep the full fp32 read-out
+(`_chooses`), so on a CPU with the screened greedy read-out the greedy cost includes losing it.
 
 What this script does not know about: HTTP (the server formats the same figures), plain decoding.
 """
