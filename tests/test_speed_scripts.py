@@ -251,3 +251,25 @@ def test_excluded_tokens_script_smoke(tmp_path):
     assert excluded_tokens.main(["--num-prompts", "2", "--max-new-tokens", "8", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 6 and all(0 < r["tokens"] <= 16 and r["excluded"] == 0 for r in rows)
+
+
+def test_lm_eval_check_writes_tasks_the_harness_reads(tmp_path):
+    """The harness check's tasks (the harness itself lives in a side venv CI does not build): Jinja fields survive
+    the YAML's formatting, each multiple-choice label points at the target's own continuation, and the generation
+    target is that continuation up to a blank line."""
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "eval"))
+    import lm_eval_check
+
+    lm_eval_check.write_tasks(tmp_path, 4, 6)
+    mc = yaml.safe_load((tmp_path / "flashdraft_code_mc.yaml").read_text())
+    gen = yaml.safe_load((tmp_path / "flashdraft_code_gen.yaml").read_text())
+    assert (mc["doc_to_text"], mc["doc_to_choice"], mc["doc_to_target"]) == ("{{context}}", "{{choices}}", "{{label}}")
+    assert gen["doc_to_target"] == "{{continuation}}" and gen["generation_kwargs"]["max_gen_toks"] == 6
+    assert gen["generation_kwargs"]["until"] == ["\n\n"] and Path(gen["dataset_kwargs"]["data_files"]["test"]).is_file()
+    rows = [json.loads(line) for line in (tmp_path / "flashdraft_code_mc.jsonl").read_text().splitlines()]
+    targets = [json.loads(line) for line in (tmp_path / "flashdraft_code_gen.jsonl").read_text().splitlines()]
+    assert len(rows) == len(targets) == 4
+    for row, target in zip(rows, targets):
+        assert len(row["choices"]) == 4 and row["choices"][row["label"]].split("\n\n")[0] == target["continuation"]

@@ -521,8 +521,8 @@ def main(argv=None) -> None:
     if args.no_save:
         return
     model.config.use_cache = True
-    model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False, max_new_tokens=128,
+    model.generation_config = GenerationConfig(  # no max_new_tokens: it would override callers' max_length
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False,
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
