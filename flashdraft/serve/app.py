@@ -581,7 +581,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             req.max_tokens != 0)) for c, (i, _) in enumerate(choices)]
         try:
             for state, (_, params) in zip(states, choices):
-                state.handle = server.submit(state.prompt, params, rid if len(choices) == 1 else f"{rid}-{state.index}")
+                state.handle = server.submit(state.prompt, params,
+                                             rid if len(choices) == 1 else f"{rid}-{state.index}")
         except BaseException:
             _cancel(states)
             raise

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
                                           args.out / "tasks", args.out / "transformers", 1)
     served, hf = reports["served"], reports["transformers"]
     mc_s, mc_h = served["flashdraft_code_mc"][1], hf["flashdraft_code_mc"][1]
-    gaps = [abs(float(a[0]) - float(b[0])) for s, h in zip(mc_s, mc_h) for a, b in zip(s["filtered_resps"], h["filtered_resps"])]
+    gaps = [abs(float(a[0]) - float(b[0]))  # each choice's (log-likelihood, is greedy), as the harness logs them
+            for s, h in zip(mc_s, mc_h) for a, b in zip(s["filtered_resps"], h["filtered_resps"])]
     answers = sum(s["acc"] != h["acc"] for s, h in zip(mc_s, mc_h))
     gen_s, gen_h = served["flashdraft_code_gen"][1], hf["flashdraft_code_gen"][1]
     generations = sum(s["filtered_resps"] != h["filtered_resps"] for s, h in zip(gen_s, gen_h))
