@@ -110,7 +110,9 @@ def test_shipped_pair_screened_read_out_and_stop_strings():
     turns the screen off for that cycle and the tokens stay the target's own `generate`'s; a stop string's cut
     keeps one figure per kept token."""
     model, tokenizer, drafter = load_pair(device="cpu", dtype="float32")
-    engine = SpecEngine(model, drafter, tokenizer)
+    # the fixed block: the same verify shapes every run (the default policy's widths follow timings, and a verify
+    # of another width rounds a near-tie its own way, which would make the comparison with `generate` flaky)
+    engine = SpecEngine(model, drafter, tokenizer, draft_policy="fixed")
     prompts = [tokenizer.encode("def fibonacci(n):\n"), tokenizer.encode("import os\nimport sys\n\n\ndef main(")]
     asks = [SamplingParams(max_new_tokens=40, logprobs=3), SamplingParams(max_new_tokens=40)]
     results = engine.generate(prompts, asks)
@@ -126,6 +128,13 @@ def test_shipped_pair_screened_read_out_and_stop_strings():
     cut = engine.generate([prompts[0]], SamplingParams(max_new_tokens=40, logprobs=0, stop_strings=(stop,)))[0]
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
     assert len(cut.logprobs) == len(cut.token_ids) and cut.token_ids == results[0].token_ids[:len(cut.token_ids)]
+    # streamed: each event's figures are its tokens' (a stop string cuts only tokens of the cycle that completes
+    # it, before their event), and they add up to the result's
+    out_text, figures = "", []
+    for event in engine.stream([prompts[0]], SamplingParams(max_new_tokens=40, logprobs=0, stop_strings=(stop,))):
+        assert [e.token for e in event.logprobs] == event.token_ids
+        out_text, figures = out_text + (event.text or ""), figures + event.logprobs
+    assert out_text == cut.text and figures == cut.logprobs
     engine.close()
 
 
