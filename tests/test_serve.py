@@ -602,6 +602,26 @@ def test_client_dropped_mid_stream_frees_its_slot(small_server):
     assert s.metric("num_requests_running") == 0
 
 
+def test_every_choice_of_a_dropped_or_refused_request_frees_its_slot(small_server):
+    """n = 2 on one batch slot and one queue place: a client that drops the stream cancels both choices (the
+    running one and the waiting one); n = 3 does not fit, and the two choices queued before the 429 are withdrawn."""
+    s = small_server
+    s.wait_idle()
+    aborts = s.metric("request_success_total", finished_reason="abort")
+    with httpx.Client(timeout=30, headers=KEY) as http:
+        with http.stream("POST", f"{s.url}/v1/completions", json=dict(LONG, stream=True, n=2)) as resp:
+            lines = resp.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(6))
+            assert s.health()["running"] == 1 and s.health()["waiting"] == 1
+    assert s.wait_idle(timeout=3)["running"] == 0
+    _wait_metric(s, aborts + 1, "request_success_total", finished_reason="abort")  # the waiting one never ran
+    with httpx.Client(timeout=30, headers=KEY) as http:
+        resp = http.post(f"{s.url}/v1/completions", json=dict(LONG, n=3))
+        assert resp.status_code == 429, resp.text
+    h = s.wait_idle(timeout=3)
+    assert h["running"] == 0 and h["waiting"] == 0
+
+
 def test_client_dropped_non_streaming_frees_its_slot(small_server):
     s = small_server
     s.wait_idle()
