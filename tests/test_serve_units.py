@@ -203,6 +203,29 @@ def test_cli_parser_and_argument_errors():
         build_engine(both)
 
 
+def test_chat_template_flag(tmp_path):
+    """--chat-template: a file or the template's text replaces the tokenizer's; a missing file is refused before the
+    models load, a template that cannot render a conversation at start-up, each with one error."""
+    from flashdraft.serve.cli import build_engine
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        engine, _ = build_engine(parser.parse_args(["serve", "--no-draft", "--device", "cpu", "--chat-template",
+                                                    value]))
+        assert engine.tokenizer.apply_chat_template([{"role": "user", "content": "x = 1"}], tokenize=False) == \
+            "<user>x = 1"
+    with pytest.raises(ValueError, match="no such file"):
+        build_engine(parser.parse_args(["serve", "--no-draft", "--target", str(tmp_path / "absent"),
+                                        "--chat-template", str(tmp_path / "none.jinja")]))
+    with pytest.raises(ValueError, match="does not render"):
+        build_engine(parser.parse_args(["serve", "--no-draft", "--device", "cpu", "--chat-template",
+                                        "{{ messages[0]['nope'].x }}{% if %}"]))
+
+
 def test_cycle_trace_file_is_appended_and_a_bad_path_is_one_error(tmp_path):
     from flashdraft.serve.cli import open_cycle_trace
 

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 from flashdraft.args import add_model_args, engine_from_args, int_at_least, int_in
 from flashdraft.memory import memory_budget_arg, resolve_memory_budget
@@ -93,6 +94,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "width (1: a one-token step) and drafts accepted, requests that joined, how the draft policy "
                         "decided (plan / held / kept / probe / refresh / unmeasured), the tokens each lookup step "
                         "verified, the cycle's ms (default: off)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the Jinja template /v1/chat/completions formats messages with: a file, or the template "
+                        "itself (default: the tokenizer's own; a model without one answers chat requests 400)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -128,6 +132,27 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the template itself (read before the models load)."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    if not Path(value).is_file():
+        raise ValueError(f"--chat-template {value}: no such file (nor a Jinja template)")
+    return Path(value).read_text()
+
+
+def set_chat_template(tokenizer, template: str | None) -> None:
+    """The template on the tokenizer, once it renders a one-message conversation: a template that cannot is
+    refused at start-up, not on the first chat request."""
+    if template is None:
+        return
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja's syntax and render errors, a template reading fields that are not there
+        raise ValueError(f"--chat-template does not render a one-message conversation: {e}") from None
+
+
 def build_engine(args):
     """(SpecEngine, served model name) from the command-line options."""
     from flashdraft.loading import DEFAULT_TARGET, DefaultPairMissing, load_pair, load_target
@@ -137,6 +162,7 @@ def build_engine(args):
     if args.target and not args.draft and not args.no_draft:
         raise ValueError("--target needs --draft (or --no-draft for plain decoding)")
     target_path = args.target or DEFAULT_TARGET
+    template = chat_template_text(args.chat_template)
     if args.no_draft:
         if args.target is None and not (DEFAULT_TARGET / "config.json").is_file():
             raise DefaultPairMissing(f"no default model shipped yet: {DEFAULT_TARGET} is missing; pass --target")
@@ -146,6 +172,7 @@ def build_engine(args):
         model, tokenizer, drafter = load_pair(args.target, args.draft, args.device, args.dtype, args.draft_dtype)
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
+    set_chat_template(tokenizer, template)
     engine = engine_from_args(args, model, drafter, tokenizer)
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
