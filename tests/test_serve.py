@@ -299,6 +299,24 @@ def test_echo_scores_the_prompt(server, reference):
         c.completions.create(model=MODEL, prompt=ids, max_tokens=0, logprobs=1)
 
 
+def test_logit_bias_is_served(server, reference):
+    """The served text under a bias is the engine's under the same bias (the biased target's own: tests/
+    test_logit_bias.py), chat and completions alike, and a ban holds."""
+    c, tok = client(server), reference.tokenizer
+    prompt = "def add(a, b):"
+    free = reference(tok(prompt)["input_ids"], 12)
+    banned = free.token_ids[2]
+    bias = {str(banned): -100, str(free.token_ids[0]): -1.5}
+    expected = reference(tok(prompt)["input_ids"], 12, logit_bias={int(k): v for k, v in bias.items()})
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias=bias)
+    assert resp.choices[0].text == expected.text != free.text and banned not in expected.token_ids
+    messages = [{"role": "user", "content": "sort a list"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = reference(list(ids), 8, logit_bias={int(k): v for k, v in bias.items()})
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, logit_bias=bias)
+    assert chat.choices[0].message.content == expected.text
+
+
 def test_batched_prompts_and_n_choices(server, reference):
     """A batch of prompts times n: choice i * n + j is prompt i's j-th, each what the prompt gives served alone
     (greedy: all n the same; seeded: the first choice is the n = 1 request's, the others their own seeds');
@@ -490,7 +508,10 @@ HOSTILE = [
     ("logprobs as boolean", C, _with(OK, logprobs=True), 400, "logprobs"),
     ("echo not boolean", C, _with(OK, echo="yes"), 400, "echo"),
     ("presence_penalty", C, _with(OK, presence_penalty=1.0), 400, "presence_penalty"),
-    ("logit_bias", C, _with(OK, logit_bias={"5": 10}), 400, "logit_bias"),
+    ("logit_bias out of vocabulary", C, _with(OK, logit_bias={"99999999": 10}), 400, "outside the vocabulary"),
+    ("logit_bias above 100", C, _with(OK, logit_bias={"5": 101}), 400, "logit_bias"),
+    ("logit_bias key not a token id", C, _with(OK, logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("logit_bias over 300 ids", C, _with(OK, logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias"),
     ("unknown field", C, _with(OK, foo=1), 400, "Unrecognized request argument supplied: foo"),
     ("wrong model", C, _with(OK, model="gpt-4"), 404, "does not exist"),
     ("empty model", C, _with(OK, model=""), 400, "model"),

@@ -229,6 +229,7 @@ class _Row:
     lookup: NgramIndex | None = None  # where the row's n-grams last ended, for `lookup_splice` and `lookup_steps`
     logprobs: list[TokenLogprob] | None = None  # one per output token, for a request that asks (`params.logprobs`)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # `params.prompt_logprobs`: one per prompt token
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # `params.logit_bias` as (token ids, biases)
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -247,6 +248,22 @@ class _Row:
 
 def _wants_logprobs(rows: Sequence[_Row]) -> bool:
     return any(r.logprobs is not None for r in rows)
+
+
+def _reads_logits(rows: Sequence[_Row]) -> bool:
+    """Rows whose cycles need the target's logits themselves (log-probabilities, a logit bias): such a cycle keeps
+    the full read-out and verifies chains."""
+    return any(r.logprobs is not None or r.bias is not None for r in rows)
+
+
+def _bias_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    """logits [g, ..., V] of rows `members` with each one's logit bias added (in place; a copy where a row has one
+    and `logits` is not the cycle's own tensor is the caller's choice)."""
+    for j, i in enumerate(members):
+        if rows[i].bias is not None:
+            ids, values = rows[i].bias
+            logits[j, ..., ids] += values.to(logits.dtype)
+    return logits
 
 
 def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, accepted: list[int],
@@ -700,6 +717,9 @@ class SpecEngine:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             if p.stop_strings and self.tokenizer is None:
                 raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpecEngine")
+            if p.logit_bias and p.logit_bias[-1][0] >= vocab:
+                raise ValueError(f"request {i}: logit_bias has token id {p.logit_bias[-1][0]}, outside the vocabulary "
+                                 f"[0, {vocab})")
             if self.max_positions and len(prompt) + p.max_new_tokens > self.max_positions:
                 raise ValueError(
                     f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} exceed the "
@@ -712,7 +732,10 @@ class SpecEngine:
                              noise_seed=int(p.seed) if p.seed is not None else random_seed(),
                              lookup=NgramIndex(min(n for n in (self.lookup_splice, self.lookup_steps) if n))
                              if self.lookup_splice or self.lookup_steps else None,
-                             logprobs=None if p.logprobs is None else []))
+                             logprobs=None if p.logprobs is None else [],
+                             bias=(torch.tensor([t for t, _ in p.logit_bias], device=self.target.device),
+                                   torch.tensor([b for _, b in p.logit_bias], device=self.target.device))
+                             if p.logit_bias else None))
         return rows
 
     def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
@@ -750,6 +773,8 @@ class SpecEngine:
         """New rows' first tokens, sampled from their prompts' last logits [n, V]: each row's bonus and its first
         output token."""
         noise = self._noise(rows, [1] * len(rows))
+        if any(r.bias is not None for r in rows):
+            logits = _bias_logits(rows, range(len(rows)), logits.clone())
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
                               torch.stack(noise) if noise is not None else None).tolist()
         now = time.perf_counter()
@@ -796,7 +821,7 @@ class SpecEngine:
         widths = ([forced_width] * len(rows) if forced_width is not None
                   else batch.policy.widths([r.acceptance for r in rows], [r.pending.length for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
-        trees = bool(self.tree_budget and drafting) and not _wants_logprobs(rows) and (
+        trees = bool(self.tree_budget and drafting) and not _reads_logits(rows) and (
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
@@ -809,7 +834,7 @@ class SpecEngine:
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
-            logprobs = None  # no row asks: trees are off in cycles of rows that do
+            logprobs = None  # no row asks: trees are off in cycles of rows that do (or have a logit bias)
         else:
             block, positions, draft_probs, context, confidence = self._propose(
                 batch, drafting, max(verified), draft_width, None if isinstance(noise, Future) else noise, copies)
@@ -824,6 +849,9 @@ class SpecEngine:
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
                                                                     seated[1] if seated else (), noise)
             prof.mark("target")
+            if any(r.bias is not None for r in rows):
+                for (_, idx), group_logits in zip(groups, logits):
+                    _bias_logits(rows, idx.tolist(), group_logits)
             if isinstance(noise, Future):
                 noise = noise.result()
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)
@@ -1165,7 +1193,7 @@ class SpecEngine:
     def _chooses(self, rows: list[_Row], noise) -> bool:
         """Whether the target's screened read-out picks every row's tokens this cycle: each row greedy, or sampled
         by the race under counter-based noise at plain temperature (top-k / top-p need the distribution)."""
-        return self.screens_readout and not _wants_logprobs(rows) and all(
+        return self.screens_readout and not _reads_logits(rows) and all(
             r.params.greedy or (noise is not None and r.params.top_k == 0 and r.params.top_p == 1.0) for r in rows)
 
     @staticmethod

@@ -52,6 +52,9 @@ class SamplingParams:
     # None: no log-probabilities; k: each output token's, with the k most likely tokens at its position (`logprobs.py`)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's own tokens (a forward of its own)
+    # added to the target's logits before anything reads them (temperature, top-k / top-p, argmax, log-probabilities):
+    # {token id: bias} or (id, bias) pairs, kept as sorted pairs; the distribution sampled is the biased one
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -68,6 +71,14 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias) or len({t for t, _ in bias}) < len(bias):
+            raise ValueError("logit_bias must map distinct token ids >= 0 to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

@@ -283,6 +283,10 @@ class Server:
                 raise APIError(400, f"'stop_token_ids' has {t}, outside the vocabulary [0, {self.vocab_size})",
                                param="stop_token_ids")
             stop_ids.append(t)
+        bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
+        if bias and max(bias) >= self.vocab_size:
+            raise APIError(400, f"'logit_bias' has token id {max(bias)}, outside the vocabulary [0, "
+                                f"{self.vocab_size})", param="logit_bias")
         top_k = req.top_k or 0
         if top_k < 0 or top_k >= self.vocab_size:  # -1 (vLLM's "off") or a k that keeps every token
             top_k = 0
@@ -293,7 +297,8 @@ class Server:
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs,
-                prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None)
+                prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+                logit_bias=bias)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

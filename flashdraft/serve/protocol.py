@@ -30,6 +30,7 @@ MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (t
 MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (the engine's bound, `engine.logprobs`)
 MAX_N = 16  # choices per prompt (`n`)
+MAX_LOGIT_BIAS = 300  # token ids a request may bias
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
@@ -174,8 +175,10 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
     frequency_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
-    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = Field(
-        default=None, json_schema_extra={"maxProperties": 0})
+    # {token id as a string: bias in [-100, 100]}, added to the target's logits (OpenAI's bounds: 300 ids)
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                     Annotated[float, Field(allow_inf_nan=False, ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
     user: str | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -204,8 +207,6 @@ class _SamplingFields(BaseModel):
             raise unsupported("presence_penalty", "penalties would change the target's distribution")
         if self.frequency_penalty:
             raise unsupported("frequency_penalty", "penalties would change the target's distribution")
-        if self.logit_bias:
-            raise unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
