@@ -317,6 +317,20 @@ def test_logit_bias_is_served(server, reference):
     assert chat.choices[0].message.content == expected.text
 
 
+def test_penalties_are_served(server, reference):
+    """Presence, frequency and repetition penalties reach the engine (the target's own text under them:
+    tests/test_penalties.py)."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("import os\n")["input_ids"]
+    free = reference(ids, 16)
+    for fields in ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {"repetition_penalty": 1.6}):
+        expected = reference(ids, 16, **fields)
+        extra = {"extra_body": {"repetition_penalty": fields.pop("repetition_penalty")}} \
+            if "repetition_penalty" in fields else {}
+        resp = c.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, **fields, **extra)
+        assert resp.choices[0].text == expected.text != free.text
+
+
 def test_batched_prompts_and_n_choices(server, reference):
     """A batch of prompts times n: choice i * n + j is prompt i's j-th, each what the prompt gives served alone
     (greedy: all n the same; seeded: the first choice is the n = 1 request's, the others their own seeds');
@@ -507,7 +521,8 @@ HOSTILE = [
     ("logprobs above 20", C, _with(OK, logprobs=21), 400, "logprobs"),
     ("logprobs as boolean", C, _with(OK, logprobs=True), 400, "logprobs"),
     ("echo not boolean", C, _with(OK, echo="yes"), 400, "echo"),
-    ("presence_penalty", C, _with(OK, presence_penalty=1.0), 400, "presence_penalty"),
+    ("presence_penalty above 2", C, _with(OK, presence_penalty=2.5), 400, "presence_penalty"),
+    ("repetition_penalty zero", C, _with(OK, repetition_penalty=0), 400, "repetition_penalty"),
     ("logit_bias out of vocabulary", C, _with(OK, logit_bias={"99999999": 10}), 400, "outside the vocabulary"),
     ("logit_bias above 100", C, _with(OK, logit_bias={"5": 101}), 400, "logit_bias"),
     ("logit_bias key not a token id", C, _with(OK, logit_bias={"abc": 1}), 400, "logit_bias"),

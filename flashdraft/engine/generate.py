@@ -250,20 +250,47 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
     return any(r.logprobs is not None for r in rows)
 
 
+def _processes_logits(r: _Row) -> bool:
+    return r.bias is not None or r.params.penalized
+
+
 def _reads_logits(rows: Sequence[_Row]) -> bool:
-    """Rows whose cycles need the target's logits themselves (log-probabilities, a logit bias): such a cycle keeps
-    the full read-out and verifies chains."""
-    return any(r.logprobs is not None or r.bias is not None for r in rows)
+    """Rows whose cycles need the target's logits themselves (log-probabilities, a logit bias, penalties): such a
+    cycle keeps the full read-out and verifies chains."""
+    return any(r.logprobs is not None or _processes_logits(r) for r in rows)
 
 
-def _bias_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-    """logits [g, ..., V] of rows `members` with each one's logit bias added (in place; a copy where a row has one
-    and `logits` is not the cycle's own tensor is the caller's choice)."""
+def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
+                    block: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias. Position t of a
+    row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1, nothing drafted), so the tokens a
+    penalty counts there are its output and its drafts 1..t: the target's distribution given that text, which is
+    what the verifier must judge draft t + 1 against."""
     for j, i in enumerate(members):
-        if rows[i].bias is not None:
-            ids, values = rows[i].bias
+        r = rows[i]
+        if r.params.penalized:
+            _penalize(r, logits[j], None if block is None else block[i, 1:logits.shape[1]])
+        if r.bias is not None:
+            ids, values = r.bias
             logits[j, ..., ids] += values.to(logits.dtype)
     return logits
+
+
+def _penalize(r: _Row, logits: torch.Tensor, drafts: torch.Tensor | None) -> None:
+    """logits [w, V] (in place): the row's repetition, frequency and presence penalties (`SamplingParams`), with
+    position t counting its output and drafts[:t] (drafts [w - 1] or None)."""
+    p, vocab, dev = r.params, logits.shape[-1], logits.device
+    counts = torch.bincount(torch.tensor(r.output, dtype=torch.long, device=dev), minlength=vocab)[None]
+    if drafts is not None and drafts.numel():
+        counts = torch.cat([counts, counts + torch.nn.functional.one_hot(drafts, vocab).cumsum(0)])
+    if p.repetition_penalty != 1.0:
+        seen = (counts > 0) | (torch.bincount(torch.tensor(r.prompt, device=dev), minlength=vocab) > 0)
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                                   logits * p.repetition_penalty), logits))
+    if p.frequency_penalty:
+        logits -= p.frequency_penalty * counts.to(logits.dtype)
+    if p.presence_penalty:
+        logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, accepted: list[int],
@@ -773,8 +800,8 @@ class SpecEngine:
         """New rows' first tokens, sampled from their prompts' last logits [n, V]: each row's bonus and its first
         output token."""
         noise = self._noise(rows, [1] * len(rows))
-        if any(r.bias is not None for r in rows):
-            logits = _bias_logits(rows, range(len(rows)), logits.clone())
+        if any(_processes_logits(r) for r in rows):
+            logits = _process_logits(rows, range(len(rows)), logits.clone()[:, None])[:, 0]
         first = sample_tokens(logits, [r.params for r in rows], [r.generator for r in rows],
                               torch.stack(noise) if noise is not None else None).tolist()
         now = time.perf_counter()
@@ -834,7 +861,7 @@ class SpecEngine:
         if trees:  # drafting rows verify token trees (`tree.py`), as chains from here on
             block, features, verified, accepted, next_tokens, drafted_at = self._tree_step(batch, drafting, noise)
             context = (0, 0.0)  # trees write the drafting rows' context inside their draft, untimed apart
-            logprobs = None  # no row asks: trees are off in cycles of rows that do (or have a logit bias)
+            logprobs = None  # no row asks: trees are off in cycles of rows that do (or process their logits)
         else:
             block, positions, draft_probs, context, confidence = self._propose(
                 batch, drafting, max(verified), draft_width, None if isinstance(noise, Future) else noise, copies)
@@ -849,9 +876,9 @@ class SpecEngine:
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
                                                                     seated[1] if seated else (), noise)
             prof.mark("target")
-            if any(r.bias is not None for r in rows):
+            if any(_processes_logits(r) for r in rows):
                 for (_, idx), group_logits in zip(groups, logits):
-                    _bias_logits(rows, idx.tolist(), group_logits)
+                    _process_logits(rows, idx.tolist(), group_logits, block)
             if isinstance(noise, Future):
                 noise = noise.result()
             accepted, next_tokens = self._verify(rows, groups, logits, block, drafting, draft_probs, noise)

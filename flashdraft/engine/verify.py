@@ -55,6 +55,12 @@ class SamplingParams:
     # added to the target's logits before anything reads them (temperature, top-k / top-p, argmax, log-probabilities):
     # {token id: bias} or (id, bias) pairs, kept as sorted pairs; the distribution sampled is the biased one
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # penalties on tokens already in the text (vLLM's definitions, applied before the bias): a token seen in the
+    # prompt or the output has a positive logit divided by repetition_penalty and a negative one multiplied by it;
+    # then each logit loses frequency_penalty x its count in the output and presence_penalty if it occurs there
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -71,6 +77,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                                ("repetition_penalty", 1e-3, 10.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high):
+                raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple(sorted((int(t), float(b)) for t, b in bias))
@@ -87,6 +98,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def target_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k=0) -> torch.Tensor:

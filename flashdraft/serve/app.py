@@ -298,7 +298,9 @@ class Server:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs,
                 prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
-                logit_bias=bias)
+                logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

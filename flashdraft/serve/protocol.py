@@ -2,7 +2,7 @@
 
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
-implement (best_of, tools, penalties, ...) are refused with a message naming the option, never silently
+implement (best_of, tools, ...) are refused with a message naming the option, never silently
 ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
 out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
 is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
@@ -173,8 +173,9 @@ class _SamplingFields(BaseModel):
         {"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}},
         {"type": "null"}]})] = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    presence_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
-    frequency_penalty: float | None = _finite(ge=-2.0, le=2.0, json_schema_extra={"enum": [0, None]})
+    presence_penalty: float | None = _finite(ge=-2.0, le=2.0)
+    frequency_penalty: float | None = _finite(ge=-2.0, le=2.0)
+    repetition_penalty: float | None = _finite(ge=0.01, le=10.0)  # vLLM's extension (1: none)
     # {token id as a string: bias in [-100, 100]}, added to the target's logits (OpenAI's bounds: 300 ids)
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
                      Annotated[float, Field(allow_inf_nan=False, ge=-100.0, le=100.0)]] | None = Field(
@@ -203,10 +204,6 @@ class _SamplingFields(BaseModel):
         return v
 
     def check_supported(self) -> None:
-        if self.presence_penalty:
-            raise unsupported("presence_penalty", "penalties would change the target's distribution")
-        if self.frequency_penalty:
-            raise unsupported("frequency_penalty", "penalties would change the target's distribution")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
