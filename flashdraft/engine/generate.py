@@ -278,19 +278,32 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
 
 def _penalize(r: _Row, logits: torch.Tensor, drafts: torch.Tensor | None) -> None:
     """logits [w, V] (in place): the row's repetition, frequency and presence penalties (`SamplingParams`), with
-    position t counting its output and drafts[:t] (drafts [w - 1] or None)."""
-    p, vocab, dev = r.params, logits.shape[-1], logits.device
-    counts = torch.bincount(torch.tensor(r.output, dtype=torch.long, device=dev), minlength=vocab)[None]
-    if drafts is not None and drafts.numel():
-        counts = torch.cat([counts, counts + torch.nn.functional.one_hot(drafts, vocab).cumsum(0)])
-    if p.repetition_penalty != 1.0:
-        seen = (counts > 0) | (torch.bincount(torch.tensor(r.prompt, device=dev), minlength=vocab) > 0)
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
-                                                   logits * p.repetition_penalty), logits))
+    position t counting its output and drafts[:t] (drafts [w - 1] or None). Only the tokens the text holds change, so
+    only their columns are read and written ([w, tokens seen], not [w, V]: a block at 152k would be 2.4M counts)."""
+    p, dev = r.params, logits.device
+    drafted = drafts.tolist() if drafts is not None else []
+    repeats = p.repetition_penalty != 1.0
+    ids = sorted(set(r.output).union(drafted, r.prompt if repeats else ()))
+    if not ids:
+        return
+    column = {t: k for k, t in enumerate(ids)}
+    counts = torch.bincount(torch.tensor([column[t] for t in r.output], dtype=torch.long, device=dev),
+                            minlength=len(ids))[None]
+    if drafted:
+        steps = torch.nn.functional.one_hot(torch.tensor([column[t] for t in drafted], device=dev), len(ids))
+        counts = torch.cat([counts, counts + steps.cumsum(0)])
+    cols = torch.tensor(ids, device=dev)
+    values = logits[:, cols]
+    if repeats:
+        in_prompt = torch.zeros(len(ids), dtype=torch.bool, device=dev)
+        in_prompt[[column[t] for t in set(r.prompt)]] = True
+        values = torch.where((counts > 0) | in_prompt, torch.where(values > 0, values / p.repetition_penalty,
+                                                                    values * p.repetition_penalty), values)
     if p.frequency_penalty:
-        logits -= p.frequency_penalty * counts.to(logits.dtype)
+        values = values - p.frequency_penalty * counts.to(values.dtype)
     if p.presence_penalty:
-        logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
+        values = values - p.presence_penalty * (counts > 0).to(values.dtype)
+    logits[:, cols] = values
 
 
 def _committed_logprobs(rows: list[_Row], groups, logits, block: torch.Tensor, accepted: list[int],
