@@ -1342,8 +1342,7 @@ class SpecEngine:
             r.finish_reason = "length"
         if self.tokenizer is not None:
             self._update_text(r)
-        if r.logprobs is not None:  # what the output kept of the tokens (a stop string may have cut earlier ones)
-            del r.logprobs[len(r.output):]
+        if r.logprobs is not None:  # as many as the output kept of these tokens (a stop may have ended it inside them)
             r.logprobs.extend(logprobs[:len(r.output) - len(r.logprobs)] if logprobs else ())
         if r.finish_reason is not None:
             r.stats.output_tokens = len(r.output)

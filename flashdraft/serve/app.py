@@ -296,7 +296,7 @@ class Server:
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else req.logprobs,
+                logprobs=req.num_logprobs,
                 prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,

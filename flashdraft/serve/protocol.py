@@ -10,8 +10,8 @@ failure becomes an `APIError`, rendered as `{"error": {"message", "type", "param
 cannot fail. `openapi_document` is the OpenAPI description (request and response schemas) that the app publishes at
 /openapi.json.
 
-What this module does not know about: the engine, the tokenizer (prompt limits that need token counts are
-checked in `app.py`), HTTP plumbing.
+What this module does not know about: the engine (it reads one bound of it, MAX_LOGPROBS), the tokenizer (prompt
+limits that need token counts are checked in `app.py`), HTTP plumbing.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
+from flashdraft.engine.logprobs import MAX_LOGPROBS  # alternatives per token a request may ask for
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1  # seeds are refused outside [0, 2**63 - 1] (torch's generators take uint64; JSON clients int64)
 MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (the app passes 0 then)
 MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
-MAX_LOGPROBS = 20  # alternatives per token a request may ask for (the engine's bound, `engine.logprobs`)
 MAX_N = 16  # choices per prompt (`n`)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
@@ -215,6 +216,11 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = _only(1, default=None)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = _only("", default=None)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (None: no log-probabilities)."""
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
