@@ -1,6 +1,7 @@
 """flashdraft: lossless speculative decoding with block-diffusion (DFlash) drafters for Hugging Face models."""
 
-from flashdraft.engine import EngineConfig, GenerationResult, RequestStats, SamplingParams, SpecEngine
+from flashdraft.engine import (EngineConfig, GenerationResult, RequestStats, SamplingParams, SpecEngine,
+                               StructuredOutput)
 from flashdraft.model import (
     CheckpointError,
     DFlash2DraftModel,
@@ -24,6 +25,7 @@ __all__ = [
     "RequestStats",
     "SamplingParams",
     "SpecEngine",
+    "StructuredOutput",
     "TargetModel",
     "default_target_layer_ids",
     "make_draft_config",

@@ -4,6 +4,7 @@ from flashdraft.engine import compat  # noqa: F401  (attaches DFlashDraftModel.s
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.generate import GenerationResult, RequestStats, SpecEngine, StreamEvent
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, NoRowState, ProposalInput
+from flashdraft.engine.structured import StructuredOutput
 from flashdraft.engine.verify import SamplingParams, Verdict, target_probs, verify
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "SamplingParams",
     "SpecEngine",
     "StreamEvent",
+    "StructuredOutput",
     "target_probs",
     "Verdict",
     "verify",

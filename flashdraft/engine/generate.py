@@ -56,6 +56,7 @@ from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
+from flashdraft.engine.structured import GrammarCompiler, RowGrammar
 from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
 from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
@@ -230,6 +231,7 @@ class _Row:
     logprobs: list[TokenLogprob] | None = None  # one per output token, for a request that asks (`params.logprobs`)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # `params.prompt_logprobs`: one per prompt token
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # `params.logit_bias` as (token ids, biases)
+    grammar: RowGrammar | None = None  # `params.structured`: where the output stands in its grammar
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -251,21 +253,22 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
 
 
 def _processes_logits(r: _Row) -> bool:
-    return r.bias is not None or r.params.penalized
+    return r.bias is not None or r.params.penalized or r.grammar is not None
 
 
 def _reads_logits(rows: Sequence[_Row]) -> bool:
-    """Rows whose cycles need the target's logits themselves (log-probabilities, a logit bias, penalties): such a
-    cycle keeps the full read-out and verifies chains."""
+    """Rows whose cycles need the target's logits themselves (log-probabilities, a logit bias, penalties, a
+    structured output): such a cycle keeps the full read-out and verifies chains."""
     return any(r.logprobs is not None or _processes_logits(r) for r in rows)
 
 
 def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
                     block: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias. Position t of a
-    row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1, nothing drafted), so the tokens a
-    penalty counts there are its output and its drafts 1..t: the target's distribution given that text, which is
-    what the verifier must judge draft t + 1 against."""
+    """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then its
+    grammar's mask. Position t of a row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1,
+    nothing drafted), so the tokens a penalty counts there are its output and its drafts 1..t, and its grammar
+    stands after them: the target's distribution given that text, which is what the verifier must judge draft
+    t + 1 against."""
     for j, i in enumerate(members):
         r = rows[i]
         if r.params.penalized:
@@ -273,6 +276,10 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
         if r.bias is not None:
             ids, values = r.bias
             logits[j, ..., ids] += values.to(logits.dtype)
+        if r.grammar is not None:
+            w = logits.shape[1]
+            allowed = r.grammar.masks([] if block is None else block[i, 1:w].tolist(), w)
+            logits[j].masked_fill_(~allowed.to(logits.device), float("-inf"))
     return logits
 
 
@@ -373,6 +380,7 @@ class SpecEngine:
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
         # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
         fast_path = config.fast_path
@@ -731,6 +739,27 @@ class SpecEngine:
         if preempted:
             batch.merge(self._prefill(list(preempted), resume=True))
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids: the tokenizer's, then the target's generation config's (one or a list)."""
+        ids = []
+        gen = getattr(getattr(self.target, "model", None), "generation_config", None)
+        for x in (getattr(self.tokenizer, "eos_token_id", None), getattr(gen, "eos_token_id", None)):
+            for t in (x if isinstance(x, (list, tuple)) else [x]):
+                if t is not None and int(t) not in ids:
+                    ids.append(int(t))
+        return ids
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured outputs (`SamplingParams.structured`) for this engine's tokenizer; `check` refuses
+        a constraint before it is queued."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer: pass tokenizer= to SpecEngine")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
+
     # ---- setup ----------------------------------------------------------------------------------------------
 
     def _make_rows(self, prompts, params, request_ids=None) -> list[_Row]:
@@ -757,6 +786,8 @@ class SpecEngine:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             if p.stop_strings and self.tokenizer is None:
                 raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpecEngine")
+            if p.structured is not None and self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer: pass tokenizer= to SpecEngine")
             if p.logit_bias and p.logit_bias[-1][0] >= vocab:
                 raise ValueError(f"request {i}: logit_bias has token id {p.logit_bias[-1][0]}, outside the vocabulary "
                                  f"[0, {vocab})")
@@ -775,7 +806,8 @@ class SpecEngine:
                              logprobs=None if p.logprobs is None else [],
                              bias=(torch.tensor([t for t, _ in p.logit_bias], device=self.target.device),
                                    torch.tensor([b for _, b in p.logit_bias], device=self.target.device))
-                             if p.logit_bias else None))
+                             if p.logit_bias else None,
+                             grammar=self.grammars.matcher(p.structured) if p.structured is not None else None))
         return rows
 
     def _prefill(self, rows: list[_Row], resume: bool = False) -> Batch:
@@ -1335,7 +1367,9 @@ class SpecEngine:
             if len(r.output) >= p.max_new_tokens:
                 break
             r.output.append(t)
-            if t in p.stop_token_ids:
+            if r.grammar is not None:
+                r.grammar.consume(t)
+            if t in p.stop_token_ids or (r.grammar is not None and r.grammar.ended):
                 r.finish_reason = "stop"
                 break
         if r.finish_reason is None and len(r.output) >= p.max_new_tokens:

@@ -45,7 +45,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     if not top:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
     values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-    return [TokenLogprob(t, lp, tuple(zip(row_ids, row_values)))
+    # a masked token (-inf, a structured output's refusal) is no alternative, and no JSON number either
+    return [TokenLogprob(t, lp, tuple((i, v) for i, v in zip(row_ids, row_values) if v != float("-inf")))
             for t, lp, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())]
 
 

@@ -35,6 +35,7 @@ import torch
 from flashdraft.engine.argmax import argmax, fill_below, kth_largest, largest_sorted, sort_descending
 from flashdraft.engine.logprobs import MAX_LOGPROBS
 from flashdraft.engine.noise import race, race_offsets
+from flashdraft.engine.structured import StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # the output follows this grammar (`structured.py`): the constrained target's distribution is the one sampled
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -90,6 +93,8 @@ class SamplingParams:
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias) or len({t for t, _ in bias}) < len(bias):
             raise ValueError("logit_bias must map distinct token ids >= 0 to biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

@@ -109,7 +109,7 @@ class Server:
         self.scheduler = Scheduler(engine, config.max_batch_size, config.max_queue, config.max_prefill_tokens,
                                    self.metrics, threads=config.threads, kv_cache_positions=self.kv_cache_positions)
         self.pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="flashdraft-tokenize")
-        self.eos_ids = _eos_ids(engine)
+        self.eos_ids = engine.eos_token_ids
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(engine)
@@ -350,17 +350,6 @@ def _longest_token_bytes(tokenizer) -> int:
         return 1 << 40
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     return max(1, longest if type(decoder).__name__ == "ByteLevel" else 4 * longest)
-
-
-def _eos_ids(engine: SpecEngine) -> list[int]:
-    ids = []
-    tok_eos = getattr(engine.tokenizer, "eos_token_id", None)
-    gen = getattr(getattr(engine.target, "model", None), "generation_config", None)
-    for x in (tok_eos, getattr(gen, "eos_token_id", None)):
-        for t in (x if isinstance(x, (list, tuple)) else [x]):
-            if t is not None and int(t) not in ids:
-                ids.append(int(t))
-    return ids
 
 
 def _error(e: APIError, headers: dict | None = None) -> Response:
