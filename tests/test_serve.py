@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from flashdraft.engine import SamplingParams, SpecEngine  # noqa: E402
+from flashdraft.engine import SamplingParams, SpecEngine, StructuredOutput  # noqa: E402
 from flashdraft.engine.noise import NOISE_VERSION  # noqa: E402
 from flashdraft.loading import load_pair  # noqa: E402
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
@@ -331,6 +331,38 @@ def test_penalties_are_served(server, reference):
         assert resp.choices[0].text == expected.text != free.text
 
 
+def test_structured_output_is_served(server, reference):
+    """OpenAI's response_format and vLLM's structured_outputs reach the engine as its StructuredOutput (the
+    constrained target's own text: tests/test_structured.py), in chat, completions and streams."""
+    c, tok = client(server), reference.tokenizer
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "answer in JSON"}]
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    expected = reference(ids, 40, structured=StructuredOutput(json_schema=schema))
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format=fmt)
+    assert chat.choices[0].message.content == expected.text and expected.text.startswith("{")
+    if expected.finish_reason == "stop":
+        assert set(json.loads(expected.text)) == {"ok", "color"}
+    prompt = tok("def add(a, b):")["input_ids"]
+    for spec, body in ((StructuredOutput(regex=r"[a-z]+ = [0-9]{1,3}"), {"regex": r"[a-z]+ = [0-9]{1,3}"}),
+                       (StructuredOutput(choice=("yes", "no")), {"choice": ["yes", "no"]}),
+                       (StructuredOutput(json_object=True), {"json_object": True})):
+        expected = reference(prompt, 24, structured=spec)
+        resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                    extra_body={"structured_outputs": body})
+        assert resp.choices[0].text == expected.text
+        streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            extra_body={"structured_outputs": body}) if chunk.choices)
+        assert streamed == expected.text
+    assert resp.choices[0].text.startswith("{")
+    json_mode = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert json_mode.choices[0].text == resp.choices[0].text
+
+
 def test_batched_prompts_and_n_choices(server, reference):
     """A batch of prompts times n: choice i * n + j is prompt i's j-th, each what the prompt gives served alone
     (greedy: all n the same; seeded: the first choice is the n = 1 request's, the others their own seeds');
@@ -555,7 +587,17 @@ HOSTILE = [
     ("top_logprobs without logprobs", CH, _with(OK_CHAT, top_logprobs=2), 400, "requires 'logprobs': true"),
     ("top_logprobs above 20", CH, _with(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("tools", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("json mode", CH, _with(OK_CHAT, response_format={"type": "json_object"}), 400, "response_format"),
+    ("unknown response_format", CH, _with(OK_CHAT, response_format={"type": "xml"}), 400, "response_format"),
+    ("json_schema without a schema", CH, _with(OK_CHAT, response_format={"type": "json_schema"}), 400,
+     "'json_schema' exactly when"),
+    ("json_schema that cannot compile", C, _with(OK, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objec"}}}), 400, "json_schema cannot be compiled"),
+    ("regex that cannot compile", C, _with(OK, structured_outputs={"regex": "("}), 400, "regex cannot be compiled"),
+    ("two structured kinds", C, _with(OK, structured_outputs={"regex": "a", "choice": ["b"]}), 400, "exactly one"),
+    ("empty choice list", C, _with(OK, structured_outputs={"choice": []}), 400, "choice"),
+    ("unknown structured key", C, _with(OK, structured_outputs={"xml": "a"}), 400, "xml"),
+    ("response_format and structured_outputs", CH, _with(OK_CHAT, response_format={"type": "json_object"},
+                                                         structured_outputs={"regex": "a"}), 400, "not both"),
     ("chat n=17", CH, _with(OK_CHAT, n=17), 400, "'n'"),
     ("chat oversized max_completion_tokens", CH, _with(OK_CHAT, max_completion_tokens=5000), 400,
      "maximum context length"),

@@ -287,6 +287,13 @@ class Server:
         if bias and max(bias) >= self.vocab_size:
             raise APIError(400, f"'logit_bias' has token id {max(bias)}, outside the vocabulary [0, "
                                 f"{self.vocab_size})", param="logit_bias")
+        structured = req.structured_output()
+        if structured is not None:
+            try:
+                self.engine.grammars.check(structured)
+            except ValueError as e:
+                raise APIError(400, str(e), param="structured_outputs" if req.structured_outputs is not None
+                               else "response_format") from None
         top_k = req.top_k or 0
         if top_k < 0 or top_k >= self.vocab_size:  # -1 (vLLM's "off") or a k that keeps every token
             top_k = 0
@@ -300,7 +307,8 @@ class Server:
                 prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                structured=structured)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -10,8 +10,12 @@ failure becomes an `APIError`, rendered as `{"error": {"message", "type", "param
 cannot fail. `openapi_document` is the OpenAPI description (request and response schemas) that the app publishes at
 /openapi.json.
 
-What this module does not know about: the engine (it reads one bound of it, MAX_LOGPROBS), the tokenizer (prompt
-limits that need token counts are checked in `app.py`), HTTP plumbing.
+Structured output comes as OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`), on both endpoints; `structured_output()` turns either into the
+engine's `StructuredOutput` (whether the grammar compiles for this model's tokenizer is the app's check).
+
+What this module does not know about: the engine (it reads one bound of it, MAX_LOGPROBS, and builds its
+`StructuredOutput`), the tokenizer (prompt limits that need token counts are checked in `app.py`), HTTP plumbing.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from flashdraft.engine.logprobs import MAX_LOGPROBS  # alternatives per token a request may ask for
+from flashdraft.engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -108,6 +113,40 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted: the output always follows it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'response_format' takes 'json_schema' exactly when its type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of choices, a Lark grammar, or any
+    JSON object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 def _check_stop(value: Any) -> list[str]:
     if value is None:
         return []
@@ -184,6 +223,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -207,6 +248,25 @@ class _SamplingFields(BaseModel):
     def check_supported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        self.structured_output()
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output must follow, from `response_format` or `structured_outputs` (not both)."""
+        fmt, extra = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and extra is not None:
+            raise APIError(400, "give 'response_format' or 'structured_outputs', not both", param="structured_outputs")
+        try:
+            if extra is not None:
+                return StructuredOutput(json_schema=extra.json_, json_object=bool(extra.json_object),
+                                        regex=extra.regex, choice=tuple(extra.choice or ()), grammar=extra.grammar)
+            if fmt is not None and fmt.type == "json_object":
+                return StructuredOutput(json_object=True)
+            if fmt is not None and fmt.type == "json_schema":
+                return StructuredOutput(json_schema=fmt.json_schema.schema_)
+        except ValueError as e:
+            raise APIError(400, f"'{'structured_outputs' if extra is not None else 'response_format'}': {e}",
+                           param="structured_outputs" if extra is not None else "response_format") from None
+        return None
 
 
 class CompletionRequest(_SamplingFields):
@@ -291,9 +351,6 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
     function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     parallel_tool_calls: bool | None = None
-    response_format: Annotated[dict[str, Any] | None, WithJsonSchema({"anyOf": [
-        {"type": "object", "required": ["type"], "additionalProperties": False,
-         "properties": {"type": {"const": "text"}}}, {"type": "null"}]})] = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="before")
@@ -313,8 +370,6 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise unsupported(name, "tool calling is not implemented")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise unsupported("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
 
     @property
     def max_new_tokens(self) -> int | None:
