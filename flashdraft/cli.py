@@ -28,6 +28,33 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_structured_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE|JSON", help="the output follows this JSON schema")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", help="the whole output matches this regex (Rust regex syntax)")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    s.add_argument("--grammar", metavar="FILE|LARK", help="the output follows this Lark grammar (llguidance's)")
+
+
+def _structured_output(args):
+    """The `--json-schema` / `--json-object` / `--regex` / `--choice` / `--grammar` constraint, or None."""
+    from pathlib import Path
+
+    from flashdraft.engine import StructuredOutput
+
+    def text(value):  # a file's contents, or the value itself
+        path = Path(value)
+        return path.read_text() if len(value) < 4096 and "\n" not in value and path.is_file() else value
+
+    if args.json_schema:
+        return StructuredOutput(json_schema=text(args.json_schema))
+    if args.json_object or args.regex or args.choice or args.grammar:
+        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=tuple(args.choice or ()),
+                                grammar=text(args.grammar) if args.grammar else None)
+    return None
+
+
 def _sampling_params(args, tokenizer):
     from flashdraft.engine import SamplingParams
 
@@ -56,7 +83,7 @@ def run_generate(args) -> int:
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)
         return 2
-    params = replace(_sampling_params(args, tokenizer), logprobs=args.logprobs)
+    params = replace(_sampling_params(args, tokenizer), logprobs=args.logprobs, structured=_structured_output(args))
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
     engine = engine_from_args(args, target, drafter, tokenizer)
     baseline_engine = engine_from_args(args, target, drafter, tokenizer, plain=True) if args.compare else None
@@ -86,7 +113,8 @@ def run_generate(args) -> int:
         report["speedup"] = round(result.stats.tokens_per_second / max(baseline.stats.tokens_per_second, 1e-9), 3)
         # losslessness: against the target's own transformers generate, not against ourselves
         if params.greedy:
-            check = compare_with_target(target, prompt_ids, params, result)
+            check = compare_with_target(target, prompt_ids, params, result, engine.grammars
+                                        if params.structured else None)
             report["identical_to_target_generate"] = check["identical"]
             report["target_generate"] = {"compared_with": TARGET_GENERATE, **check}
         else:
@@ -128,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(g)
     _add_sampling_args(g)
+    _add_structured_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")

@@ -13,17 +13,26 @@ TIE_NOTE = ("floating-point near-ties between a multi-token verify and one-token
             "see the README for the measured rate")
 
 
-def target_greedy_generate(target, prompt_ids: list[int], params) -> list[int]:
+def target_greedy_generate(target, prompt_ids: list[int], params, grammars=None) -> list[int]:
     """The target's own greedy continuation: transformers' `generate(do_sample=False)` through the model's own
     forward on its own (unpacked) weights, none of our fast path, caches or packed kernels. It runs under a clean
     generation config (no penalties or other defaults from the checkpoint's generation_config.json) with our stop
-    ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops."""
+    ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops. A structured
+    output (`params.structured`) masks each step through `grammars` (the engine's `GrammarCompiler`)."""
     import torch
     from transformers import GenerationConfig
 
     stops = list(params.stop_token_ids)
     pad = stops[0] if stops else (target.config.pad_token_id if target.config.pad_token_id is not None else 0)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
+    extra = {}
+    if params.structured is not None:
+        from transformers import LogitsProcessorList
+
+        from flashdraft.engine.structured import GrammarLogitsProcessor
+
+        extra["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(grammars.matcher(params.structured),
+                                                                                 len(prompt_ids))])
     saved = target.generation_config
     target.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=stops or None,
                                                 pad_token_id=pad)
@@ -31,7 +40,7 @@ def target_greedy_generate(target, prompt_ids: list[int], params) -> list[int]:
         with torch.inference_mode():
             out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                                   max_new_tokens=params.max_new_tokens, eos_token_id=stops or None,
-                                  pad_token_id=pad)
+                                  pad_token_id=pad, **extra)
     finally:
         target.generation_config = saved
     tokens = out[0, len(prompt_ids):].tolist()
@@ -41,13 +50,13 @@ def target_greedy_generate(target, prompt_ids: list[int], params) -> list[int]:
     return tokens
 
 
-def compare_with_target(target, prompt_ids: list[int], params, result) -> dict:
+def compare_with_target(target, prompt_ids: list[int], params, result, grammars=None) -> dict:
     """Our greedy output against `target_greedy_generate`, token for token, up to the same stop.
 
     An output cut by a stop string is compared with the same number of the target's tokens (transformers is not
     asked to apply stop strings). Returns {"identical", "tokens", "target_tokens", "first_difference_at"}."""
     ours = list(result.token_ids)
-    ref = target_greedy_generate(target, prompt_ids, params)
+    ref = target_greedy_generate(target, prompt_ids, params, grammars)
     stopped_by_string = (result.finish_reason == "stop" and params.stop_strings
                          and not (ours and ours[-1] in params.stop_token_ids))
     if stopped_by_string:

@@ -176,3 +176,18 @@ class RowGrammar:
             return
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused committed token {token}: {self.matcher.get_error()}")
+
+
+class GrammarLogitsProcessor:
+    """A transformers `generate` logits processor (batch 1) masking each step as the engine does: the constrained
+    target's own one-token-at-a-time decoding, which `--compare` and the benchmarks check the engine against."""
+
+    def __init__(self, grammar: RowGrammar, prompt_len: int):
+        self.grammar, self.prompt_len, self.seen = grammar, prompt_len, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[0, self.prompt_len:].tolist()
+        for t in generated[self.seen:]:
+            self.grammar.consume(t)
+        self.seen = len(generated)
+        return scores.masked_fill(~self.grammar.masks([], 1).to(scores.device), float("-inf"))
