@@ -217,3 +217,50 @@ def test_bad_constraints_are_refused(text_pair):
             StructuredOutput(**kwargs)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         SpecEngine(model).generate([[5, 6]], SamplingParams(structured=SPECS["regex"]))
+
+
+def test_constrained_drafts_are_allowed_and_keep_the_walks_masks(text_pair):
+    """`RowGrammar.constrain` moves each refused draft to its position's best allowed token (the walk going on from
+    it), and the masks it keeps for the verify are the ones a fresh walk over its drafts computes."""
+    model, tok = text_pair
+    engine = SpecEngine(model, None, tok)
+    gen = torch.Generator().manual_seed(0)
+    for spec in (SPECS["schema"], SPECS["regex"], SPECS["grammar"]):
+        grammar = engine.grammars.matcher(spec)
+        fresh = engine.grammars.matcher(spec)
+        for _ in range(3):
+            scores = torch.randn(7, len(tok), generator=gen)
+            drafts = torch.randint(0, len(tok), (7,), generator=gen).tolist()
+            out = grammar.constrain(drafts, scores)
+            masks = fresh.masks(out, 8)
+            for t, token in enumerate(out):
+                if token in engine.eos_token_ids:
+                    break
+                assert masks[t, token]  # allowed after the drafts before it
+                if drafts[t] != token:  # moved: the best allowed by the scores
+                    assert token == int(scores[t].masked_fill(~masks[t], float("-inf")).argmax())
+            assert torch.equal(grammar.masks(out, 8), masks)
+            other = drafts[:1] + out[1:] if drafts[0] != out[0] else [out[0] + 1] + out[1:]
+            assert torch.equal(grammar.masks(other, 8), fresh.masks(other, 8))  # other drafts: walked afresh
+            commit = out[:2] if out[0] not in engine.eos_token_ids else out[:1]
+            for token in commit:  # the walk's masks are dropped at a commit
+                grammar.consume(token)
+                fresh.consume(token)
+            if grammar.ended:
+                break
+
+
+def test_constrained_drafts_raise_acceptance(shipped):
+    """The same greedy requests with the drafts walked through the grammar and as the drafter made them: the same
+    text (the verifier decides it), more accepted drafts."""
+    model, tok, drafter = shipped
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(max_new_tokens=48, stop_token_ids=(tok.eos_token_id,), structured=SPECS["schema"])
+    constrained = SpecEngine(model, drafter, tok, draft_policy="fixed")
+    raw = SpecEngine(model, drafter, tok, draft_policy="fixed")
+    raw._constrain_drafts = lambda *args: None
+    with_walk, without = constrained.generate(prompts, params), raw.generate(prompts, params)
+    assert [r.token_ids for r in with_walk] == [r.token_ids for r in without]
+    accepted = [sum(a - 1 for a in r.stats.acceptance_lengths) for r in with_walk]
+    accepted_raw = [sum(a - 1 for a in r.stats.acceptance_lengths) for r in without]
+    assert sum(accepted) > sum(accepted_raw), (accepted, accepted_raw)

@@ -145,6 +145,8 @@ class DFlash2Proposer(DFlashProposer):
         `confidence`)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.compute_logits(hidden, self.lm_head)
+        if self.keep_scores and not torch.compiler.is_compiling():
+            self.last_scores = logits  # the marginals (`drafted_scores`)
         sampling = noise is None and inverse_temperature is not None
         # the marginal's race over the whole vocabulary (greedy rows: their argmax, replaced by the walk's below)
         raced = marginal_race(logits, noise, inverse_temperature) \
@@ -197,6 +199,8 @@ class DFlash2Proposer(DFlashProposer):
 
     def _proposal(self, drafts, live: int, device):
         tokens, draft_probs, selector, marginal_of, drafted = drafts
+        if self.last_scores is not None:
+            self.last_scores = self.last_scores[:live].to(device)
         if drafted is not None:
             self.last_confidence = DraftConfidence(selector[:live].to(device), drafted[:live].to(device),
                                                    lambda: marginal_of()[:live].to(device))

@@ -56,10 +56,10 @@ from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
-from flashdraft.engine.structured import GrammarCompiler, RowGrammar
 from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
 from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
+from flashdraft.engine.structured import GrammarCompiler, RowGrammar
 from flashdraft.engine.target_kv import DynamicTargetKV, PagedTargetKV
 from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, ShapeChoice, TreeCalibration, add_branch,
                                     best_first, lookup_continuation, stack, tree_attention_mask)
@@ -786,8 +786,6 @@ class SpecEngine:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             if p.stop_strings and self.tokenizer is None:
                 raise ValueError("stop_strings need a tokenizer: pass tokenizer= to SpecEngine")
-            if p.structured is not None and self.tokenizer is None:
-                raise ValueError("structured output needs a tokenizer: pass tokenizer= to SpecEngine")
             if p.logit_bias and p.logit_bias[-1][0] >= vocab:
                 raise ValueError(f"request {i}: logit_bias has token id {p.logit_bias[-1][0]}, outside the vocabulary "
                                  f"[0, {vocab})")
@@ -1061,6 +1059,9 @@ class SpecEngine:
             self.proposer.absorb(batch.proposer_state, written, draft_width, inp.draft_rows)
             context = (written.values.shape[0] * written.values.shape[1], self._clock() - write_started)
             inp.new_features = Features(*(t[:, :0] for t in written.astuple()))  # written: nothing left to write
+        constrained = hasattr(self.proposer, "keep_scores") and any(rows[i].grammar is not None for i in drafting)
+        if hasattr(self.proposer, "keep_scores"):
+            self.proposer.keep_scores = constrained
         drafts, draft_probs = self.proposer.propose(batch.proposer_state, inp, draft_width)
         drafted = min(width, draft_width) - 1  # a lookup continuation may run past the widest drafting row
         if inp.draft_rows is None:
@@ -1070,11 +1071,32 @@ class SpecEngine:
         spliced = []
         if self.lookup_splice and draft_probs is None and drafted > 1:  # drafts with a q keep the drafter's tokens
             spliced = self._splice_lookups(rows, drafting, block[:, :1 + drafted])
+        if constrained and draft_probs is None:  # drafts with a q must stay the q's samples
+            self._constrain_drafts(rows, drafting, block[:, :1 + drafted], noise)
         confidence = self.proposer.drafted_confidence() if self.confidence_trim else None
         if confidence is not None:
             confidence = {i: c for i, c in zip(drafting, confidence[:, :drafted].float().cpu().numpy())
                           if i not in spliced}
         return block, positions, draft_probs, context, confidence
+
+    def _constrain_drafts(self, rows: list[_Row], drafting: list[int], block: torch.Tensor,
+                          noise: list[torch.Tensor] | None) -> None:
+        """The drafts in `block` [b, 1 + k] (in place) of drafting rows whose text follows a grammar, walked through
+        it (`RowGrammar.constrain`): a refused draft becomes its position's best allowed token by the drafter's own
+        logits (sampled rows: its race, log q - log E under the row's noise), so the drafter's guess survives the
+        grammar instead of being rejected for it. Drafts are suggestions: the verifier alone decides the text."""
+        scores = self.proposer.drafted_scores()
+        if scores is None:  # compiled drafts keep no logits
+            return
+        k = block.shape[1] - 1
+        for j, i in enumerate(drafting):
+            r = rows[i]
+            if r.grammar is None:
+                continue
+            row_scores = scores[j, :k].float()
+            if not r.params.greedy and noise is not None:
+                row_scores = torch.log_softmax(row_scores / r.params.temperature, dim=-1) - noise[i][:k].log()
+            block[i, 1:] = torch.tensor(r.grammar.constrain(block[i, 1:].tolist(), row_scores), device=block.device)
 
     def _lookup_copies(self, batch: Batch, widths: list[int]
                        ) -> tuple[dict[int, list[int]], tuple[list[int], float] | tuple[()]]:

@@ -20,7 +20,9 @@ request ids of each row with `needs_histories`.
   verify widths), each propose also leaves in `last_confidence` [rows, k] the drafter's confidence in each token it
   drafted: greedy rows its probability against the runner-up's, p1 / (p1 + p2) (the logits' top-two gap: a full
   softmax cost ~6x the argmax, and predicted acceptance no better on the shipped pair), sampled rows its
-  probability at the row's temperature (the race computes that distribution anyway).
+  probability at the row's temperature (the race computes that distribution anyway). With `keep_scores` set (the
+  engine sets it for cycles where a row's text follows a grammar), an eager propose also leaves the drafter's
+  logits over the draft positions, for `drafted_scores`: the engine moves refused drafts to allowed tokens with them.
   With `compile=True` (`compiled.py`) features arrive in chunks of one block and the write of the last chunk
   and the draft run as ONE compiled graph (one call, one guard check per cycle).
 - `NoProposer`: plain autoregressive decoding (block size 1) through the same engine, the baseline.
@@ -153,6 +155,8 @@ class DFlashProposer:
     needs_histories = False
     confidence = False  # eager drafts leave the drafter's confidence in each draft in `last_confidence`
     last_confidence: torch.Tensor | None = None
+    keep_scores = False  # eager drafts leave the drafter's logits [rows, k, V] in `last_scores`
+    last_scores: torch.Tensor | None = None
 
     def __new__(cls, drafter=None, *args, **kwargs):  # (drafter=None: copy and pickle call it bare)
         if cls is DFlashProposer and getattr(drafter, "candidate_selector", None) is not None:
@@ -221,7 +225,7 @@ class DFlashProposer:
     def propose(self, state: DraftRows, inp: ProposalInput,
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.device
-        self.last_confidence = None
+        self.last_confidence = self.last_scores = None
         if inp.draft_rows is not None:  # some rows draft (eager: compiled steps draft every row)
             if self.compiled:
                 raise RuntimeError("compiled drafting steps draft every row; draft_rows must be None")
@@ -290,10 +294,21 @@ class DFlashProposer:
         and after compiled drafts)."""
         return self.last_confidence
 
+    def drafted_scores(self) -> torch.Tensor | None:
+        """The drafter's logits over the target's vocabulary at the last `propose`'s draft positions [rows, k, V]
+        (-inf outside a reduced draft vocabulary; None without `keep_scores`, and after compiled drafts)."""
+        scores = self.last_scores
+        if scores is None or self.draft_targets is None:
+            return scores
+        full = scores.new_full((*scores.shape[:-1], self.target.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_targets, scores)
+
     def _proposal(self, drafts: torch.Tensor, live: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(drafts [live, k], draft distributions or None for one-hot drafts) from what `_draft_tokens` returned."""
         if self.last_confidence is not None:
             self.last_confidence = self.last_confidence[:live].to(device)
+        if self.last_scores is not None:
+            self.last_scores = self.last_scores[:live].to(device)
         return drafts[:live].to(device), None
 
     def _draft_tokens(self, kv, features, feature_positions, feature_valid, block: torch.Tensor,
@@ -305,6 +320,8 @@ class DFlashProposer:
         `greedy_rows` is not needed here)."""
         hidden = self._draft_hidden(kv, features, feature_positions, feature_valid, block, positions, context_len)
         logits = self.drafter.draft_logits(hidden, self.lm_head)  # over the draft vocabulary
+        if self.keep_scores and not torch.compiler.is_compiling():
+            self.last_scores = logits
         confident = self.confidence and not torch.compiler.is_compiling()
         if noise is None:
             if not confident:
