@@ -363,6 +363,81 @@ def test_structured_output_is_served(server, reference):
     assert json_mode.choices[0].text == resp.choices[0].text
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                             "parameters": {"type": "object", "additionalProperties": False,
+                                                            "required": ["city"],
+                                                            "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["utc", "cet"]}}}}}
+
+
+def test_forced_tool_calls_are_served(server, reference):
+    """tool_choice naming a function, or "required": the output is the calls (the constrained target's own text,
+    its arguments following the schema), returned as tool_calls, streamed as one tool_calls delta."""
+    c, tok = client(server), reference.tokenizer
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    expected = reference(ids, 48, structured=StructuredOutput(json_schema=WEATHER["function"]["parameters"],
+                                                              any_whitespace=False))
+    assert expected.finish_reason == "stop"  # the call finished: it parses
+    resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                     tools=[WEATHER, TIME], tool_choice=named)
+    choice = choice_named = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == expected.text
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo") and call.id.startswith("call_")
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                            tools=[WEATHER, TIME], tool_choice=named, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert not "".join(d.content or "" for d in deltas)
+    streamed = [t for d in deltas for t in d.tool_calls or ()]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", expected.text)]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0,
+                                     tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    choice = resp.choices[0]
+    if choice.finish_reason == "tool_calls":
+        (call,) = choice.message.tool_calls
+        schema = (WEATHER if call.function.name == "get_weather" else TIME)["function"]["parameters"]
+        assert set(json.loads(call.function.arguments)) == set(schema["required"])
+    else:  # cut at max_tokens: the partial call is the content
+        assert choice.finish_reason == "length" and choice.message.content.startswith("[")
+    # the conversation goes on: the assistant's call and the tool's answer render through the template
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                          "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert c.chat.completions.create(model=MODEL, messages=follow, max_tokens=4, temperature=0,
+                                     tools=[WEATHER], tool_choice="none").choices[0].message.tool_calls is None
+    assert choice_named.message.tool_calls[0].id != call.id
+
+
+def test_auto_tool_calls_read_with_the_hermes_parser(pair, reference):
+    """tool_choice "auto" with --tool-call-parser hermes: <tool_call> blocks in the text become tool_calls, the text
+    before them the content, held back in a stream from where a block may begin. The random tiny model is steered
+    into writing one by a regex (structured_outputs), as a trained template would."""
+    app = create_app(make_engine(pair), ServeConfig(model_name=MODEL, max_model_len=MAX_LEN, tool_call_parser="hermes"))
+    regex = r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}</tool_call>'
+    with live(app) as s:
+        c = client(s)
+        body = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], max_tokens=64, temperature=0,
+                    tools=[WEATHER], extra_body={"structured_outputs": {"regex": regex}})
+        choice = c.chat.completions.create(**body).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+        chunks = [ch for ch in c.chat.completions.create(**body, stream=True) if ch.choices]
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        calls = [t for ch in chunks for t in ch.choices[0].delta.tool_calls or ()]
+        assert content == "Sure." and [t.function.arguments for t in calls] == [call.function.arguments]
+        plain = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, tools=[WEATHER])
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
 def test_batched_prompts_and_n_choices(server, reference):
     """A batch of prompts times n: choice i * n + j is prompt i's j-th, each what the prompt gives served alone
     (greedy: all n the same; seeded: the first choice is the n = 1 request's, the others their own seeds');
@@ -586,7 +661,22 @@ HOSTILE = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "images"),
     ("top_logprobs without logprobs", CH, _with(OK_CHAT, top_logprobs=2), 400, "requires 'logprobs': true"),
     ("top_logprobs above 20", CH, _with(OK_CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
-    ("tools", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tools with 'auto' and no parser", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}]),
+     400, "--tool-call-parser"),
+    ("tool_choice names no tool", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+                                            tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "not in 'tools'"),
+    ("tool_choice without tools", CH, _with(OK_CHAT, tool_choice="required"), 400, "needs 'tools'"),
+    ("a tool named twice", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}] * 2,
+                                     tool_choice="required"), 400, "twice"),
+    ("a tool name with spaces", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f g"}}],
+                                          tool_choice="required"), 400, "name"),
+    ("forced call and a response_format", CH, _with(OK_CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+                                                    tool_choice="required", response_format={"type": "json_object"}),
+     400, "cannot be combined"),
+    ("tool message without its call id", CH, _with(OK_CHAT, messages=[{"role": "tool", "content": "4"}]), 400,
+     "tool_call_id"),
+    ("functions", CH, _with(OK_CHAT, functions=[{"name": "f"}]), 400, "functions"),
     ("unknown response_format", CH, _with(OK_CHAT, response_format={"type": "xml"}), 400, "response_format"),
     ("json_schema without a schema", CH, _with(OK_CHAT, response_format={"type": "json_schema"}), 400,
      "'json_schema' exactly when"),

@@ -170,7 +170,7 @@ def test_protocol_messages():
         protocol.parse_body(b'{"model": "m", "prompt": "x", "temperature": "1"}', protocol.CompletionRequest)
     with pytest.raises(protocol.APIError, match="missing required parameter 'messages'"):
         protocol.parse_body(b'{"model": "m"}', protocol.ChatCompletionRequest)
-    with pytest.raises(protocol.APIError, match="'tool_choice' is not supported"):
+    with pytest.raises(protocol.APIError, match="'tool_choice' needs 'tools'"):
         protocol.parse_body(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}',
                             protocol.ChatCompletionRequest)
     req = protocol.parse_body(b'{"model": "m", "prompt": ["abc"], "stop": "\\n", "top_k": -1, "user": "u"}',

@@ -31,19 +31,23 @@ import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """Exactly one of: `json_schema` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
     `regex` (the whole output matches it; Rust regex syntax), `choice` (the output is one of these strings),
-    `grammar` (a Lark grammar, llguidance's dialect)."""
+    `grammar` (a Lark grammar, llguidance's dialect). `any_whitespace=False` makes JSON compact, separators ", " and
+    ": " and no other whitespace (vLLM's `disable_any_whitespace`): a small model given any whitespace can spend its
+    tokens on it."""
 
     json_schema: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] = ()
     grammar: str | None = None
+    any_whitespace: bool = True
 
     def __post_init__(self):
         schema = self.json_schema
@@ -78,10 +82,11 @@ class StructuredOutput:
         """The constraint as an llguidance grammar (validated against a tokenizer by `compile_grammar`)."""
         from llguidance import LLMatcher
 
+        compact = None if self.any_whitespace else COMPACT_JSON
         if self.json_schema is not None:
-            return LLMatcher.grammar_from_json_schema(self.json_schema)
+            return LLMatcher.grammar_from_json_schema(self.json_schema, overrides=compact)
         if self.json_object:
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
         if self.regex is not None:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice:  # Lark string literals take JSON's escapes: any string is one literal

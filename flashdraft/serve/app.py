@@ -50,7 +50,7 @@ from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.engine.logprobs import TokenLogprob
 from flashdraft.engine.noise import NOISE_VERSION
 from flashdraft.memory import engine_bytes_per_position
-from flashdraft.serve import protocol
+from flashdraft.serve import protocol, tools
 from flashdraft.serve.metrics import Metrics
 from flashdraft.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, clip
 from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed, TooLarge
@@ -76,6 +76,7 @@ class ServeConfig:
     max_prompt_bytes: int | None = None  # default: max_model_len x the bytes of the longest vocabulary entry
     tokenizer_workers: int = 2  # threads that parse and tokenize requests (off the event loop)
     kv_cache_bytes: int | None = None  # target + drafter K/V budget; admission waits beyond it (None: no bound)
+    tool_call_parser: str | None = None  # how tool_choice "auto" reads calls out of text (`tools.PARSERS`)
 
 
 def system_fingerprint(engine: SpecEngine) -> str | None:
@@ -247,11 +248,15 @@ class Server:
                                 "cannot format messages; use /v1/completions with a plain prompt", param="messages",
                            code="no_chat_template")
         # the template renders every message's content at least once: a lower bound of the prompt's size
-        self.check_prompt_bytes(sum(len(m.content.encode("utf-8")) for m in req.messages), "messages")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        self.check_prompt_bytes(sum(m.text_bytes for m in req.messages), "messages")
+        if req.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
+            raise APIError(400, "tool_choice 'auto' (the default with 'tools') reads calls out of the model's text: "
+                                "start the server with --tool-call-parser, or send tool_choice 'required', a "
+                                "function or 'none'", param="tool_choice")
+        messages = tools.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                     tokenize=True, return_dict=False)
+                                                     tokenize=True, return_dict=False, tools=req.tool_dicts() or None)
         except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
             raise APIError(400, f"the chat template refused these messages: {clip(str(e), 200)}",
                            param="messages") from None
@@ -292,8 +297,9 @@ class Server:
             try:
                 self.engine.grammars.check(structured)
             except ValueError as e:
-                raise APIError(400, str(e), param="structured_outputs" if req.structured_outputs is not None
-                               else "response_format") from None
+                param = ("tools" if getattr(req, "calls_forced", False) else "structured_outputs"
+                         if req.structured_outputs is not None else "response_format")
+                raise APIError(400, str(e), param=param) from None
         top_k = req.top_k or 0
         if top_k < 0 or top_k >= self.vocab_size:  # -1 (vLLM's "off") or a k that keeps every token
             top_k = 0
@@ -412,6 +418,8 @@ class _Choice:
     pending: list = field(default_factory=list)  # log-probabilities of tokens not yet sent
     sent: int = 0  # log-probabilities sent
     offset: int = 0  # text offset of the next token's (completions' logprobs)
+    text: str = ""  # where the output may hold tool calls: the text so far, and how much of it went out as content
+    shown: int = 0
 
     def result_parts(self, result) -> tuple[str, list | None, int, str]:
         """(text, log-probability entries or None, completion tokens, finish reason) of the choice's result, the
@@ -591,11 +599,14 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             _cancel(states)
             raise
         prompt_tokens = sum(map(len, prompts))
+        # (tool_choice, parser) where the output may hold tool calls (`tools.py`)
+        tooling = (req.effective_tool_choice, cfg.tool_call_parser) \
+            if chat and req.tools and req.effective_tool_choice != "none" else None
         if req.stream:
-            return StreamingResponse(_stream(states, rid, prompt_tokens, chat, req.stream_options),
+            return StreamingResponse(_stream(states, rid, prompt_tokens, chat, req.stream_options, tooling),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, states, rid, prompt_tokens, chat)
+        return await _collect(request, states, rid, prompt_tokens, chat, tooling)
 
     def _cancel(states) -> None:
         """Free the batch slots of the choices still running (their client went away, or one of them failed)."""
@@ -603,7 +614,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             if state.handle is not None and not state.finished:
                 server.scheduler.cancel(state.handle.rid)
 
-    async def _collect(request: Request, states, rid: str, prompt_tokens: int, chat: bool):
+    async def _collect(request: Request, states, rid: str, prompt_tokens: int, chat: bool, tooling):
         """Wait for every choice's result, watching for the client going away (then cancel them all)."""
 
         async def disconnected():
@@ -636,15 +647,20 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         for state, item in zip(states, items):
             text, entries, n, reason = state.result_parts(item.result)
             logprobs = None if entries is None else protocol.logprobs_body(entries, server.token_text, chat)
-            bodies.append(protocol.choice_body(state.index, chat, text, reason, logprobs))
+            calls = None
+            if tooling is not None:
+                text, calls, reason = tools.read_calls(text, tooling[0], reason, tooling[1])
+            bodies.append(protocol.choice_body(state.index, chat, text, reason, logprobs, calls))
             n_out += n
         stats = protocol.merge_stats([server.stats(item.result) for item in items])
         return protocol.completion_body(rid, cfg.model_name, chat, bodies, protocol.usage(prompt_tokens, n_out), stats,
                                         server.fingerprint)
 
-    async def _stream(states, rid: str, prompt_tokens: int, chat: bool, opts):
+    async def _stream(states, rid: str, prompt_tokens: int, chat: bool, opts, tooling):
         """The choices' events as SSE chunks in the order they come, each tagged with its choice's index; a usage
-        chunk (with every choice's statistics merged) and [DONE] once all have finished."""
+        chunk (with every choice's statistics merged) and [DONE] once all have finished. Where the output may hold
+        tool calls, content goes out as far as `tools.visible_content` allows, and the calls in one chunk at the
+        end."""
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         created, merged = int(time.time()), asyncio.Queue()
@@ -692,15 +708,30 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                 if completes:
                     state.n_out += len(item.token_ids)
                     state.pending += item.logprobs or ()
-                if completes and item.text:  # tokens whose text is held back (a partial character, a stop
-                    # string's start) wait for the next chunk with text
-                    yield _sse(chunk(state, item.text, logprobs=logprobs_of(state, state.pending)))
+                text = item.text
+                if completes and text and tooling is not None:  # shown as far as no tool call may have begun
+                    state.text += text
+                    shown = tools.visible_content(state.text, *tooling)
+                    text, state.shown = shown[state.shown:], len(shown)
+                if completes and text:  # tokens whose text is held back (a partial character, a stop string's
+                    # start, a tool call's) wait for the next chunk with text
+                    yield _sse(chunk(state, text, logprobs=logprobs_of(state, state.pending)))
                     state.sent, state.pending = state.sent + len(state.pending), []
                 if item.finished:
                     state.finished = True
                     result = item.result
-                    _, _, state.n_out, reason = state.result_parts(result)
+                    text, _, state.n_out, reason = state.result_parts(result)
                     rest = result.logprobs[state.sent:] if result.logprobs and completes else None
+                    if tooling is not None:
+                        content, calls, reason = tools.read_calls(text, tooling[0], reason, tooling[1])
+                        held = (content or "")[state.shown:]
+                        if held or calls:
+                            body = chunk(state, held, logprobs=logprobs_of(state, rest))
+                            rest = None
+                            if calls:
+                                body["choices"][0]["delta"]["tool_calls"] = [dict(c, index=k)
+                                                                             for k, c in enumerate(calls)]
+                            yield _sse(body)
                     final = chunk(state, None, reason, logprobs=logprobs_of(state, rest))
                     final["dflash"] = server.stats(result)
                     results.append(final["dflash"])

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from flashdraft.args import add_model_args, engine_from_args, int_at_least, int_in
 from flashdraft.memory import memory_budget_arg, resolve_memory_budget
+from flashdraft.serve.tools import PARSERS
 
 API_KEY_ENV = "FLASHDRAFT_API_KEY"
 
@@ -97,6 +98,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the Jinja template /v1/chat/completions formats messages with: a file, or the template "
                         "itself (default: the tokenizer's own; a model without one answers chat requests 400)")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="read tool calls out of the model's text for tool_choice 'auto' (OpenAI's default with "
+                        "tools): hermes = <tool_call>{...}</tool_call> blocks (Qwen2.5 / Qwen3 templates). Without "
+                        "it, 'auto' is a 400; 'required', a named function and 'none' work regardless")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
     return p
@@ -228,7 +233,7 @@ def run_serve(args) -> int:
                          max_queue=args.max_queue, max_prefill_tokens=args.max_prefill_tokens,
                          api_key=api_key, drain_timeout=args.drain_timeout, threads=args.threads,
                          max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                         max_prompt_bytes=args.max_prompt_bytes,
+                         max_prompt_bytes=args.max_prompt_bytes, tool_call_parser=args.tool_call_parser,
                          kv_cache_bytes=args.kv_cache_memory and resolve_memory_budget(args.kv_cache_memory,
                                                                                        engine.target.device))
     app = create_app(engine, config)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from flashdraft.engine.logprobs import MAX_LOGPROBS  # alternatives per token a request may ask for
 from flashdraft.engine.structured import StructuredOutput
+from flashdraft.serve.tools import forced_calls
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -145,6 +146,7 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: separators ", " and ": ", no other whitespace
 
 
 def _check_stop(value: Any) -> list[str]:
@@ -258,7 +260,8 @@ class _SamplingFields(BaseModel):
         try:
             if extra is not None:
                 return StructuredOutput(json_schema=extra.json_, json_object=bool(extra.json_object),
-                                        regex=extra.regex, choice=tuple(extra.choice or ()), grammar=extra.grammar)
+                                        regex=extra.regex, choice=tuple(extra.choice or ()), grammar=extra.grammar,
+                                        any_whitespace=not extra.disable_any_whitespace)
             if fmt is not None and fmt.type == "json_object":
                 return StructuredOutput(json_object=True)
             if fmt is not None and fmt.type == "json_schema":
@@ -315,17 +318,73 @@ class CompletionRequest(_SamplingFields):
             raise unsupported("suffix")
 
 
+_TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: any object)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=_TOOL_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as the server returned it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[Any, WithJsonSchema({"anyOf": [_CONTENT_SCHEMA, {"type": "null"}]})] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages: the calls it made (content may then be null)
+    tool_call_id: str | None = None  # tool messages: the call this answers
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("message 'content' is required (null only for an assistant message with 'tool_calls')")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry 'tool_calls'")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("'tool_call_id' is required on tool messages and only there")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, v):
         """A string, or a list of `{"type": "text", "text": ...}` parts (joined); nothing else (no images)."""
-        if isinstance(v, str):
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list):
             out = []
@@ -340,14 +399,18 @@ class ChatMessage(BaseModel):
             return "".join(out)
         raise ValueError("message 'content' must be a string or a list of text parts")
 
+    @property
+    def text_bytes(self) -> int:
+        return len((self.content or "").encode("utf-8"))
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
-    tool_choice: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
     function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     parallel_tool_calls: bool | None = None
@@ -361,19 +424,47 @@ class ChatCompletionRequest(_SamplingFields):
         return data
 
     def check_supported(self) -> None:
-        super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise unsupported(name, "tool calling is not implemented")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise unsupported(name, "tool calling is not implemented")
+        if self.functions:
+            raise unsupported("functions", "use 'tools'")
+        if self.function_call not in (None, "none"):
+            raise unsupported("function_call", "use 'tool_choice'")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise APIError(400, "'tools' names a function twice", param="tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(400, f"'tool_choice' names {clip(self.tool_choice.function.name)!r}, which is not in "
+                                "'tools'", param="tool_choice")
+        if self.calls_forced and super().structured_output() is not None:
+            raise APIError(400, "a forced tool call ('tool_choice' required or a function) and a structured output "
+                                "cannot be combined", param="tool_choice")
+        super().check_supported()  # last: it builds the structured output, a forced call's from the tools checked
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def effective_tool_choice(self):
+        """OpenAI's default: "auto" with tools, "none" without; a named choice as a dict."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def calls_forced(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A forced tool call's constraint (`tools.forced_calls`), else the request's structured output."""
+        if self.calls_forced:
+            return forced_calls(self.tool_dicts(), self.effective_tool_choice, self.parallel_tool_calls is not False)
+        return super().structured_output()
 
     @property
     def num_logprobs(self) -> int | None:
@@ -517,10 +608,13 @@ def merge_stats(items: list[dict]) -> dict:
     return out
 
 
-def choice_body(index: int, chat: bool, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+def choice_body(index: int, chat: bool, text: str | None, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list | None = None) -> dict:
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
