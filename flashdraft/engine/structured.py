@@ -10,8 +10,10 @@ In a verified block, position t follows the output and drafts 1..t, so its mask 
 the matcher walks the drafts, taking a mask at each position, and rolls back. A draft the grammar refuses ends the
 walk: the target gives it no probability, the verifier rejects it, and no later position of the row can be reached,
 so those positions keep their logits unmasked (no row of -inf for a softmax to turn into NaN). Committed tokens then
-advance the matcher for good (`RowGrammar.consume`). Drafting methods know nothing of the grammar: their refused
-drafts cost acceptance, never correctness.
+advance the matcher for good (`RowGrammar.consume`). Drafting methods know nothing of the grammar; where one leaves
+its logits (DFlash, eager), the engine walks its drafts through the grammar before the verify (`RowGrammar.constrain`:
+a refused draft becomes the best allowed token by those logits, and the walk's masks serve the verify). Drafts only
+steer acceptance: a refused one costs acceptance, never correctness.
 
 When the grammar is complete the mask allows only the end-of-sequence ids; a row that commits one of them ends even
 if its request does not stop at EOS (nothing can follow). A grammar with no allowed token at some position (a dead
