@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from flashdraft.loading import DefaultPairMissing
 
@@ -346,3 +347,26 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None):
         return None, exc.code if isinstance(exc.code, int) else 2
 
 
+def add_structured_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_mutually_exclusive_group()
+    s.add_argument("--json-schema", metavar="FILE|JSON", help="the output follows this JSON schema")
+    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    s.add_argument("--regex", help="the whole output matches this regex (Rust regex syntax)")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    s.add_argument("--grammar", metavar="FILE|LARK", help="the output follows this Lark grammar (llguidance's)")
+
+
+def structured_output_from_args(args):
+    """The `--json-schema` / `--json-object` / `--regex` / `--choice` / `--grammar` constraint, or None."""
+    from flashdraft.engine import StructuredOutput
+
+    def text(value):  # a file's contents, or the value itself
+        path = Path(value)
+        return path.read_text() if len(value) < 4096 and "\n" not in value and path.is_file() else value
+
+    if args.json_schema:
+        return StructuredOutput(json_schema=text(args.json_schema))
+    if args.json_object or args.regex or args.choice or args.grammar:
+        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=tuple(args.choice or ()),
+                                grammar=text(args.grammar) if args.grammar else None)
+    return None

@@ -11,9 +11,9 @@ import json
 import sys
 from dataclasses import replace
 
-from flashdraft.args import (ArgumentParser, add_model_args, apply_threads, engine_from_args, histogram_lines,
-                             int_at_least, int_in, load_models, parse_args, positive_int, run_command, seed_arg,
-                             temperature_arg, top_p_arg)
+from flashdraft.args import (ArgumentParser, add_model_args, add_structured_args, apply_threads, engine_from_args,
+                             histogram_lines, int_at_least, int_in, load_models, parse_args, positive_int, run_command,
+                             seed_arg, structured_output_from_args, temperature_arg, top_p_arg)
 from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
 from flashdraft.engine.logprobs import MAX_LOGPROBS
 
@@ -26,33 +26,6 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="sampling seed: the same seed gives the same text (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def _add_structured_args(p: argparse.ArgumentParser) -> None:
-    s = p.add_mutually_exclusive_group()
-    s.add_argument("--json-schema", metavar="FILE|JSON", help="the output follows this JSON schema")
-    s.add_argument("--json-object", action="store_true", help="the output is a JSON object")
-    s.add_argument("--regex", help="the whole output matches this regex (Rust regex syntax)")
-    s.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
-    s.add_argument("--grammar", metavar="FILE|LARK", help="the output follows this Lark grammar (llguidance's)")
-
-
-def _structured_output(args):
-    """The `--json-schema` / `--json-object` / `--regex` / `--choice` / `--grammar` constraint, or None."""
-    from pathlib import Path
-
-    from flashdraft.engine import StructuredOutput
-
-    def text(value):  # a file's contents, or the value itself
-        path = Path(value)
-        return path.read_text() if len(value) < 4096 and "\n" not in value and path.is_file() else value
-
-    if args.json_schema:
-        return StructuredOutput(json_schema=text(args.json_schema))
-    if args.json_object or args.regex or args.choice or args.grammar:
-        return StructuredOutput(json_object=args.json_object, regex=args.regex, choice=tuple(args.choice or ()),
-                                grammar=text(args.grammar) if args.grammar else None)
-    return None
 
 
 def _sampling_params(args, tokenizer):
@@ -83,7 +56,8 @@ def run_generate(args) -> int:
     if tokenizer is None:
         print("error: the target has no tokenizer; use the Python API with token ids", file=sys.stderr)
         return 2
-    params = replace(_sampling_params(args, tokenizer), logprobs=args.logprobs, structured=_structured_output(args))
+    params = replace(_sampling_params(args, tokenizer), logprobs=args.logprobs,
+                     structured=structured_output_from_args(args))
     prompt_ids = _encode(tokenizer, args.prompt, args.chat)
     engine = engine_from_args(args, target, drafter, tokenizer)
     baseline_engine = engine_from_args(args, target, drafter, tokenizer, plain=True) if args.compare else None
@@ -156,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     add_model_args(g)
     _add_sampling_args(g)
-    _add_structured_args(g)
+    add_structured_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")

@@ -1,6 +1,7 @@
 """The `regenerate` and `train` subcommands end to end on a tiny target with the bundled tokenizer (text prompts)."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def test_cli_regenerate_then_train_uses_tokenizer_mask_token(tmp_path):
     records = [json.loads(line) for f in sorted(regen.glob("shard-*.jsonl")) for line in open(f)]
     assert len(records) == 6 and all("response_text" in r for r in records)
     assert records[0]["prompt_ids"] == tok("Count from 0:")["input_ids"]
+    shaped = tmp_path / "regen_regex"  # answers under a grammar: a drafter for structured traffic
+    assert main(["regenerate", "--target", str(target), "--data", str(prompts), "--output-dir", str(shaped),
+                 "--max-new-tokens", "12", "--no-progress", "--device", "cpu",
+                 "--regex", "[0-9]{1,3}(, [0-9]{1,3})*"]) == 0
+    texts = [json.loads(line)["response_text"] for f in sorted(shaped.glob("shard-*.jsonl")) for line in open(f)]
+    assert len(texts) == 6 and all(re.fullmatch(r"[0-9]{1,3}(, [0-9]{1,3})*,?( [0-9]{0,3})?", t) for t in texts), texts
     out = tmp_path / "run"
     assert main(["train", "--target", str(target), "--data", str(regen), "--output-dir", str(out),
                  "--block-size", "4", "--num-draft-layers", "1", "--max-steps", "2", "--batch-size", "2",

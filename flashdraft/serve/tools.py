@@ -53,7 +53,8 @@ def forced_calls(tools: list[dict], tool_choice, parallel: bool) -> StructuredOu
 def _call(name: str, arguments) -> dict:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def read_calls(text: str, tool_choice, finish_reason: str, parser: str | None) -> tuple[str | None, list | None, str]:

@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
-from flashdraft.args import (ArgumentParser, data_source_arg, device_arg, finite_float_in, float_in, int_at_least,
-                             model_path_arg, output_dir_arg, parse_args, positive_int, run_command, seed_arg,
-                             temperature_arg, top_p_arg)
+from flashdraft.args import (ArgumentParser, add_structured_args, data_source_arg, device_arg, finite_float_in,
+                             float_in, int_at_least, model_path_arg, output_dir_arg, parse_args, positive_int,
+                             run_command, seed_arg, structured_output_from_args, temperature_arg, top_p_arg)
 
 
 def _int_list(text: str) -> list[int]:
@@ -60,6 +60,7 @@ def add_regenerate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--max-prompt-length", type=positive_int, default=None, help="drop prompts longer than this")
+    add_structured_args(p)  # answers under the grammar users will serve with: a drafter for that traffic
     p.add_argument("--device", type=device_arg, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_regenerate)
@@ -84,7 +85,8 @@ def run_regenerate(args) -> int:
         prompts = [p for p in prompts if len(p) <= args.max_prompt_length]
     paths = regenerate(model, prompts, args.output_dir, tokenizer=tokenizer, shard_size=args.shard_size,
                        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, progress=not args.no_progress)
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, progress=not args.no_progress,
+                       structured=structured_output_from_args(args))
     print(json.dumps({"shards": [str(p) for p in paths], "prompts": len(prompts)}))
     return 0
 

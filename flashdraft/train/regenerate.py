@@ -8,6 +8,8 @@ Design:
   lossless engine that serves); greedy by default, or sampled with a per-prompt seed `seed + index`, so a re-run
   regenerates the same shard identically.
 - Under torchrun (or with `rank`/`world_size`), worker r does shards r, r + W, ...; no coordination needed.
+- With `structured` every response follows that grammar (`engine.structured`): the target's answers in the shape
+  users will ask for, so a drafter trained on them drafts that traffic.
 - Each record: `{"index", "prompt_ids", "response_ids", "response_text" (with a tokenizer), "finish_reason"}`;
   `data.record_to_example` turns it into a training example. Generation stops at the target's context length;
   a prompt that fills it gets an empty response (`finish_reason: "prompt_too_long"`, dropped by training).
@@ -56,6 +58,7 @@ def regenerate(
     rank: int | None = None,
     world_size: int | None = None,
     progress: bool = True,
+    structured=None,
 ) -> list[Path]:
     """Write the shards this worker owns; returns the paths of all shards this worker is responsible for.
 
@@ -104,7 +107,8 @@ def regenerate(
                     continue
                 params = [SamplingParams(max_new_tokens=min(max_new_tokens, room(i)), temperature=temperature,
                                          top_p=top_p, top_k=top_k, stop_token_ids=stops,
-                                         seed=None if temperature == 0 else seed + i) for i in batch]
+                                         seed=None if temperature == 0 else seed + i, structured=structured)
+                          for i in batch]
                 for i, res in zip(batch, engine.generate([prompts[i] for i in batch], params)):
                     results[i] = res
                 if bar is not None:
