@@ -8,8 +8,9 @@ simply rejected), in rotating order.
 
 Per constraint and batch size: tokens per second of each engine, the drafting ones' ratio to plain decoding and
 mean tau per request, the share of DFlash's time spent in the grammar (`RowGrammar.masks` and `.constrain`, timed
-in place), and whether the engines produced the same tokens (seeded: they must, at any temperature; exit 1 if not). The constrained outputs are
-other texts than the unconstrained ones, so compare tokens per second, not time per request.
+in place), and whether the engines produced the same tokens (seeded: they must, at any temperature; exit 1 if
+not). The constrained outputs are other texts than the unconstrained ones, so compare tokens per second, not time
+per request.
 
 What this script does not know about: HTTP (the server runs the same engine), the reference check (the tests compare
 constrained outputs with the target's own `generate` under the same mask).
@@ -38,8 +39,8 @@ CONSTRAINTS = {
     "json_object": StructuredOutput(json_object=True),
     "json_schema": StructuredOutput(json_schema={
         "type": "object", "additionalProperties": False, "required": ["name", "args", "returns"],
-        "properties": {"name": {"type": "string", "maxLength": 24}, "args": {"type": "array", "maxItems": 4,
-                                                                            "items": {"type": "string", "maxLength": 12}},
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "args": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 12}},
                        "returns": {"enum": ["None", "int", "str", "list", "dict"]}}}),
 }
 
