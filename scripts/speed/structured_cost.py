@@ -4,7 +4,7 @@ and DFlash with its drafts left as the drafter made them (`SpecEngine._constrain
 simply rejected), in rotating order.
 
     python scripts/speed/structured_cost.py [--batch 1,16] [--num-prompts 32] [--max-tokens 64] [--rounds 2]
-        [--temperature 0] [--threads 1]
+        [--temperature 0] [--threads 1] [--constraints none,regex,json_object,json_schema] [--draft DIR]
 
 Per constraint and batch size: tokens per second of each engine, the drafting ones' ratio to plain decoding and
 mean tau per request, the share of DFlash's time spent in the grammar (`RowGrammar.masks` and `.constrain`, timed
@@ -32,6 +32,7 @@ import engine_concurrency  # noqa: E402
 
 from flashdraft.engine import SamplingParams, StructuredOutput  # noqa: E402
 from flashdraft.engine.structured import RowGrammar  # noqa: E402
+from flashdraft.loading import load_drafter  # noqa: E402
 
 CONSTRAINTS = {
     "none": None,
@@ -88,15 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--constraints", default=",".join(CONSTRAINTS), help="which of the script's constraints")
+    p.add_argument("--draft", default=None, help="another drafter for the shipped target (default: the shipped one)")
     args = p.parse_args(argv)
     target, tokenizer, drafter, prompts = engine_concurrency.shipped_pair("default", args.num_prompts, args.threads)
+    if args.draft:
+        drafter = load_drafter(args.draft, dtype=drafter.dtype, device="cpu")
     engines = {"plain": engine_concurrency.build_engine(target, tokenizer, drafter, None),
                "dflash": engine_concurrency.build_engine(target, tokenizer, drafter, "adaptive"),
                "raw drafts": engine_concurrency.build_engine(target, tokenizer, drafter, "adaptive")}
     engines["raw drafts"]._constrain_drafts = lambda *args: None
     eos = tuple(engines["dflash"].eos_token_ids)
     print(f"temperature {args.temperature}, {len(prompts)} held-out prompts x <= {args.max_tokens} tokens, "
-          f"{args.rounds} rounds, {args.threads} thread(s)")
+          f"{args.rounds} rounds, {args.threads} thread(s), drafter {args.draft or 'shipped'}")
     print("| constraint | rows | plain tok/s | DFlash tok/s | / plain | tau | raw drafts: tok/s | / plain | tau | "
           "grammar, share of DFlash's time | finished (stop) | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -104,7 +109,8 @@ def main(argv=None) -> int:
     for batch in map(int, args.batch.split(",")):
         for engine in engines.values():
             engine_concurrency.warm(engine, prompts, batch, args.temperature)
-        for name, spec in CONSTRAINTS.items():
+        for name in args.constraints.split(","):
+            spec = CONSTRAINTS[name]
             params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=0,
                                     stop_token_ids=eos, structured=spec)
             seconds, tokens, outputs, mask_s = {k: 0.0 for k in engines}, {k: 0 for k in engines}, {}, 0.0
