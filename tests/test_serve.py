@@ -374,7 +374,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 def test_forced_tool_calls_are_served(server, reference):
     """tool_choice naming a function, or "required": the output is the calls (the constrained target's own text,
-    its arguments following the schema), returned as tool_calls, streamed as one tool_calls delta."""
+    its arguments following the schema), returned as tool_calls; a stream sends the arguments as they come."""
     c, tok = client(server), reference.tokenizer
     messages = [{"role": "user", "content": "weather in Paris?"}]
     ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -393,8 +393,10 @@ def test_forced_tool_calls_are_served(server, reference):
                                             tools=[WEATHER, TIME], tool_choice=named, stream=True))
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert not "".join(d.content or "" for d in deltas)
-    streamed = [t for d in deltas for t in d.tool_calls or ()]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", expected.text)]
+    streamed = [t for d in deltas for t in d.tool_calls or ()]  # the arguments as they were generated
+    assert [(t.function.name, t.type, bool(t.id)) for t in streamed if t.function.name] == [
+        ("get_weather", "function", True)] and streamed[0].function.name
+    assert "".join(t.function.arguments for t in streamed) == expected.text and {t.index for t in streamed} == {0}
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
     resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=96, temperature=0,
                                      tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)

@@ -420,6 +420,7 @@ class _Choice:
     offset: int = 0  # text offset of the next token's (completions' logprobs)
     text: str = ""  # where the output may hold tool calls: the text so far, and how much of it went out as content
     shown: int = 0
+    call_id: str | None = None  # a stream's named call, once its first arguments went out
 
     def result_parts(self, result) -> tuple[str, list | None, int, str]:
         """(text, log-probability entries or None, completion tokens, finish reason) of the choice's result, the
@@ -709,6 +710,17 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                     state.n_out += len(item.token_ids)
                     state.pending += item.logprobs or ()
                 text = item.text
+                streamed = tooling is not None and tools.streamed_arguments(tooling[0])
+                if completes and text and streamed:  # a named function's arguments, as they come
+                    call = {"index": 0, "function": {"arguments": text}}
+                    if state.call_id is None:
+                        state.call_id = tools.call_id()
+                        call.update(id=state.call_id, type="function")
+                        call["function"]["name"] = streamed
+                    body = chunk(state, None, logprobs=logprobs_of(state, state.pending))
+                    body["choices"][0]["delta"] = {"tool_calls": [call]}
+                    yield _sse(body)
+                    state.sent, state.pending, text = state.sent + len(state.pending), [], ""
                 if completes and text and tooling is not None:  # shown as far as no tool call may have begun
                     state.text += text
                     shown = tools.visible_content(state.text, *tooling)
@@ -725,6 +737,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                     if tooling is not None:
                         content, calls, reason = tools.read_calls(text, tooling[0], reason, tooling[1])
                         held = (content or "")[state.shown:]
+                        if state.call_id is not None:  # its arguments went out as they came
+                            held, calls = "", None
                         if held or calls:
                             body = chunk(state, held, logprobs=logprobs_of(state, rest))
                             rest = None

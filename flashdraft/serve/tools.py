@@ -6,7 +6,8 @@
   schema); "required" is a JSON array of `{"name", "parameters"}` objects, one of the tools each (one item when
   `parallel_tool_calls` is false), as vLLM defines it, in compact JSON (separators ", " and ": ": arguments are
   for programs, and free whitespace is where small models loop). The text is then exactly the calls: parsing
-  cannot fail on a finished output (a `length` cut leaves the text as content instead).
+  cannot fail on a finished output (a `length` cut leaves the text as content instead). A stream sends a named
+  function's arguments as they are generated (OpenAI's `tool_calls` deltas), `"required"`'s calls whole at the end.
 - `tool_choice: "auto"` (OpenAI's default with tools): the model decides, so its calls must be read out of free text
   in the format its chat template taught it. Only with `flashdraft serve --tool-call-parser hermes`: the
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes-style templates (Qwen2.5, Qwen3);
@@ -53,8 +54,17 @@ def forced_calls(tools: list[dict], tool_choice, parallel: bool) -> StructuredOu
 def _call(name: str, arguments) -> dict:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def streamed_arguments(tool_choice) -> str | None:
+    """The function whose arguments a stream sends as they are generated: a named `tool_choice`'s (its output is
+    the arguments, nothing else), else None (calls go out whole at the end)."""
+    return tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
 
 
 def read_calls(text: str, tool_choice, finish_reason: str, parser: str | None) -> tuple[str | None, list | None, str]:
