@@ -31,17 +31,6 @@ def shard_path(out_dir: Path, index: int) -> Path:
     return Path(out_dir) / f"shard-{index:05d}.jsonl"
 
 
-def stop_token_ids(model, tokenizer=None) -> list[int]:
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(i) for i in src)
-    return sorted(ids)
-
-
 def regenerate(
     model,
     prompts: list[list[int]],
@@ -74,8 +63,8 @@ def regenerate(
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
-    stops = tuple(stop_token_ids(model, tokenizer) if stop_ids is None else stop_ids)
     engine = SpecEngine(model, tokenizer=tokenizer)
+    stops = tuple(engine.eos_token_ids if stop_ids is None else stop_ids)
     max_positions = getattr(engine.target.config, "max_position_embeddings", None) or 10**9
 
     def room(i: int) -> int:
