@@ -152,7 +152,7 @@ class RowGrammar:
     def __init__(self, matcher, vocab_size: int, eos_ids: list[int]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self.ended = False  # an end-of-sequence token was committed
-        self._walk: tuple[list[int], np.ndarray] | None = None  # `constrain`'s drafts and masks until the next commit
+        self._walked: tuple[list[int], np.ndarray] | None = None  # `constrain`'s drafts and masks until the next commit
 
     def _allowed(self) -> np.ndarray:
         bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
@@ -164,36 +164,36 @@ class RowGrammar:
     def masks(self, drafts: list[int], width: int) -> torch.Tensor:
         """Allowed tokens [width, V] (bool) at block positions 0 .. width - 1, position t after drafts[:t]; rows
         past the first draft the grammar refuses allow everything (unreachable, see the module docstring)."""
-        if self._walk is not None:  # the drafts `constrain` walked, or a prefix of them
-            walked, masks = self._walk
+        if self._walked is not None:  # the drafts `constrain` walked, or a prefix of them
+            walked, masks = self._walked
             if width <= len(masks) and list(drafts[:width - 1]) == walked[:width - 1]:
                 return torch.from_numpy(masks[:width])
-        allowed = np.ones((width, self.vocab_size), dtype=bool)
-        walked = 0
-        for t in range(width):
-            allowed[t] = self._allowed()
-            # past an end-of-sequence draft nothing is committed: the walk ends there as at a refused draft
-            if (t == width - 1 or drafts[t] in self.eos_ids or not allowed[t, drafts[t]]
-                    or not self.matcher.consume_token(drafts[t])):
-                break
-            walked += 1
-        if walked:
-            self.matcher.rollback(walked)
-        return torch.from_numpy(allowed)
+        return torch.from_numpy(self._walk(drafts, width)[1])
 
     def constrain(self, drafts: list[int], scores: torch.Tensor) -> list[int]:
         """Drafts [k] walked through the grammar: each refused one (and the walk goes on from it) becomes its
         position's best allowed token by `scores` [k, V] (the drafter's logits, for sampled rows its race's log q - log
         E), so every draft the grammar allows is one the target can accept. The walk's masks are kept for `masks`,
         which the verify of these drafts asks for next."""
-        out, k = list(drafts), len(drafts)
-        allowed = np.ones((k + 1, self.vocab_size), dtype=bool)
+        out, allowed, reached = self._walk(drafts, len(drafts) + 1, scores)
+        self._walked = (out[:reached], allowed[:reached + 1])
+        return out
+
+    def _walk(self, drafts: list[int], width: int, scores: torch.Tensor | None = None):
+        """(drafts, allowed tokens [width, V] at positions 0 .. width - 1, the last position reached): the matcher
+        walks the drafts, taking each position's mask, then rolls back. A refused draft ends the walk, or with
+        `scores` becomes its position's best allowed token; past an end-of-sequence draft nothing is committed, so
+        the walk ends there too."""
+        out = list(drafts)
+        allowed = np.ones((width, self.vocab_size), dtype=bool)
         walked = 0
-        for t in range(k + 1):
+        for t in range(width):
             allowed[t] = self._allowed()
-            if t == k:
+            if t == width - 1:
                 break
             if not allowed[t, out[t]]:
+                if scores is None:
+                    break
                 best = scores[t].float().masked_fill(~torch.from_numpy(allowed[t]).to(scores.device), float("-inf"))
                 out[t] = int(best.argmax())
                 if not allowed[t, out[t]]:  # the drafter puts no finite score on an allowed token
@@ -203,12 +203,11 @@ class RowGrammar:
             walked += 1
         if walked:
             self.matcher.rollback(walked)
-        self._walk = (out[:t], allowed[:t + 1])
-        return out
+        return out, allowed, t
 
     def consume(self, token: int) -> None:
         """A committed token (one the masks allowed). An end-of-sequence id ends the row."""
-        self._walk = None
+        self._walked = None
         if token in self.eos_ids:
             self.ended = True
             return
