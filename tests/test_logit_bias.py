@@ -14,7 +14,7 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.noise import exponential_noise, race
 from flashdraft.loading import load_pair
-from tiny import OracleProposer, make_drafter, make_target
+from tiny import engine_with, make_drafter, make_target
 
 PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
 
@@ -45,12 +45,7 @@ def test_greedy_output_is_the_biased_targets_own(target, fast_path, proposer):
     biases = [bias_for(target, PROMPTS[0]), {}, bias_for(target, PROMPTS[2])]
     expected = [biased_generate(target, p, max_new, b) for p, b in zip(PROMPTS, biases)]
     assert expected[0] != biased_generate(target, PROMPTS[0], max_new, {})  # the bias changes the output
-    if proposer == "oracle":
-        engine = SpecEngine(target, block_size=8, fast_path=fast_path, draft_policy="fixed",
-                            proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], corrupt=0.5, seed=4))
-    else:
-        engine = SpecEngine(target, make_drafter(target, block_size=8) if proposer == "dflash" else None,
-                            fast_path=fast_path)
+    engine = engine_with(proposer, target, PROMPTS, expected, fast_path, seed=4)
     params = [SamplingParams(max_new_tokens=max_new, logit_bias=b) for b in biases]
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
 

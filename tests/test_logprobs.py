@@ -17,7 +17,7 @@ import torch
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.loading import load_pair
-from tiny import OracleProposer, greedy_reference, make_drafter, make_target
+from tiny import engine_with, greedy_reference, make_drafter, make_target
 
 PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
 
@@ -49,12 +49,7 @@ def check_logprobs(result, reference: torch.Tensor, k: int, tol: float) -> None:
 def test_greedy_logprobs_are_the_targets_own(target, fast_path, proposer):
     max_new = 30
     expected = [greedy_reference(target, p, max_new) for p in PROMPTS]
-    if proposer == "oracle":
-        engine = SpecEngine(target, block_size=8, fast_path=fast_path, draft_policy="fixed",
-                            proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], corrupt=0.5, seed=2))
-    else:
-        engine = SpecEngine(target, make_drafter(target, block_size=8) if proposer == "dflash" else None,
-                            fast_path=fast_path)
+    engine = engine_with(proposer, target, PROMPTS, expected, fast_path, seed=2)
     asks = [SamplingParams(max_new_tokens=max_new, logprobs=5), SamplingParams(max_new_tokens=max_new, logprobs=0),
             SamplingParams(max_new_tokens=max_new)]
     results = engine.generate(PROMPTS, asks)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 from flashdraft import SamplingParams, SpecEngine, StructuredOutput
 from flashdraft.engine.noise import exponential_noise, race
 from flashdraft.loading import load_pair
-from tiny import OracleProposer, save_text_pair
+from tiny import engine_with, save_text_pair
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"type": "integer"},
                                            "ok": {"type": "boolean"}},
@@ -91,12 +91,8 @@ def test_greedy_structured_output_is_the_constrained_targets_own(text_pair, fast
     specs = [SPECS["schema"], None, SPECS["regex"]]
     expected = [constrained_generate(model, tok, p, s, max_new, eos) for p, s in zip(prompts, specs)]
     assert expected[0] != constrained_generate(model, tok, prompts[0], None, max_new, eos)  # the grammar acts
-    if proposer == "oracle":  # the constrained output as drafts, corrupted: every acceptance length, refused drafts
-        engine = SpecEngine(model, None, tok, block_size=8, fast_path=fast_path, draft_policy="fixed",
-                            proposer=OracleProposer([p + e for p, e in zip(prompts, expected)], vocab=len(tok),
-                                                    corrupt=0.5, seed=4))
-    else:
-        engine = SpecEngine(model, None, tok, fast_path=fast_path)
+    # oracle: the constrained output as drafts, corrupted: every acceptance length, refused drafts
+    engine = engine_with(proposer, model, prompts, expected, fast_path, tokenizer=tok, seed=4)
     params = [SamplingParams(max_new_tokens=max_new, stop_token_ids=tuple(eos), structured=s) for s in specs]
     results = engine.generate(prompts, params)
     assert [r.token_ids for r in results] == expected

@@ -105,6 +105,21 @@ class OracleProposer:
         return drafts.to(inp.bonus.device), None
 
 
+def engine_with(proposer: str, target, prompts, expected, fast_path=None, tokenizer=None, seed: int = 0):
+    """The engine a parametrized losslessness test runs: "oracle" (the expected continuations as drafts, half the
+    blocks corrupted: every acceptance length, block 8, fixed policy), "dflash" (a random DFlash drafter, block 8) or
+    "none" (plain decoding)."""
+    from flashdraft import SpecEngine
+
+    if proposer == "oracle":
+        oracle = OracleProposer([p + e for p, e in zip(prompts, expected)], corrupt=0.5, seed=seed,
+                                vocab=len(tokenizer) if tokenizer is not None else VOCAB)
+        return SpecEngine(target, None, tokenizer, block_size=8, fast_path=fast_path, draft_policy="fixed",
+                          proposer=oracle)
+    drafter = make_drafter(target, block_size=8) if proposer == "dflash" else None
+    return SpecEngine(target, drafter, tokenizer, fast_path=fast_path)
+
+
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "flashdraft" / "assets" / "default_pair" / "target"
 
 
