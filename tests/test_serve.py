@@ -29,7 +29,8 @@ from flashdraft.loading import load_pair  # noqa: E402
 from flashdraft.serve.app import ServeConfig, create_app  # noqa: E402
 from tiny import save_text_pair  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% if tools %}<|tools|>\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}{% endif %}"
+                 "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MODEL = "tiny"
 MAX_LEN = 384
@@ -377,7 +378,8 @@ def test_forced_tool_calls_are_served(server, reference):
     its arguments following the schema), returned as tool_calls; a stream sends the arguments as they come."""
     c, tok = client(server), reference.tokenizer
     messages = [{"role": "user", "content": "weather in Paris?"}]
-    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                       tools=[WEATHER, TIME]))  # the template lists the tools
     named = {"type": "function", "function": {"name": "get_weather"}}
     expected = reference(ids, 48, structured=StructuredOutput(json_schema=WEATHER["function"]["parameters"],
                                                               any_whitespace=False))
@@ -838,6 +840,57 @@ def test_api_key_and_missing_chat_template(small_server):
         client(s, api_key="sekret").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client(s, api_key="sekret").completions.create(model="other", prompt="x")
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):  # the tokenizer is guarded
+        assert httpx.post(f"{s.url}{path}", json=body).status_code == 401
+        assert httpx.post(f"{s.url}{path}", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_tokenize_gives_the_ids_the_generation_routes_run(server, reference):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the tokenizer's and the ones /v1/completions counts; a
+    conversation's (tools included) the chat template's and the ones /v1/chat/completions counts; detokenize inverts."""
+    tok = reference.tokenizer
+    http = httpx.Client(timeout=30)
+    text = "def add(a, b):\n    return"
+    got = http.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    ids = tok(text)["input_ids"]
+    assert got == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                   "token_strs": tok.convert_ids_to_tokens(ids)}
+    served = client(server).completions.create(model=MODEL, prompt=text, max_tokens=2, temperature=0)
+    assert served.usage.prompt_tokens == got["count"]
+    bare = http.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    counts = []
+    for extra in ({}, {"add_generation_prompt": False}, {"tools": tools}):
+        got = http.post(f"{server.url}/tokenize", json={"messages": messages, **extra}).json()
+        counts.append(got["count"])
+        rendered = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        want = tok.apply_chat_template(rendered, add_generation_prompt=extra.get("add_generation_prompt", True),
+                                       tokenize=True, return_dict=False, tools=extra.get("tools"))
+        assert got["tokens"] == list(want) and got["count"] == len(want), extra
+    assert counts[1] < counts[0] < counts[2]  # the generation prompt and the tools are rendered
+    chat = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens == http.post(f"{server.url}/tokenize", json={"messages": messages}).json()["count"]
+
+    back = http.post(f"{server.url}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert back == {"prompt": tok.decode(ids)} and back["prompt"].endswith(text)
+    assert http.post(f"{server.url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+    for path, body, status, says in (
+            ("/tokenize", {"prompt": ""}, 400, "at least 1 character"),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404, "does not exist"),
+            ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "Unrecognized request argument"),
+            ("/tokenize", {"messages": []}, 400, "messages"),
+            ("/tokenize", {"messages": [{"role": "user"}]}, 400, "content"),
+            ("/tokenize", [1, 2], 400, "JSON object"),
+            ("/detokenize", {"tokens": [10 ** 6]}, 400, "outside the vocabulary"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "1 2"}, 400, "list"),
+            ("/detokenize", {}, 400, "tokens")):
+        resp = http.post(f"{server.url}{path}", json=body)
+        assert resp.status_code == status and says in resp.json()["error"]["message"], (path, body, resp.text)
 
 
 def test_graceful_shutdown_finishes_in_flight_streams(pair):

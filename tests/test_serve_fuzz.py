@@ -33,7 +33,7 @@ def test_openapi_document_is_served_and_valid(tiny_server):
     doc = httpx.get(f"{tiny_server.url}/openapi.json", timeout=10).json()
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{name}",
-                                 "/health", "/metrics", "/openapi.json"}
+                                 "/tokenize", "/detokenize", "/health", "/metrics", "/openapi.json"}
     body = doc["components"]["schemas"]["CompletionRequest"]
     assert body["properties"]["model"]["enum"] == ["tiny"] and "prompt" in body["required"]
     assert body["additionalProperties"] is False
@@ -47,7 +47,7 @@ def test_fuzz_every_route(tiny_server):
     # every route but /openapi.json itself (schemathesis leaves out the operation that serves the schema), both modes
     routes = {label.rsplit(" [", 1)[0] for label in report["runs"]}
     assert routes == {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{name}",
-                      "GET /health", "GET /metrics"}
+                      "POST /tokenize", "POST /detokenize", "GET /health", "GET /metrics"}
     for label in ("POST /v1/completions", "POST /v1/chat/completions"):
         for mode in ("positive", "negative"):
             assert report["runs"][f"{label} [{mode}]"]["examples"] == EXAMPLES

@@ -52,7 +52,8 @@ from flashdraft.engine.noise import NOISE_VERSION
 from flashdraft.memory import engine_bytes_per_position
 from flashdraft.serve import protocol, tools
 from flashdraft.serve.metrics import Metrics
-from flashdraft.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, clip
+from flashdraft.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeChatRequest, clip)
 from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed, TooLarge
 
 log = logging.getLogger("flashdraft.serve")
@@ -193,7 +194,7 @@ class Server:
     async def prepare(self, raw: bytes, chat: bool):
         """(request, the prompts' ids, the choices) of a raw body (`_prepare`); parsing and tokenizing run in the
         worker threads."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._prepare, raw, chat)
+        return await self.run_in_pool(self._prepare, raw, chat)
 
     def _prepare(self, raw: bytes, chat: bool):
         """The choices are (prompt index, SamplingParams), choice i * n + j for prompt i: every prompt of a batched
@@ -243,16 +244,20 @@ class Server:
         return list(prompt)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if req.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
+            raise APIError(400, "tool_choice 'auto' (the default with 'tools') reads calls out of the model's text: "
+                                "start the server with --tool-call-parser, or send tool_choice 'required', a "
+                                "function or 'none'", param="tool_choice")
+        return self.render_chat(req)
+
+    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The ids of a conversation (messages, tools, generation prompt) through the chat template."""
         if not self.has_chat_template:
             raise APIError(400, f"the model '{self.config.model_name}' has no chat template, so /v1/chat/completions "
                                 "cannot format messages; use /v1/completions with a plain prompt", param="messages",
                            code="no_chat_template")
         # the template renders every message's content at least once: a lower bound of the prompt's size
         self.check_prompt_bytes(sum(m.text_bytes for m in req.messages), "messages")
-        if req.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
-            raise APIError(400, "tool_choice 'auto' (the default with 'tools') reads calls out of the model's text: "
-                                "start the server with --tool-call-parser, or send tool_choice 'required', a "
-                                "function or 'none'", param="tool_choice")
         messages = tools.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
@@ -267,6 +272,41 @@ class Server:
         if not ids:
             raise APIError(400, "the messages render to an empty prompt", param="messages")
         return list(ids)
+
+    # ---- /tokenize and /detokenize (vLLM's), in a worker thread ---------------------------------------------------
+
+    async def run_in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def tokenize(self, raw: bytes) -> dict:
+        """The ids the generation routes would run for a prompt or a conversation, without running them: `count`
+        against `max_model_len` tells a client whether (and how much of) a request fits."""
+        req = protocol.parse_body(raw, protocol.tokenize_request_model)
+        if req.model is not None:
+            self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self.render_chat(req)
+        else:
+            self.check_prompt_bytes(len(req.prompt.encode("utf-8")), "prompt")
+            try:
+                ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            except Exception as e:
+                raise APIError(400, f"the prompt could not be tokenized: {clip(str(e), 200)}", param="prompt") \
+                    from None
+        body = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": None}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    def detokenize(self, raw: bytes) -> dict:
+        req = protocol.parse_body(raw, DetokenizeRequest)
+        if req.model is not None:
+            self.check_model(req.model)
+        bad = [t for t in req.tokens if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"'tokens' has ids outside the vocabulary [0, {self.vocab_size}): {clip(bad[:5])}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def sampling_params(self, req, prompt_len: int, max_tokens: int | None, default_max: int | None) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -439,13 +479,14 @@ def _sse(obj) -> str:
 
 
 class BearerAuth:
-    """Pure ASGI middleware (streams and disconnects pass through untouched): /v1/* needs `Bearer <api_key>`."""
+    """Pure ASGI middleware (streams and disconnects pass through untouched): /v1/*, /tokenize and /detokenize need
+    `Bearer <api_key>`."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(protocol.GUARDED_PATHS):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -574,6 +615,14 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
     async def model(name: str):
         server.check_model(name)
         return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.run_in_pool(server.tokenize, await server.read_body(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await server.run_in_pool(server.detokenize, await server.read_body(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

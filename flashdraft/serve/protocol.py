@@ -2,7 +2,7 @@
 
 Requests are validated strictly: wrong JSON types are refused (no "1" -> 1 coercion), unknown fields are refused
 as the OpenAI API does ("Unrecognized request argument supplied"), and options this server knows but does not
-implement (best_of, tools, ...) are refused with a message naming the option, never silently
+implement (best_of, suffix, ...) are refused with a message naming the option, never silently
 ignored. Numbers must be finite (JSON's NaN / Infinity extensions are refused as "must be a finite number", not as
 out of range), every string, keys included, must be encodable as UTF-8 (a lone UTF-16 surrogate such as "\\ud800"
 is a 400 naming where it is), and whatever a client sent that an error message echoes is clipped (`clip`). Every
@@ -13,6 +13,7 @@ cannot fail. `openapi_document` is the OpenAPI description (request and response
 Structured output comes as OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's `structured_outputs`
 (`json`, `regex`, `choice`, `grammar`, `json_object`), on both endpoints; `structured_output()` turns either into the
 engine's `StructuredOutput` (whether the grammar compiles for this model's tokenizer is the app's check).
+vLLM's /tokenize (a prompt or a conversation) and /detokenize have request models of their own here.
 
 What this module does not know about: the engine (it reads one bound of it, MAX_LOGPROBS, and builds its
 `StructuredOutput`), the tokenizer (prompt limits that need token counts are checked in `app.py`), HTTP plumbing.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
@@ -472,10 +474,49 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class _TokenizerFields(BaseModel):
+    """Fields of vLLM's /tokenize and /detokenize (`model` optional, as there; checked when given)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+
+    def check_supported(self) -> None:
+        pass
+
+
+class TokenizeCompletionRequest(_TokenizerFields):
+    """/tokenize of a plain prompt: the ids /v1/completions would run (`add_special_tokens` as the tokenizer's call)."""
+
+    prompt: str = Field(min_length=1)
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_TokenizerFields):
+    """/tokenize of a conversation: the ids /v1/chat/completions would run for these messages and tools."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+
+def tokenize_request_model(data: dict) -> type[BaseModel]:
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(_TokenizerFields):
+    tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(max_length=1 << 20)
+
+
 # ---- parsing: bytes -> validated model, every failure an APIError(400) ----------------------------------------
 
 
-def parse_body(raw: bytes, model_cls: type[BaseModel]):
+def parse_body(raw: bytes, model_cls: type[BaseModel] | Callable[[dict], type[BaseModel]]):
+    """`model_cls`: the request's model, or a function of the parsed object choosing it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -491,6 +532,8 @@ def parse_body(raw: bytes, model_cls: type[BaseModel]):
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     check_unicode(data)
+    if not isinstance(model_cls, type):
+        model_cls = model_cls(data)
     try:
         request = model_cls.model_validate(data)
     except ValidationError as e:
@@ -721,6 +764,15 @@ _HEALTH = {"type": "object", "required": ["status", "running", "waiting", "cycle
                           "running": {"type": "integer", "minimum": 0}, "waiting": {"type": "integer", "minimum": 0},
                           "cycles": {"type": "integer", "minimum": 0}}}
 
+_TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+              "properties": {"count": {"type": "integer", "minimum": 0},
+                             "max_model_len": {"type": "integer", "minimum": 1},
+                             "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                             "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                      {"type": "null"}]}}}
+_DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+GUARDED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what an API key protects (/health, /metrics stay open)
+
 
 def openapi_document(model_name: str, auth: bool = False, max_model_len: int | None = None,
                      vocab_size: int | None = None, version: str = "0.1.0") -> dict:
@@ -730,7 +782,9 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
     (a prompt's length in tokens still cannot be stated: a schema-valid request may be refused for its context)."""
     from pydantic.json_schema import models_json_schema
 
-    _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+    _, defs = models_json_schema([(m, "validation") for m in (CompletionRequest, ChatCompletionRequest,
+                                                              TokenizeCompletionRequest, TokenizeChatRequest,
+                                                              DetokenizeRequest)],
                                  ref_template="#/components/schemas/{model}")
     schemas = copy.deepcopy(defs.get("$defs", {}))  # (WithJsonSchema dicts are shared with the models)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
@@ -752,8 +806,14 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
                 string = {"type": "string", "minLength": 1}
                 batches = [{"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": s} for s in (string, ids)]
                 props["prompt"] = {"anyOf": [string, ids, *batches], "description": _PROMPT_SCHEMA["description"]}
+    for name in ("TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
+        schemas[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
+                                                "default": None}
+    if vocab_size:
+        schemas["DetokenizeRequest"]["properties"]["tokens"]["items"] = {"type": "integer", "minimum": 0,
+                                                                         "maximum": vocab_size - 1}
     schemas.update(Error=_ERROR, Completion=_COMPLETION, ModelCard=_MODEL_CARD, ModelList=_MODEL_LIST,
-                   Health=_HEALTH)
+                   Health=_HEALTH, Tokenized=_TOKENIZED, Detokenized=_DETOKENIZED)
 
     def ref(name):
         return {"$ref": f"#/components/schemas/{name}"}
@@ -777,6 +837,13 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
                                               "text/event-stream": {"schema": _SSE_EVENT}}},
                           **generate_errors}}}
 
+    def tokenizer_route(summary, body, answer):
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": {"description": answer[1], "content": {"application/json": {"schema": ref(answer[0])}}},
+                          **{k: v for k, v in generate_errors.items() if k != "429"}}}}
+
     doc = {
         "openapi": "3.1.0",
         "info": {"title": "flashdraft", "version": version,
@@ -793,6 +860,12 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
                 "responses": {"200": {"description": "the model card",
                                       "content": {"application/json": {"schema": ref("ModelCard")}}},
                               "404": error("unknown model"), **v1_errors}}},
+            "/tokenize": tokenizer_route(
+                "The token ids a prompt or a conversation runs as (vLLM's /tokenize)",
+                {"anyOf": [ref("TokenizeCompletionRequest"), ref("TokenizeChatRequest")]},
+                ("Tokenized", "the ids, their count and the context length")),
+            "/detokenize": tokenizer_route("The text of token ids (vLLM's /detokenize)", ref("DetokenizeRequest"),
+                                           ("Detokenized", "the text")),
             "/health": {"get": {"summary": "Liveness and load", "responses": {
                 "200": {"description": "serving", "content": {"application/json": {"schema": ref("Health")}}},
                 "503": {"description": "draining or stopped",
@@ -807,7 +880,7 @@ def openapi_document(model_name: str, auth: bool = False, max_model_len: int | N
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in doc["paths"].items():
-            if path.startswith("/v1"):
+            if path.startswith(GUARDED_PATHS):
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     return doc
