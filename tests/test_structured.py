@@ -215,6 +215,42 @@ def test_bad_constraints_are_refused(text_pair):
         SpecEngine(model).generate([[5, 6]], SamplingParams(structured=SPECS["regex"]))
 
 
+def test_compiled_grammars_are_kept_and_each_request_gets_its_own_copy(text_pair, monkeypatch):
+    """A spec compiles once (equal schemas given as a dict and as text count as one); each matcher is an
+    independent copy: one row's committed tokens leave the next row's start, and every copy walks as a freshly
+    compiled llguidance matcher does; the least recently used compile leaves past the limit."""
+    from flashdraft.engine import structured
+
+    model, tok = text_pair
+    compiler = SpecEngine(model, None, tok).grammars
+    eos = compiler.eos_ids
+    compiles = []
+    real = structured.StructuredOutput.llguidance_grammar
+    monkeypatch.setattr(structured.StructuredOutput, "llguidance_grammar",
+                        lambda spec: compiles.append(spec.kind) or real(spec))
+    schema = json.loads(SPECS["schema"].json_schema)
+    first = compiler.matcher(StructuredOutput(json_schema=schema))
+    compiler.check(StructuredOutput(json_schema=json.dumps(schema, indent=1)))
+    second = compiler.matcher(SPECS["schema"])
+    assert compiles == ["json_schema"]
+    text = tok.encode('{"name": "ab"')
+    reference = LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=eos), real(SPECS["schema"]))
+    for t in text:
+        first.consume(t)  # one request's tokens ...
+        assert reference.consume_token(t)
+    assert torch.equal(second.masks([], 1)[0], allowed_ids(compiler.matcher(SPECS["schema"]).matcher, len(tok)))
+    start = LLMatcher(llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=eos), real(SPECS["schema"]))
+    assert torch.equal(second.masks([], 1)[0], allowed_ids(start, len(tok)))  # ... leave another's start alone
+    assert torch.equal(first.masks([], 1)[0], allowed_ids(reference, len(tok)))
+    monkeypatch.setattr(structured, "COMPILED_GRAMMARS", 2)
+    compiler.matcher(SPECS["regex"])
+    compiler.matcher(SPECS["schema"])  # used again: the regex is now the oldest
+    compiler.matcher(SPECS["choice"])
+    compiler.matcher(SPECS["schema"])
+    compiler.matcher(SPECS["regex"])
+    assert compiles == ["json_schema", "regex", "choice", "regex"]
+
+
 def test_constrained_drafts_are_allowed_and_keep_the_walks_masks(text_pair):
     """`RowGrammar.constrain` moves each refused draft to its position's best allowed token (the walk going on from
     it), and the masks it keeps for the verify are the ones a fresh walk over its drafts computes."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +82,7 @@ class StructuredOutput:
         return next(k for k in KINDS if getattr(self, k))
 
     def llguidance_grammar(self) -> str:
-        """The constraint as an llguidance grammar (validated against a tokenizer by `compile_grammar`)."""
+        """The constraint as an llguidance grammar (validated against a tokenizer by `GrammarCompiler`)."""
         from llguidance import LLMatcher
 
         compact = None if self.any_whitespace else COMPACT_JSON
@@ -96,14 +97,24 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
+COMPILED_GRAMMARS = 64  # compiled constraints a compiler keeps (least recently used out)
+
+
 class GrammarCompiler:
     """One engine's llguidance tokenizer (built once, at the first structured request: ~0.1 s at 8k tokens, ~1 s at
-    150k) and the matchers of its requests. Refuses, with llguidance's message, a constraint it cannot compile."""
+    150k) and the matchers of its requests. Refuses, with llguidance's message, a constraint it cannot compile.
+
+    Compiled constraints are kept (the last `COMPILED_GRAMMARS`, by `StructuredOutput`, which compares equal for
+    equal schemas) and each request's matcher is a copy of one (~10-100 us against 1-10 ms to compile): the server
+    compiles while it validates a request, on a worker thread, so the scheduler thread that runs every row's cycle
+    does not (a request's n choices, and clients that send the same schema or tools again, share one compile)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self._tokenizer = None
         self._lock = threading.Lock()  # the server's event loop validates while its scheduler thread compiles
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()  # spec -> its pristine LLMatcher
+        self._compiled_lock = threading.Lock()
 
     def tokenizer(self):
         with self._lock:
@@ -124,8 +135,20 @@ class GrammarCompiler:
                                                                eos_token=self.eos_ids)
             return self._tokenizer
 
-    def check(self, spec: StructuredOutput) -> str:
-        """The llguidance grammar of `spec`, or ValueError naming what is wrong with it."""
+    def check(self, spec: StructuredOutput) -> None:
+        """ValueError naming what is wrong with `spec` if it cannot compile for this tokenizer; compiled and kept
+        otherwise."""
+        self._compile(spec)
+
+    def matcher(self, spec: StructuredOutput) -> "RowGrammar":
+        """A fresh place in `spec`'s grammar, for one request."""
+        return RowGrammar(self._compile(spec).deep_copy(), self.vocab_size, self.eos_ids)
+
+    def _compile(self, spec: StructuredOutput):
+        with self._compiled_lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
         from llguidance import LLMatcher
 
         try:
@@ -135,15 +158,14 @@ class GrammarCompiler:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer())
         if error and not error.startswith("WARNING"):
             raise ValueError(f"{spec.kind} cannot be compiled: {error.strip().splitlines()[0]}")
-        return grammar
-
-    def matcher(self, spec: StructuredOutput) -> "RowGrammar":
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self.tokenizer(), self.check(spec), log_level=0)
+        matcher = LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{spec.kind} cannot be compiled: {matcher.get_error()}")
-        return RowGrammar(matcher, self.vocab_size, self.eos_ids)
+        with self._compiled_lock:  # (two threads compiling the same spec at once keep the later: equal matchers)
+            self._compiled[spec] = matcher
+            while len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return matcher
 
 
 class RowGrammar:
