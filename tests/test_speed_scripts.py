@@ -243,6 +243,14 @@ def test_logprobs_cost_script_smoke(capsys):
     assert capsys.readouterr().out.count("| True |") == 6
 
 
+def test_grammar_compile_script_smoke(capsys):
+    import grammar_compile
+
+    assert grammar_compile.main(["--reps", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| json")]
+    assert len(rows) == 3
+
+
 def test_excluded_tokens_script_smoke(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lossless"))
     import excluded_tokens
