@@ -31,7 +31,9 @@ from tiny import save_text_pair  # noqa: E402
 
 CHAT_TEMPLATE = ("{% if tools %}<|tools|>\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}{% endif %}"
                  "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+                 "{% if add_generation_prompt %}<|assistant|>\n"
+                 "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                 "{% endif %}")
 MODEL = "tiny"
 MAX_LEN = 384
 
@@ -843,6 +845,40 @@ def test_api_key_and_missing_chat_template(small_server):
     for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):  # the tokenizer is guarded
         assert httpx.post(f"{s.url}{path}", json=body).status_code == 401
         assert httpx.post(f"{s.url}{path}", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_chat_template_kwargs_and_a_continued_final_message(server, reference):
+    """vLLM's chat fields: `chat_template_kwargs` reach the template (Qwen3's enable_thinking), and
+    `continue_final_message` continues the assistant's last message instead of closing it; the text is what the
+    target gives those ids, which /tokenize reports too."""
+    c, tok, http = client(server), reference.tokenizer, httpx.Client(timeout=30)
+    ask = [{"role": "user", "content": "write add"}]
+    plain = tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=True, return_dict=False)
+    quiet = tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                    enable_thinking=False)
+    assert len(quiet) > len(plain)
+    resp = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, temperature=0,
+                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert resp.usage.prompt_tokens == len(quiet) and resp.choices[0].message.content == reference(quiet, 12).text
+    continued = ask + [{"role": "assistant", "content": "def add(a, b):"}]
+    ids = tok.apply_chat_template(continued, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tok.decode(ids).endswith("def add(a, b):")  # the message left open: no end of turn after it
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    resp = c.chat.completions.create(model=MODEL, messages=continued, max_tokens=12, temperature=0, extra_body=body)
+    assert resp.usage.prompt_tokens == len(ids) and resp.choices[0].message.content == reference(ids, 12).text
+    assert http.post(f"{server.url}/tokenize", json={"messages": continued, **body}).json()["tokens"] == list(ids)
+    kwargs = {"messages": ask, "chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post(f"{server.url}/tokenize", json=kwargs).json()["tokens"] == list(quiet)
+    chat = {"model": MODEL, "messages": continued, "max_tokens": 2}
+    for body, says in (({"continue_final_message": True}, "add_generation_prompt"),
+                       ({"messages": ask, "continue_final_message": True, "add_generation_prompt": False},
+                        "the assistant's"),
+                       ({"chat_template_kwargs": {"tokenize": False}}, "cannot set 'tokenize'"),
+                       ({"chat_template_kwargs": {"messages": []}}, "cannot set 'messages'"),
+                       ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        for path, base in (("/v1/chat/completions", chat), ("/tokenize", {"messages": continued})):
+            resp = http.post(f"{server.url}{path}", json={**base, **body})
+            assert resp.status_code == 400 and says in resp.json()["error"]["message"], (path, body, resp.text)
 
 
 def test_tokenize_gives_the_ids_the_generation_routes_run(server, reference):

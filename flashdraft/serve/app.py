@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import inspect
 import json
 import logging
 import time
@@ -113,6 +114,9 @@ class Server:
         self.pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="flashdraft-tokenize")
         self.eos_ids = engine.eos_token_ids
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        # names chat_template_kwargs may not use: apply_chat_template's own parameters, and the template's messages
+        self.template_parameters = {name for name, p in inspect.signature(self.tokenizer.apply_chat_template)
+                                    .parameters.items() if p.kind is not p.VAR_KEYWORD} | {"messages"}
         self.created = int(time.time())
         self.fingerprint = system_fingerprint(engine)
         # a token id's string in log-probability responses (vLLM's convention: the token decoded alone)
@@ -259,9 +263,17 @@ class Server:
         # the template renders every message's content at least once: a lower bound of the prompt's size
         self.check_prompt_bytes(sum(m.text_bytes for m in req.messages), "messages")
         messages = tools.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        extra = req.chat_template_kwargs or {}
+        taken = sorted(set(extra) & self.template_parameters)
+        if taken:
+            raise APIError(400, f"'chat_template_kwargs' cannot set {clip(taken[0])!r}, a parameter of the template "
+                                "call itself (use the request field, where there is one)",
+                           param="chat_template_kwargs")
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                     tokenize=True, return_dict=False, tools=req.tool_dicts() or None)
+                                                     continue_final_message=req.continue_final_message,
+                                                     tokenize=True, return_dict=False, tools=req.tool_dicts() or None,
+                                                     **extra)
         except Exception as e:  # jinja raises for conversations the template refuses (e.g. role order)
             raise APIError(400, f"the chat template refused these messages: {clip(str(e), 200)}",
                            param="messages") from None

@@ -322,6 +322,7 @@ class CompletionRequest(_SamplingFields):
 
 _TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs entries (e.g. Qwen3's enable_thinking)
 
 
 class FunctionDefinition(BaseModel):
@@ -406,6 +407,17 @@ class ChatMessage(BaseModel):
         return len((self.content or "").encode("utf-8"))
 
 
+def check_template_fields(req) -> None:
+    """vLLM's rules for continuing the last message: it is the assistant's, and no generation prompt follows it."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise APIError(400, "'continue_final_message' continues the last message: send 'add_generation_prompt': "
+                                "false with it", param="continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise APIError(400, "'continue_final_message' needs the last message to be the assistant's, got "
+                                f"{req.messages[-1].role!r}", param="continue_final_message")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -417,6 +429,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)  # vLLM's
 
     @model_validator(mode="before")
     @classmethod
@@ -426,6 +440,7 @@ class ChatCompletionRequest(_SamplingFields):
         return data
 
     def check_supported(self) -> None:
+        check_template_fields(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         if self.functions:
@@ -497,8 +512,13 @@ class TokenizeChatRequest(_TokenizerFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        check_template_fields(self)
 
     def tool_dicts(self) -> list[dict]:
         return [t.model_dump(exclude_none=True) for t in self.tools or ()]
