@@ -881,6 +881,37 @@ def test_chat_template_kwargs_and_a_continued_final_message(server, reference):
             assert resp.status_code == 400 and says in resp.json()["error"]["message"], (path, body, resp.text)
 
 
+def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(server, reference):
+    """vLLM's truncate_prompt_tokens: the text is what the target gives the prompt's last k tokens (a string's, a
+    token list's, a conversation's as rendered), echo shows them; -1 keeps max_model_len."""
+    c, tok, http = client(server), reference.tokenizer, httpx.Client(timeout=30)
+    text = "import os\nimport sys\n\ndef main(argv):\n    "
+    ids = tok(text)["input_ids"]
+    resp = c.completions.create(model=MODEL, prompt=[text, ids], max_tokens=8, temperature=0, echo=True,
+                                extra_body={"truncate_prompt_tokens": 6})
+    for choice in resp.choices:
+        assert choice.text == tok.decode(ids[-6:]) + reference(ids[-6:], 8).text
+    assert resp.usage.prompt_tokens == 12
+    long = (ids * 40)[:MAX_LEN + 10]  # longer than the context: refused unless truncated
+    body = {"model": MODEL, "prompt": long, "max_tokens": 4, "temperature": 0}
+    assert http.post(f"{server.url}/v1/completions", json=body).status_code == 400
+    for keep, kept in ((MAX_LEN - 4, MAX_LEN - 4), (-1, MAX_LEN)):
+        resp = http.post(f"{server.url}/v1/completions", json={**body, "truncate_prompt_tokens": keep})
+        if kept + 4 > MAX_LEN:  # the whole context kept leaves no room for max_tokens
+            assert resp.status_code == 400 and "maximum context length" in resp.json()["error"]["message"]
+            continue
+        assert resp.json()["usage"]["prompt_tokens"] == kept
+        assert resp.json()["choices"][0]["text"] == reference(long[-kept:], 4).text
+    ask = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "write add"}]
+    rendered = tok.apply_chat_template(ask, add_generation_prompt=True, tokenize=True, return_dict=False)
+    chat = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=8, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5 and chat.choices[0].message.content == reference(rendered[-5:], 8).text
+    for bad in (0, -2, "5"):
+        resp = http.post(f"{server.url}/v1/completions", json={**body, "truncate_prompt_tokens": bad})
+        assert resp.status_code == 400 and "truncate_prompt_tokens" in resp.json()["error"]["message"], resp.text
+
+
 def test_tokenize_gives_the_ids_the_generation_routes_run(server, reference):
     """vLLM's /tokenize and /detokenize: a prompt's ids are the tokenizer's and the ones /v1/completions counts; a
     conversation's (tools included) the chat template's and the ones /v1/chat/completions counts; detokenize inverts."""

@@ -205,11 +205,14 @@ class Server:
         completions request, each `n` times."""
         req = protocol.parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
         self.check_model(req.model)
+        keep = req.truncate_prompt_tokens
+        keep = self.max_model_len if keep == -1 else keep  # vLLM's truncation: each prompt's last `keep` tokens
         if chat:
-            prompts = [self.chat_prompt(req)]
+            ids = self.chat_prompt(req)
+            prompts = [ids[-keep:] if keep else ids]
             params = [self.sampling_params(req, len(prompts[0]), req.max_new_tokens, None)]
         else:
-            prompts = [self.completion_prompt(p) for p in req.prompt]
+            prompts = [self.completion_prompt(p, keep) for p in req.prompt]
             # max_tokens 0 (with echo): one token is generated and not returned; its cycle scores the prompt
             max_tokens = req.max_tokens or (None if req.max_tokens is None else 1)
             params = [self.sampling_params(req, len(p), max_tokens, self.config.default_completion_tokens)
@@ -227,7 +230,10 @@ class Server:
                                 f"{size} bytes, more than the {self.max_prompt_bytes} bytes that many tokens can hold "
                                 "(refused before tokenizing)", param=param, code="context_length_exceeded")
 
-    def completion_prompt(self, prompt: str | list[int]) -> list[int]:
+    def completion_prompt(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
+        """A prompt's ids (its last `keep`, where given), or APIError naming what is wrong with it."""
+        if keep and not isinstance(prompt, str):
+            prompt = prompt[-keep:]
         if isinstance(prompt, str):
             self.check_prompt_bytes(len(prompt.encode("utf-8")), "prompt")
             try:
@@ -237,7 +243,7 @@ class Server:
                     from None
             if not ids:
                 raise APIError(400, "'prompt' encodes to no tokens", param="prompt")
-            return ids
+            return ids[-keep:] if keep else ids
         if len(prompt) > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
                                 f"{len(prompt)} tokens", param="prompt", code="context_length_exceeded")
@@ -651,7 +657,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         states = [_Choice(c, prompts[i], None if chat or not req.echo else _Echo(
             # completions' echo: the prompt as the client sent it (token ids: decoded), before the completion (none
             # with max_tokens 0)
-            req.prompt[i] if isinstance(req.prompt[i], str) else server.tokenizer.decode(prompts[i]), prompts[i],
+            req.prompt[i] if isinstance(req.prompt[i], str) and not req.truncate_prompt_tokens
+            else server.tokenizer.decode(prompts[i]), prompts[i],
             req.max_tokens != 0)) for c, (i, _) in enumerate(choices)]
         try:
             for state, (_, params) in zip(states, choices):

@@ -229,6 +229,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
+    # vLLM's: keep each prompt's last k tokens (a conversation's, as the template renders it); -1: max_model_len
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -250,6 +252,9 @@ class _SamplingFields(BaseModel):
         return v
 
     def check_supported(self) -> None:
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "'truncate_prompt_tokens' must be >= 1, or -1 for the model's context length",
+                           param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
         self.structured_output()
