@@ -172,6 +172,7 @@ seed_arg = int_in(0, 2**32 - 1)
 block_size_arg = int_at_least(2, " (the bonus token plus at least one draft; --no-draft for plain decoding)")
 temperature_arg = float_in(0.0, 100.0, note=" (0 = greedy)")
 top_p_arg = float_in(0.0, 1.0, low_open=True)
+min_p_arg = float_in(0.0, 1.0, note=" (0 = off)")
 
 
 def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's choice)") -> None:

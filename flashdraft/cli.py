@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from flashdraft.args import (ArgumentParser, add_model_args, add_structured_args, apply_threads, engine_from_args,
                              histogram_lines, int_at_least, int_in, load_models, parse_args, positive_int, run_command,
-                             seed_arg, structured_output_from_args, temperature_arg, top_p_arg)
+                             min_p_arg, seed_arg, structured_output_from_args, temperature_arg, top_p_arg)
 from flashdraft.bench.reference import TARGET_GENERATE, TIE_NOTE, compare_with_target, describe_difference
 from flashdraft.engine.logprobs import MAX_LOGPROBS
 
@@ -23,6 +23,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=temperature_arg, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=top_p_arg, default=1.0)
     p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
+    p.add_argument("--min-p", type=min_p_arg, default=0.0,
+                   help="drop tokens less probable than MIN_P x the likeliest one (vLLM's min_p; 0 = off)")
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="sampling seed: the same seed gives the same text (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -35,7 +37,8 @@ def _sampling_params(args, tokenizer):
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids = (int(tokenizer.eos_token_id),)
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids, stop_strings=tuple(args.stop))
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=stop_ids,
+                          stop_strings=tuple(args.stop))
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

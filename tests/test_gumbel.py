@@ -171,13 +171,15 @@ def test_a_batch_verifies_every_row_as_it_would_alone(vocab, trials):
     g = torch.Generator().manual_seed(0)
     params = [SamplingParams(), _sampled(1), _sampled(2, temperature=0.6), _sampled(3, top_k=5),
               SamplingParams(), _sampled(4, top_p=0.8), _sampled(5, temperature=1.7), _sampled(6, temperature=3.0,
-              top_p=0.95), _sampled(7, temperature=0.1, top_p=0.9), _sampled(8, top_k=40, top_p=0.8)]
+              top_p=0.95), _sampled(7, temperature=0.1, top_p=0.9), _sampled(8, top_k=40, top_p=0.8),
+              _sampled(9, min_p=0.05), _sampled(10, temperature=0.7, min_p=0.2, top_k=40)]
     b, k = len(params), 6
     for trial in range(trials):
         logits = torch.randn(b, k + 1, vocab, generator=g) * 3
         noise = exponential_noise(torch.arange(b) + 100 * trial, torch.zeros(b, dtype=torch.long), k + 1, vocab)
-        chosen = [logits[r].argmax(-1) if p.greedy else race(target_probs(logits[r], p.temperature, p.top_p, p.top_k),
-                                                              noise[r]) for r, p in enumerate(params)]
+        chosen = [logits[r].argmax(-1) if p.greedy else race(target_probs(logits[r], p.temperature, p.top_p, p.top_k,
+                                                                           p.min_p), noise[r])
+                  for r, p in enumerate(params)]
         drafts = torch.stack([c[:k] for c in chosen])  # drafts that match up to a row-dependent point
         for r in range(b):
             drafts[r, (r + trial) % (k + 1):] = (drafts[r, (r + trial) % (k + 1):] + 1) % vocab
@@ -391,3 +393,30 @@ def test_noise_hashed_ahead_is_the_targets_own_race(monkeypatch):
     spec = SpecEngine(target, make_drafter(target, block_size=4))
     assert [spec.generate([p], [q])[0].token_ids for p, q in zip(prompts, params)] == reference
     assert [r.token_ids for r in spec.generate(prompts, params)] == reference
+
+
+@pytest.mark.parametrize("screen", [True, False])
+def test_min_p_rows_race_on_the_restricted_distribution(screen):
+    """A seeded min-p row's text is the race, under its noise, on the target's distribution restricted by min-p
+    (`target_probs`), computed here one forward per token without an engine; with the screened read-out the row
+    is raced by the verifier, not read out as if unrestricted. Beside a greedy row and a plain sampled row."""
+    target = make_target("qwen3", dtype=torch.float32 if screen else torch.float64)
+    q = _sampled(21, temperature=1.0, min_p=0.4, max_new=16)
+
+    @torch.inference_mode()
+    def raced(min_p: float) -> list[int]:
+        out, ids = [], list(PROMPTS[0])
+        for j in range(q.max_new_tokens):
+            logits = target(torch.tensor([ids])).logits[0, -1].float()
+            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
+            out.append(int(race(target_probs(logits, q.temperature, min_p=min_p), noise)))
+            ids.append(out[-1])
+        return out
+
+    expected = raced(q.min_p)
+    assert expected != raced(0.0)  # the restriction shows in the text
+    for drafter in (None, make_drafter(target, block_size=4, dtype=target.dtype)):
+        engine = SpecEngine(target, drafter, screen_greedy=screen)
+        got = engine.generate(PROMPTS[:3], [q, SamplingParams(max_new_tokens=16), _sampled(22, max_new=16)])
+        assert got[0].token_ids == expected, drafter is not None
+        assert (engine.fast.screened is not None) == screen

@@ -18,7 +18,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 import flashdraft.engine.generate as engine_module
 from flashdraft import DFlashDraftModel, SamplingParams, SpecEngine, make_draft_config
@@ -54,7 +55,7 @@ def conditional_probs(model, params, sequences):
     x = torch.tensor([PROMPT + list(s) for s in sequences])
     with torch.no_grad():
         logits = model(x).logits[:, len(PROMPT) - 1:-1]
-    return target_probs(logits, params.temperature, params.top_p, params.top_k).double()
+    return target_probs(logits, params.temperature, params.top_p, params.top_k, params.min_p).double()
 
 
 def exact_distribution(model, params):
@@ -71,7 +72,7 @@ def empirical(engine, params, n=N_SAMPLES, batch=2000, n_long=0):
     for start in range(0, n, batch):
         tokens = N_LONG if start < n_long else N_TOKENS
         ps = [SamplingParams(max_new_tokens=tokens, temperature=params.temperature, top_p=params.top_p,
-                             top_k=params.top_k, seed=start + i) for i in range(batch)]
+                             top_k=params.top_k, min_p=params.min_p, seed=start + i) for i in range(batch)]
         for res in engine.generate([PROMPT] * batch, ps):
             assert len(res.token_ids) == tokens
             key = tuple(res.token_ids[:N_TOKENS])
@@ -158,6 +159,7 @@ SETTINGS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.8, top_k=5),
     SamplingParams(temperature=1.0, top_p=0.7),
+    SamplingParams(temperature=1.0, min_p=0.3),
 ]
 
 
@@ -173,7 +175,8 @@ SETTINGS = [
 CASES = [("dflash", 0), ("dflash-mixed", 1), ("dflash-fixed", 2), ("dflash-generic-path-mixed", 2), ("soft", 0),
          ("soft-mixed", 1), ("ar", 2), ("dflash-rejection", 0), ("dflash-mixed-rejection", 2),
          ("soft-mixed-rejection", 1), ("ar-rejection", 0), ("dflash-splice1", 0), ("dflash-splice1-rejection", 0),
-         ("dflash-steps1", 1), ("dflash-steps1-rejection", 2), ("dflash-trim", 1), ("dflash-trim-rejection", 2)]
+         ("dflash-steps1", 1), ("dflash-steps1-rejection", 2), ("dflash-trim", 1), ("dflash-trim-rejection", 2),
+         ("dflash-mixed", 3), ("dflash-rejection", 3)]
 
 
 class MixedWidths:
@@ -250,7 +253,7 @@ def count_splices(engine):
     return lambda: count[0]
 
 
-@pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7'][i]}" for m, i in CASES])
+@pytest.mark.parametrize("method,setting", CASES, ids=[f"{m}-{['t1', 't0.8-topk5', 't1-topp0.7', 't1-minp0.3'][i]}" for m, i in CASES])
 def test_sampling_matches_target_distribution(target, drafter, method, setting, monkeypatch):
     params = SETTINGS[setting]
     sampler = "rejection" if method.endswith("-rejection") else "gumbel"
@@ -372,6 +375,45 @@ def test_target_probs_take_each_rows_own_parameters(top_ps):
     for row, (temperature, top_k, top_p) in enumerate(zip(temperatures, top_ks, top_ps)):
         torch.testing.assert_close(together[row], _warped(logits[row], temperature, top_k, top_p), rtol=0, atol=1e-6)
         assert torch.equal(together[row], target_probs(logits[row], temperature, top_p, top_k))
+
+
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.1), (0.7, 0.3), (2.0, 0.02), (1.0, 1.0)])
+def test_min_p_matches_transformers_warper(temperature, min_p):
+    """min-p alone: transformers' MinPLogitsWarper after its temperature (min_p 1 keeps the likeliest tokens only)."""
+    torch.manual_seed(3)
+    logits = torch.randn(8, 8192) * 3
+    logits[0, :2] = 20.0  # a tie at the top
+    scores = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
+    torch.testing.assert_close(target_probs(logits, temperature, min_p=min_p), torch.softmax(scores, -1), rtol=0,
+                               atol=1e-6)
+
+
+def test_min_p_comes_before_top_k_and_top_p_and_each_row_keeps_its_own():
+    """vLLM's order: min-p on softmax(logits / T) (kept: p >= min_p x the largest p), then top-k, then top-p,
+    written out here in float64; rows with and without min-p together, each as alone."""
+    torch.manual_seed(4)
+    logits = torch.randn(4, 3, 500) * 2
+    temperatures, top_ks, top_ps, min_ps = (1.0, 0.8, 1.3, 1.0), (0, 50, 0, 10), (1.0, 0.9, 0.7, 1.0), \
+        (0.05, 0.0, 0.2, 0.01)
+    together = target_probs(logits, temperatures, top_ps, top_ks, min_ps)
+    for row in range(4):
+        scores = logits[row].double() / temperatures[row]
+        p = torch.softmax(scores, -1)
+        scores = scores.masked_fill(p < min_ps[row] * p.amax(-1, keepdim=True), float("-inf"))
+        if top_ks[row]:
+            scores = scores.masked_fill(scores < scores.topk(top_ks[row], -1).values[..., -1:], float("-inf"))
+        want = torch.softmax(scores, -1)
+        if top_ps[row] < 1.0:
+            ordered = want.sort(-1, descending=True).values
+            before = ordered.cumsum(-1) - ordered
+            last = ordered.gather(-1, (before < top_ps[row]).sum(-1, keepdim=True) - 1)
+            want = want.masked_fill(want < last, 0.0)
+            want = want / want.sum(-1, keepdim=True)
+        torch.testing.assert_close(together[row].double(), want, rtol=0, atol=1e-6)
+        assert torch.equal(together[row], target_probs(logits[row], temperatures[row], top_ps[row], top_ks[row],
+                                                       min_ps[row]))
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(temperature=1.0, min_p=1.5)
 
 
 def test_top_p_keeps_or_drops_tied_tokens_together():

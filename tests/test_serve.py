@@ -881,6 +881,24 @@ def test_chat_template_kwargs_and_a_continued_final_message(server, reference):
             assert resp.status_code == 400 and says in resp.json()["error"]["message"], (path, body, resp.text)
 
 
+def test_min_p_reaches_the_sampler(server, reference):
+    """vLLM's min_p: a seeded request's text is the engine's with the same min-p (whose distribution
+    tests/test_sampling.py and tests/test_gumbel.py check against the target's); out of [0, 1] a 400."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("def add(a, b):")["input_ids"]
+    texts = {}
+    for min_p in (0.0, 0.95):
+        served = c.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=24, temperature=1.0, seed=7,
+                                      extra_body={"min_p": min_p})
+        texts[min_p] = served.choices[0].text
+        assert texts[min_p] == reference(ids, 24, temperature=1.0, seed=7, min_p=min_p).text
+    assert texts[0.0] != texts[0.95]
+    for bad in (1.5, -0.1, "0.1"):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_p": bad})
+        assert resp.status_code == 400 and "min_p" in resp.json()["error"]["message"], resp.text
+
+
 def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(server, reference):
     """vLLM's truncate_prompt_tokens: the text is what the target gives the prompt's last k tokens (a string's, a
     token list's, a conversation's as rendered), echo shows them; -1 keeps max_model_len."""

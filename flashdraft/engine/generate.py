@@ -1286,9 +1286,9 @@ class SpecEngine:
 
     def _chooses(self, rows: list[_Row], noise) -> bool:
         """Whether the target's screened read-out picks every row's tokens this cycle: each row greedy, or sampled
-        by the race under counter-based noise at plain temperature (top-k / top-p need the distribution)."""
+        by the race under counter-based noise at plain temperature (top-k, top-p and min-p need the distribution)."""
         return self.screens_readout and not _reads_logits(rows) and all(
-            r.params.greedy or (noise is not None and r.params.top_k == 0 and r.params.top_p == 1.0) for r in rows)
+            r.params.greedy or (noise is not None and not r.params.restricted) for r in rows)
 
     @staticmethod
     def _race_offsets(rows: list[_Row], noise, width: int, idx: torch.Tensor) -> torch.Tensor | None:

@@ -46,6 +46,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # tokens less probable than min_p x the likeliest one's probability are dropped (vLLM's)
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
@@ -74,6 +75,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (isinstance(self.min_p, (int, float)) and not isinstance(self.min_p, bool) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -105,18 +108,28 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def restricted(self) -> bool:
+        """Whether top-k, top-p or min-p restrict the distribution (else it is softmax(logits / T) itself)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
-def target_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k=0) -> torch.Tensor:
-    """The distribution the target samples from: softmax(logits / T) restricted by top-k then top-p (float32).
+def target_probs(logits: torch.Tensor, temperature, top_p=1.0, top_k=0, min_p=0.0) -> torch.Tensor:
+    """The distribution the target samples from: softmax(logits / T) restricted by min-p, then top-k, then top-p
+    (vLLM's order; float32).
 
-    temperature, top_p, top_k: numbers, or one per row of logits (sequences as long as its first dimension), so
-    that rows of several requests go through each operation at once; each row's result is what it gets alone."""
+    temperature, top_p, top_k, min_p: numbers, or one per row of logits (sequences as long as its first dimension),
+    so that rows of several requests go through each operation at once; each row's result is what it gets alone."""
     if logits.dim() == 1:
-        return target_probs(logits[None], temperature, top_p, top_k)[0]
+        return target_probs(logits[None], temperature, top_p, top_k, min_p)[0]
     scores = logits.float() / _by_row([max(t, 1e-6) for t in _per_row(temperature, logits)], logits)
+    min_p = _per_row(min_p, logits)
+    if any(m > 0 for m in min_p):  # below min_p x the likeliest token's probability (rows without min-p: below 0)
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * _by_row(min_p, probs), float("-inf"))
     vocab = scores.shape[-1]
     top_k = _per_row(top_k, logits)
     filtered = [k for k in set(top_k) if 0 < k < vocab]
@@ -223,7 +236,7 @@ def verify(
     # greedy rows, and sampled rows racing on softmax(logits / T) alone, all at once (their own token at every
     # block position; a row's result does not depend on the others'): a loop over rows cost ~45 us per row on CPU
     greedy = [r for r, p in enumerate(params) if p.greedy]
-    raced = [r for r, p in enumerate(params) if noise is not None and not p.greedy and p.top_k == 0 and p.top_p == 1.0]
+    raced = [r for r, p in enumerate(params) if noise is not None and not p.greedy and not p.restricted]
     for rows, racing in ((greedy, False), (raced, True)):
         if not rows:
             continue
@@ -253,13 +266,13 @@ def verify(
             pick = _row_picker(rows, device)
             together = [params[r] for r in rows]
             probs = target_probs(pick(target_logits), [p.temperature for p in together], [p.top_p for p in together],
-                                 [p.top_k for p in together])
+                                 [p.top_k for p in together], [p.min_p for p in together])
             verdict = accept_chosen(race(probs, pick(noise)), pick(draft_tokens))
             num_accepted[rows], next_tokens[rows] = verdict.num_accepted, verdict.next_tokens
         return Verdict(num_accepted, next_tokens)
     for row in rest:
         p = params[row]
-        probs = target_probs(target_logits[row], p.temperature, p.top_p, p.top_k)  # [k+1, V]
+        probs = target_probs(target_logits[row], p.temperature, p.top_p, p.top_k, p.min_p)  # [k+1, V]
         drafts = draft_tokens[row]
         gen = generators[row] if generators else None
         p_draft = probs[:k].gather(-1, drafts[:, None])[:, 0]
@@ -327,13 +340,13 @@ def verify_tree(
         if p.greedy:
             chosen = greedy_choice[row].__getitem__
         elif noise is not None:  # every node's race winner under the noise of its output position
-            probs = target_probs(target_logits[row], p.temperature, p.top_p, p.top_k)
+            probs = target_probs(target_logits[row], p.temperature, p.top_p, p.top_k, p.min_p)
             chosen = race(probs, noise[row].index_select(0, depths[row])).tolist().__getitem__
         else:
             gen = generators[row] if generators else None
 
             def chosen(node, row=row, p=p, gen=gen):  # the target's own sample at the node, drawn when reached
-                probs = target_probs(target_logits[row, node], p.temperature, p.top_p, p.top_k)
+                probs = target_probs(target_logits[row, node], p.temperature, p.top_p, p.top_k, p.min_p)
                 return int(torch.multinomial(probs, 1, generator=gen)[0])
         path = [0]
         token = chosen(0)

@@ -41,7 +41,7 @@ def excluded(target, prompt: list[int], output: list[int], params: SamplingParam
     """How many of `output`'s tokens have probability 0 under the target's distribution at their position."""
     ids = torch.tensor([prompt + output])
     logits = target.lm_head(target.model(ids).last_hidden_state[0, len(prompt) - 1:-1])
-    probs = target_probs(logits, params.temperature, params.top_p, params.top_k)
+    probs = target_probs(logits, params.temperature, params.top_p, params.top_k, params.min_p)
     return int((probs.gather(1, torch.tensor(output)[:, None]) == 0).sum())
 
 
