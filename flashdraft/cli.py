@@ -25,6 +25,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int_at_least(0, " (0 = off)"), default=0)
     p.add_argument("--min-p", type=min_p_arg, default=0.0,
                    help="drop tokens less probable than MIN_P x the likeliest one (vLLM's min_p; 0 = off)")
+    p.add_argument("--min-tokens", type=int_at_least(0), default=0,
+                   help="no stop (end of sequence, --stop) before this many tokens (vLLM's min_tokens)")
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="sampling seed: the same seed gives the same text (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -37,7 +39,8 @@ def _sampling_params(args, tokenizer):
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids = (int(tokenizer.eos_token_id),)
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=stop_ids,
+                          top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens, seed=args.seed,
+                          stop_token_ids=stop_ids,
                           stop_strings=tuple(args.stop))
 
 

@@ -119,7 +119,7 @@ def reference(pair):
     eos = engine.tokenizer.eos_token_id
 
     def run(prompt_ids, max_tokens, **kw):
-        params = SamplingParams(max_new_tokens=max_tokens, stop_token_ids=(eos,), **kw)
+        params = SamplingParams(**{"max_new_tokens": max_tokens, "stop_token_ids": (eos,), **kw})
         return engine.generate([prompt_ids], params)[0]
 
     run.tokenizer = engine.tokenizer
@@ -897,6 +897,26 @@ def test_min_p_reaches_the_sampler(server, reference):
         resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_p": bad})
         assert resp.status_code == 400 and "min_p" in resp.json()["error"]["message"], resp.text
+
+
+def test_min_tokens_holds_back_stops(server, reference):
+    """vLLM's min_tokens: a stop id the greedy text holds early does not end it before min_tokens tokens; the
+    text is the engine's with the same settings (tests/test_min_tokens.py checks it against transformers')."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("import os\n")["input_ids"]
+    free = reference(ids, 16)
+    stop = free.token_ids[2]
+    short = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0,
+                                 extra_body={"stop_token_ids": [stop]})
+    held = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0,
+                                extra_body={"stop_token_ids": [stop], "min_tokens": 10})
+    assert short.usage.completion_tokens <= 3 < 10 <= held.usage.completion_tokens
+    expected = reference(ids, 16, stop_token_ids=(tok.eos_token_id, stop), min_tokens=10)
+    assert held.choices[0].text == expected.text
+    for bad, says in ((-1, "min_tokens"), (17, "min_tokens must be")):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 16, "min_tokens": bad})
+        assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
 
 
 def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(server, reference):

@@ -18,14 +18,15 @@ def target_greedy_generate(target, prompt_ids: list[int], params, grammars=None)
     forward on its own (unpacked) weights, none of our fast path, caches or packed kernels. It runs under a clean
     generation config (no penalties or other defaults from the checkpoint's generation_config.json) with our stop
     ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops. A structured
-    output (`params.structured`) masks each step through `grammars` (the engine's `GrammarCompiler`)."""
+    output (`params.structured`) masks each step through `grammars` (the engine's `GrammarCompiler`); `min_tokens`
+    is transformers' `min_new_tokens`."""
     import torch
     from transformers import GenerationConfig
 
     stops = list(params.stop_token_ids)
     pad = stops[0] if stops else (target.config.pad_token_id if target.config.pad_token_id is not None else 0)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
-    extra = {}
+    extra = {"min_new_tokens": params.min_tokens} if params.min_tokens and stops else {}
     if params.structured is not None:
         from transformers import LogitsProcessorList
 

@@ -52,6 +52,9 @@ class IncrementalText:
         self.recent = ""  # committed text from character `recent_start` on: what deltas and the overlap need
         self.recent_start = 0
         self.final_text: str | None = None  # set once the output is final (or a stop string cut it)
+        # False: text searched now is not searched again (a request's min_tokens: stop strings ending in the text of
+        # its first tokens do not count; one that straddles the end of that text does)
+        self.stops_active = True
 
     @property
     def committed(self) -> int:
@@ -90,7 +93,7 @@ class IncrementalText:
         if self.stops and end > self.searched:
             base = max(0, self.searched - self.overlap)
             haystack = self.recent[base - self.recent_start:] + visible
-            hits = [(haystack.find(s), s) for s in self.stops]
+            hits = [(haystack.find(s), s) for s in self.stops] if self.stops_active else []
             hits = [(pos, s) for pos, s in hits if pos >= 0]
             if hits:
                 pos, s = min(hits)

@@ -253,7 +253,7 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
 
 
 def _processes_logits(r: _Row) -> bool:
-    return r.bias is not None or r.params.penalized or r.grammar is not None
+    return r.bias is not None or r.params.penalized or r.grammar is not None or len(r.output) < r.params.min_tokens
 
 
 def _reads_logits(rows: Sequence[_Row]) -> bool:
@@ -265,7 +265,7 @@ def _reads_logits(rows: Sequence[_Row]) -> bool:
 def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
                     block: torch.Tensor | None = None) -> torch.Tensor:
     """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then its
-    grammar's mask. Position t of a row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1,
+    stop ids at the positions of output tokens before `min_tokens` (-inf), then its grammar's mask. Position t of a row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1,
     nothing drafted), so the tokens a penalty counts there are its output and its drafts 1..t, and its grammar
     stands after them: the target's distribution given that text, which is what the verifier must judge draft
     t + 1 against."""
@@ -276,6 +276,9 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
         if r.bias is not None:
             ids, values = r.bias
             logits[j, ..., ids] += values.to(logits.dtype)
+        early = r.params.min_tokens - len(r.output)  # block positions choosing output tokens before min_tokens
+        if early > 0 and r.params.stop_token_ids:
+            logits[j, :early, list(r.params.stop_token_ids)] = float("-inf")
         if r.grammar is not None:
             w = logits.shape[1]
             allowed = r.grammar.masks([] if block is None else block[i, 1:w].tolist(), w)
@@ -1409,6 +1412,7 @@ class SpecEngine:
         at the first one and the output keeps the fewest tokens whose text holds all of it."""
         if r.detok is None:
             r.detok = IncrementalText(self.tokenizer, r.params.stop_strings, r.params.include_stop_str_in_output)
+        r.detok.stops_active = len(r.output) > r.params.min_tokens  # vLLM's rule: stop strings count past min_tokens
         keep = r.detok.update(r.output, final=r.finish_reason is not None)
         if keep is not None:
             del r.output[keep:]

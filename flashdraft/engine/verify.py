@@ -47,6 +47,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0  # tokens less probable than min_p x the likeliest one's probability are dropped (vLLM's)
+    # the first min_tokens output tokens cannot be stop ids (their logits are -inf there), and stop strings count
+    # only once the output is longer than min_tokens (vLLM's min_tokens)
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
@@ -98,6 +101,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if not (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+                and 0 <= self.min_tokens <= self.max_new_tokens):
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], got "
+                             f"{self.min_tokens!r}")
+        if self.min_tokens and self.structured is not None:
+            raise ValueError("min_tokens cannot be combined with a structured output (its grammar decides where the "
+                             "text may end)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

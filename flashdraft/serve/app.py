@@ -365,6 +365,7 @@ class Server:
             return SamplingParams(
                 max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, min_p=float(req.min_p or 0.0),
+                min_tokens=req.min_tokens or 0,
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=req.num_logprobs,

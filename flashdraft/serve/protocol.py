@@ -210,6 +210,7 @@ class _SamplingFields(BaseModel):
     top_p: float | None = _finite(gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = _finite(ge=0.0, le=1.0)  # vLLM's extension (0: off)
+    min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)  # vLLM's: no stop before this many tokens
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,0 +1,108 @@
+"""min_tokens (`SamplingParams.min_tokens`, the server's `min_tokens`, vLLM's): the first min_tokens output tokens
+cannot be stop ids, and stop strings count only past them.
+
+Greedy rows are compared with transformers' `generate(min_new_tokens=...)` (its processor sets the end-of-sequence
+ids' logits to -inf for the first min_new_tokens tokens), through drafting of every acceptance length (an oracle
+drafter), the DFlash drafter and plain decoding, beside rows without it, on both target paths; sampled rows with
+the target's own race under the request's noise with the stop ids masked, computed here without an engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft import SamplingParams, SpecEngine, StructuredOutput
+from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.engine.noise import exponential_noise, race
+from tiny import engine_with, load_tokenizer, make_target
+
+PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("qwen3")
+
+
+@torch.inference_mode()
+def generate_min(model, prompt: list[int], max_new: int, stop: list[int], min_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                         pad_token_id=0, eos_token_id=stop, min_new_tokens=min_new or None)[0, len(prompt):].tolist()
+    return out[:out.index(next(t for t in out if t in stop)) + 1] if any(t in stop for t in out) else out
+
+
+def stops_for(target, prompt: list[int]) -> list[int]:
+    """Two tokens the free greedy output holds early (the 2nd and 4th): without min_tokens it stops at once."""
+    free = generate_min(target, prompt, 16, [], 0)
+    return [free[1], free[3]]
+
+
+@pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
+@pytest.mark.parametrize("proposer", ["oracle", "dflash", "none"])
+def test_greedy_output_is_the_targets_with_min_new_tokens(target, fast_path, proposer):
+    max_new = 20
+    stops = [stops_for(target, p) for p in PROMPTS]
+    mins = [12, 0, 6]
+    expected = [generate_min(target, p, max_new, s, m) for p, s, m in zip(PROMPTS, stops, mins)]
+    assert len(generate_min(target, PROMPTS[0], max_new, stops[0], 0)) <= 4 < 12 < len(expected[0])
+    engine = engine_with(proposer, target, PROMPTS, expected, fast_path, seed=6)
+    params = [SamplingParams(max_new_tokens=max_new, stop_token_ids=tuple(s), min_tokens=m)
+              for s, m in zip(stops, mins)]
+    results = engine.generate(PROMPTS, params)
+    assert [r.token_ids for r in results] == expected
+    for r, s, m in zip(results, stops, mins):
+        assert not set(r.token_ids[:m]) & set(s)
+
+
+def test_seeded_sampling_is_the_masked_targets_race(target):
+    prompt, stops = PROMPTS[0], stops_for(target, PROMPTS[0])
+    q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=tuple(stops), min_tokens=10)
+    ids, expected = list(prompt), []
+    with torch.inference_mode():
+        for j in range(q.max_new_tokens):
+            logits = target(torch.tensor([ids])).logits[0, -1].float()
+            if j < q.min_tokens:
+                logits[stops] = float("-inf")
+            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
+            expected.append(int(race(torch.softmax(logits / q.temperature, dim=-1), noise)))
+            ids.append(expected[-1])
+            if expected[-1] in stops:
+                break
+    from tiny import make_drafter
+
+    for engine in (SpecEngine(target), SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")):
+        got = engine.generate([prompt, PROMPTS[1]], [q, SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)])
+        assert got[0].token_ids == expected
+
+
+def test_stop_strings_count_only_past_min_tokens():
+    """A stop string ending in the text of the first min_tokens tokens does not stop the row; one that ends later
+    does, as does one straddling that point (vLLM: stop strings are checked once the output is longer than
+    min_tokens)."""
+    tok = load_tokenizer()
+    ids = tok.encode("a = 1\nb = 2\nc = 3\nd = 4\n")
+    n_first = len(tok.encode("a = 1\n"))
+
+    def run(stop: str, min_tokens: int) -> str:
+        detok = IncrementalText(tok, (stop,))
+        for n in range(1, len(ids) + 1):
+            detok.stops_active = n > min_tokens
+            if detok.update(ids[:n], final=n == len(ids)) is not None:
+                break
+        return detok.text
+
+    assert run("\n", 0) == "a = 1"
+    assert run("\n", n_first) == "a = 1\nb = 2"  # the first newline ends in the first n_first tokens' text
+    assert run("1\nb", n_first) == "a = "  # straddles the point: it counts
+    assert run("= 1", n_first + 2) == "a = 1\nb = 2\nc = 3\nd = 4\n"
+
+
+def test_bad_min_tokens_are_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_new_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match="structured output"):
+        SamplingParams(min_tokens=2, structured=StructuredOutput(regex="a+"))
