@@ -40,8 +40,7 @@ def _sampling_params(args, tokenizer):
         stop_ids = (int(tokenizer.eos_token_id),)
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens, seed=args.seed,
-                          stop_token_ids=stop_ids,
-                          stop_strings=tuple(args.stop))
+                          stop_token_ids=stop_ids, stop_strings=tuple(args.stop))
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

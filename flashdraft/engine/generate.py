@@ -264,11 +264,11 @@ def _reads_logits(rows: Sequence[_Row]) -> bool:
 
 def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
                     block: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then its
-    stop ids at the positions of output tokens before `min_tokens` (-inf), then its grammar's mask. Position t of a row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1,
-    nothing drafted), so the tokens a penalty counts there are its output and its drafts 1..t, and its grammar
-    stands after them: the target's distribution given that text, which is what the verifier must judge draft
-    t + 1 against."""
+    """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then -inf on
+    its stop ids at the positions of output tokens before `min_tokens`, then its grammar's mask. Position t of a
+    row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1, nothing drafted), so the tokens a
+    penalty counts there are its output and its drafts 1..t, and its grammar stands after them: the target's
+    distribution given that text, which is what the verifier must judge draft t + 1 against."""
     for j, i in enumerate(members):
         r = rows[i]
         if r.params.penalized:
