@@ -919,6 +919,31 @@ def test_min_tokens_holds_back_stops(server, reference):
         assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
 
 
+def test_tokens_as_token_ids_in_log_probabilities(server, reference):
+    """vLLM's return_tokens_as_token_ids: log-probabilities name each token (chosen and alternatives) "token_id:<id>",
+    the figures unchanged; completions, chat and a stream."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("def add(a, b):")["input_ids"]
+    expected = reference(ids, 8, logprobs=2)
+    named = [f"token_id:{t}" for t in expected.token_ids]
+    extra = {"return_tokens_as_token_ids": True}
+    plain = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=2)
+    got = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=2, extra_body=extra)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == named and lp.token_logprobs == plain.choices[0].logprobs.token_logprobs
+    for top, e in zip(lp.top_logprobs, expected.logprobs):
+        assert set(top) == {f"token_id:{t}" for t, _ in e.top} | {f"token_id:{e.token}"}
+    streamed = [t for ch in c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=2,
+                                                 stream=True, extra_body=extra)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed == named
+    messages = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+                                     top_logprobs=2, extra_body=extra).choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") and e.bytes == list(e.token.encode()) for e in chat)
+    assert all(t.token.startswith("token_id:") for e in chat for t in e.top_logprobs)
+
+
 def test_truncate_prompt_tokens_keeps_each_prompts_last_tokens(server, reference):
     """vLLM's truncate_prompt_tokens: the text is what the target gives the prompt's last k tokens (a string's, a
     token list's, a conversation's as rendered), echo shows them; -1 keeps max_model_len."""

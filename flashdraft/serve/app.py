@@ -36,6 +36,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -480,6 +481,7 @@ class _Choice:
     text: str = ""  # where the output may hold tool calls: the text so far, and how much of it went out as content
     shown: int = 0
     call_id: str | None = None  # a stream's named call, once its first arguments went out
+    token_text: Callable[[int], str] | None = None  # a token's string in log-probabilities
 
     def result_parts(self, result) -> tuple[str, list | None, int, str]:
         """(text, log-probability entries or None, completion tokens, finish reason) of the choice's result, the
@@ -491,6 +493,12 @@ class _Choice:
             text = self.echo.text + text
             entries = None if entries is None else _echoed(self.echo.prompt, result.prompt_logprobs) + entries
         return text, entries, n_out, reason
+
+
+def token_id_text(token: int) -> str:
+    """A token's string under vLLM's `return_tokens_as_token_ids`: its id, unambiguous where decoded pieces are not
+    (a byte of a split character, tokens that decode alike)."""
+    return f"token_id:{token}"
 
 
 def _sse(obj) -> str:
@@ -660,7 +668,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             # with max_tokens 0)
             req.prompt[i] if isinstance(req.prompt[i], str) and not req.truncate_prompt_tokens
             else server.tokenizer.decode(prompts[i]), prompts[i],
-            req.max_tokens != 0)) for c, (i, _) in enumerate(choices)]
+            req.max_tokens != 0), token_text=token_id_text if req.return_tokens_as_token_ids else server.token_text)
+            for c, (i, _) in enumerate(choices)]
         try:
             for state, (_, params) in zip(states, choices):
                 state.handle = server.submit(state.prompt, params,
@@ -716,7 +725,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         bodies, n_out = [], 0
         for state, item in zip(states, items):
             text, entries, n, reason = state.result_parts(item.result)
-            logprobs = None if entries is None else protocol.logprobs_body(entries, server.token_text, chat)
+            logprobs = None if entries is None else protocol.logprobs_body(entries, state.token_text, chat)
             calls = None
             if tooling is not None:
                 text, calls, reason = tools.read_calls(text, tooling[0], reason, tooling[1])
@@ -754,7 +763,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             """The log-probabilities (if asked) of a choice's tokens whose chunk goes out now (each once, in order)."""
             if not entries:
                 return None
-            body = protocol.logprobs_body(entries, server.token_text, chat, state.offset)
+            body = protocol.logprobs_body(entries, state.token_text, chat, state.offset)
             state.offset += sum(len(t) for t in body.get("tokens", ()))
             return body
 
