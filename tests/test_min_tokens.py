@@ -1,10 +1,12 @@
-"""min_tokens (`SamplingParams.min_tokens`, the server's `min_tokens`, vLLM's): the first min_tokens output tokens
+"""min_tokens and allowed_token_ids (vLLM's). min_tokens: the first min_tokens output tokens
 cannot be stop ids, and stop strings count only past them.
 
 Greedy rows are compared with transformers' `generate(min_new_tokens=...)` (its processor sets the end-of-sequence
 ids' logits to -inf for the first min_new_tokens tokens), through drafting of every acceptance length (an oracle
 drafter), the DFlash drafter and plain decoding, beside rows without it, on both target paths; sampled rows with
 the target's own race under the request's noise with the stop ids masked, computed here without an engine.
+allowed_token_ids: every other id's logit is -inf; greedy rows against transformers'
+`generate(prefix_allowed_tokens_fn=...)`, sampled rows against the restricted target's race, the same ways.
 """
 
 from __future__ import annotations
@@ -106,3 +108,63 @@ def test_bad_min_tokens_are_refused():
         SamplingParams(min_tokens=-1)
     with pytest.raises(ValueError, match="structured output"):
         SamplingParams(min_tokens=2, structured=StructuredOutput(regex="a+"))
+
+
+# ---- allowed_token_ids (vLLM's): every other id's logit is -inf ------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate_allowed(model, prompt: list[int], max_new: int, allowed: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=0, prefix_allowed_tokens_fn=(lambda batch, sofar: allowed) if allowed else None
+                          )[0, len(prompt):].tolist()
+
+
+def allowed_for(target, prompt: list[int]) -> list[int]:
+    """Ids the free output uses but not its 3rd token, and a few others: the restricted output differs."""
+    free = generate_allowed(target, prompt, 12, [])
+    return sorted((set(free) - {free[2]}) | {7, 50, 90})
+
+
+@pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
+@pytest.mark.parametrize("proposer", ["oracle", "dflash", "none"])
+def test_greedy_output_keeps_to_the_allowed_ids(target, fast_path, proposer):
+    """Greedy output equals transformers' `generate(prefix_allowed_tokens_fn=...)`, beside a row without a limit."""
+    max_new = 20
+    allowed = [allowed_for(target, PROMPTS[0]), [], allowed_for(target, PROMPTS[2])]
+    expected = [generate_allowed(target, p, max_new, a) for p, a in zip(PROMPTS, allowed)]
+    assert expected[0] != generate_allowed(target, PROMPTS[0], max_new, [])
+    engine = engine_with(proposer, target, PROMPTS, expected, fast_path, seed=8)
+    params = [SamplingParams(max_new_tokens=max_new, allowed_token_ids=tuple(a)) for a in allowed]
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+
+
+def test_seeded_sampling_keeps_to_the_allowed_ids(target):
+    from tiny import make_drafter
+
+    allowed = allowed_for(target, PROMPTS[0])
+    q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=9, allowed_token_ids=tuple(allowed))
+    ids, expected = list(PROMPTS[0]), []
+    with torch.inference_mode():
+        for j in range(q.max_new_tokens):
+            logits = target(torch.tensor([ids])).logits[0, -1].float()
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = logits[allowed]
+            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
+            expected.append(int(race(torch.softmax(keep, dim=-1), noise)))
+            ids.append(expected[-1])
+    for engine in (SpecEngine(target), SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")):
+        got = engine.generate([PROMPTS[0], PROMPTS[1]], [q, SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)])
+        assert got[0].token_ids == expected and set(expected) <= set(allowed)
+
+
+def test_bad_allowed_token_ids_are_refused(target):
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=(-1, 3))
+    with pytest.raises(ValueError, match="structured output"):
+        SamplingParams(allowed_token_ids=(3,), structured=StructuredOutput(regex="a+"))
+    with pytest.raises(ValueError, match="nothing could"):
+        SamplingParams(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SpecEngine(target).generate([PROMPTS[0]], SamplingParams(allowed_token_ids=(10 ** 6,)))

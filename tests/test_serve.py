@@ -919,6 +919,24 @@ def test_min_tokens_holds_back_stops(server, reference):
         assert resp.status_code == 400 and says in resp.json()["error"]["message"], resp.text
 
 
+def test_allowed_token_ids_reach_the_engine(server, reference):
+    """vLLM's allowed_token_ids: the text is the engine's with the same ids allowed (tests/test_min_tokens.py
+    checks that against transformers'), every token among them; ids outside the vocabulary or none: 400."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("def add(a, b):")["input_ids"]
+    free = reference(ids, 12)
+    allowed = sorted(set(free.token_ids[3:]) | {tok.eos_token_id, 10, 11, 12})
+    got = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, logprobs=0,
+                               extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True})
+    expected = reference(ids, 12, allowed_token_ids=tuple(allowed))
+    assert got.choices[0].text == expected.text != free.text
+    assert {int(t.split(":")[1]) for t in got.choices[0].logprobs.tokens} <= set(allowed)
+    for bad in ([10 ** 6], [], [-1]):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, "allowed_token_ids": bad})
+        assert resp.status_code == 400 and "allowed_token_ids" in resp.json()["error"]["message"], resp.text
+
+
 def test_tokens_as_token_ids_in_log_probabilities(server, reference):
     """vLLM's return_tokens_as_token_ids: log-probabilities name each token (chosen and alternatives) "token_id:<id>",
     the figures unchanged; completions, chat and a stream."""

@@ -231,6 +231,7 @@ class _Row:
     logprobs: list[TokenLogprob] | None = None  # one per output token, for a request that asks (`params.logprobs`)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # `params.prompt_logprobs`: one per prompt token
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # `params.logit_bias` as (token ids, biases)
+    refused: torch.Tensor | None = None  # [V] True for the ids outside `params.allowed_token_ids`
     grammar: RowGrammar | None = None  # `params.structured`: where the output stands in its grammar
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
@@ -253,7 +254,8 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
 
 
 def _processes_logits(r: _Row) -> bool:
-    return r.bias is not None or r.params.penalized or r.grammar is not None or len(r.output) < r.params.min_tokens
+    return (r.bias is not None or r.refused is not None or r.params.penalized or r.grammar is not None
+            or len(r.output) < r.params.min_tokens)
 
 
 def _reads_logits(rows: Sequence[_Row]) -> bool:
@@ -265,7 +267,8 @@ def _reads_logits(rows: Sequence[_Row]) -> bool:
 def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
                     block: torch.Tensor | None = None) -> torch.Tensor:
     """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then -inf on
-    its stop ids at the positions of output tokens before `min_tokens`, then its grammar's mask. Position t of a
+    the ids outside its allowed ones and on its stop ids at the positions of output tokens before `min_tokens`, then
+    its grammar's mask. Position t of a
     row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1, nothing drafted), so the tokens a
     penalty counts there are its output and its drafts 1..t, and its grammar stands after them: the target's
     distribution given that text, which is what the verifier must judge draft t + 1 against."""
@@ -276,6 +279,8 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
         if r.bias is not None:
             ids, values = r.bias
             logits[j, ..., ids] += values.to(logits.dtype)
+        if r.refused is not None:
+            logits[j].masked_fill_(r.refused, float("-inf"))
         early = r.params.min_tokens - len(r.output)  # block positions choosing output tokens before min_tokens
         if early > 0 and r.params.stop_token_ids:
             logits[j, :early, list(r.params.stop_token_ids)] = float("-inf")
@@ -284,6 +289,15 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
             allowed = r.grammar.masks([] if block is None else block[i, 1:w].tolist(), w)
             logits[j].masked_fill_(~allowed.to(logits.device), float("-inf"))
     return logits
+
+
+def _refused(allowed: tuple[int, ...], vocab: int, device) -> torch.Tensor | None:
+    """[V] True for the ids outside `allowed` (None: every id allowed)."""
+    if not allowed:
+        return None
+    refused = torch.ones(vocab, dtype=torch.bool, device=device)
+    refused[list(allowed)] = False
+    return refused
 
 
 def _penalize(r: _Row, logits: torch.Tensor, drafts: torch.Tensor | None) -> None:
@@ -792,6 +806,9 @@ class SpecEngine:
             if p.logit_bias and p.logit_bias[-1][0] >= vocab:
                 raise ValueError(f"request {i}: logit_bias has token id {p.logit_bias[-1][0]}, outside the vocabulary "
                                  f"[0, {vocab})")
+            if p.allowed_token_ids and p.allowed_token_ids[-1] >= vocab:
+                raise ValueError(f"request {i}: allowed_token_ids has token id {p.allowed_token_ids[-1]}, outside the "
+                                 f"vocabulary [0, {vocab})")
             if self.max_positions and len(prompt) + p.max_new_tokens > self.max_positions:
                 raise ValueError(
                     f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} exceed the "
@@ -808,6 +825,7 @@ class SpecEngine:
                              bias=(torch.tensor([t for t, _ in p.logit_bias], device=self.target.device),
                                    torch.tensor([b for _, b in p.logit_bias], device=self.target.device))
                              if p.logit_bias else None,
+                             refused=_refused(p.allowed_token_ids, vocab, self.target.device),
                              grammar=self.grammars.matcher(p.structured) if p.structured is not None else None))
         return rows
 

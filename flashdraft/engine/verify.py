@@ -68,6 +68,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # the output follows this grammar (`structured.py`): the constrained target's distribution is the one sampled
     structured: StructuredOutput | None = None
+    # only these token ids may be produced (every other one's logit is -inf; vLLM's allowed_token_ids); () = all
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -108,6 +110,19 @@ class SamplingParams:
         if self.min_tokens and self.structured is not None:
             raise ValueError("min_tokens cannot be combined with a structured output (its grammar decides where the "
                              "text may end)")
+        try:
+            allowed = tuple(sorted({int(t) for t in self.allowed_token_ids}))
+        except (TypeError, ValueError):
+            raise ValueError(f"allowed_token_ids must be token ids, got {self.allowed_token_ids!r}") from None
+        if allowed and allowed[0] < 0:
+            raise ValueError("allowed_token_ids must be token ids >= 0")
+        if allowed and self.structured is not None:
+            raise ValueError("allowed_token_ids cannot be combined with a structured output (the grammar decides which "
+                             "tokens may come)")
+        if allowed and self.min_tokens and set(allowed) <= set(int(t) for t in self.stop_token_ids):
+            raise ValueError("allowed_token_ids are all stop ids, which min_tokens forbids at first: nothing could "
+                             "be produced")
+        object.__setattr__(self, "allowed_token_ids", allowed)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

@@ -347,6 +347,10 @@ class Server:
                 raise APIError(400, f"'stop_token_ids' has {t}, outside the vocabulary [0, {self.vocab_size})",
                                param="stop_token_ids")
             stop_ids.append(t)
+        allowed = req.allowed_token_ids or ()
+        if allowed and max(allowed) >= self.vocab_size:
+            raise APIError(400, f"'allowed_token_ids' has token id {max(allowed)}, outside the vocabulary [0, "
+                                f"{self.vocab_size})", param="allowed_token_ids")
         bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
         if bias and max(bias) >= self.vocab_size:
             raise APIError(400, f"'logit_bias' has token id {max(bias)}, outside the vocabulary [0, "
@@ -366,7 +370,7 @@ class Server:
             return SamplingParams(
                 max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, min_p=float(req.min_p or 0.0),
-                min_tokens=req.min_tokens or 0,
+                min_tokens=req.min_tokens or 0, allowed_token_ids=tuple(allowed),
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=req.num_logprobs,

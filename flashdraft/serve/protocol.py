@@ -40,6 +40,7 @@ MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary means no top-k filtering (t
 MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them against the real vocabulary
 MAX_N = 16  # choices per prompt (`n`)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias
+MAX_ALLOWED_IDS = 1 << 16  # allowed_token_ids a request may list
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
@@ -211,6 +212,9 @@ class _SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = _finite(ge=0.0, le=1.0)  # vLLM's extension (0: off)
     min_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)  # vLLM's: no stop before this many tokens
+    # vLLM's: only these ids may be produced
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_IDS)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
