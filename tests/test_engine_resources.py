@@ -304,3 +304,30 @@ def test_engine_stream_with_stop_strings_matches_full_decode(tok):
             assert result.text == want_text == "".join(deltas)
             assert result.token_ids == full.token_ids[:keep]
             assert result.finish_reason == ("stop" if stopped else "length")
+
+
+def test_a_stop_ids_text_is_left_out_unless_asked(tok):
+    """As in vLLM: a row ended by a stop id keeps the id in its tokens, not its text in the text (streamed or
+    not); `include_stop_str_in_output` keeps it. Stop ids that decode to nothing (EOS) change nothing."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    model = Qwen3ForCausalLM(cfg).double().eval()
+    engine = SpecEngine(model, tokenizer=tok)
+    prompt = tok("def main():")["input_ids"]
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    stop = next(t for t in free.token_ids[2:] if tok.decode([t]))  # a stop id with text, a few tokens in
+    cut = free.token_ids[:free.token_ids.index(stop) + 1]
+    for include in (False, True):
+        params = SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), include_stop_str_in_output=include)
+        deltas, result = [], None
+        for ev in engine.stream([prompt], params):
+            deltas.append(ev.text)
+            result = ev.result or result
+        assert result.token_ids == cut and result.finish_reason == "stop"
+        want = tok.decode(cut if include else cut[:-1], skip_special_tokens=True)
+        assert result.text == want == "".join(deltas), include
+    assert engine.generate([prompt], SamplingParams(max_new_tokens=24, stop_token_ids=(stop,)))[0].text == \
+        tok.decode(cut[:-1], skip_special_tokens=True)

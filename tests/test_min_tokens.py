@@ -87,18 +87,21 @@ def test_stop_strings_count_only_past_min_tokens():
     ids = tok.encode("a = 1\nb = 2\nc = 3\nd = 4\n")
     n_first = len(tok.encode("a = 1\n"))
 
-    def run(stop: str, min_tokens: int) -> str:
-        detok = IncrementalText(tok, (stop,))
-        for n in range(1, len(ids) + 1):
-            detok.stops_active = n > min_tokens
+    def run(stop: str, min_tokens: int, step: int = 1) -> str:
+        detok = IncrementalText(tok, (stop,), hold_stops=min_tokens > 0)
+        for n in range(step, len(ids) + step, step):
+            n = min(n, len(ids))
+            if detok.holding_stops and n > min_tokens:  # what the engine does (`SpecEngine._update_text`)
+                detok.search_from(len(tok.decode(ids[:min_tokens])))
             if detok.update(ids[:n], final=n == len(ids)) is not None:
                 break
         return detok.text
 
-    assert run("\n", 0) == "a = 1"
-    assert run("\n", n_first) == "a = 1\nb = 2"  # the first newline ends in the first n_first tokens' text
-    assert run("1\nb", n_first) == "a = "  # straddles the point: it counts
-    assert run("= 1", n_first + 2) == "a = 1\nb = 2\nc = 3\nd = 4\n"
+    for step in (1, 3, len(ids)):  # tokens a token at a time, in blocks, all at once: the same text
+        assert run("\n", 0, step) == "a = 1"
+        assert run("\n", n_first, step) == "a = 1\nb = 2"  # the first newline ends in the first tokens' text
+        assert run("1\nb", n_first, step) == "a = "  # straddles the point: it counts
+        assert run("= 1", n_first + 2, step) == "a = 1\nb = 2\nc = 3\nd = 4\n"
 
 
 def test_bad_min_tokens_are_refused():

@@ -36,7 +36,8 @@ class IncrementalText:
     detok.text                           # the whole text (O(length): once, at the end)
     """
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), include_stop: bool = False):
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), include_stop: bool = False,
+                 hold_stops: bool = False):
         self.tokenizer = tokenizer
         self.decode = text_decoder(tokenizer)
         self.stops = tuple(stop_strings)
@@ -52,9 +53,9 @@ class IncrementalText:
         self.recent = ""  # committed text from character `recent_start` on: what deltas and the overlap need
         self.recent_start = 0
         self.final_text: str | None = None  # set once the output is final (or a stop string cut it)
-        # False: text searched now is not searched again (a request's min_tokens: stop strings ending in the text of
-        # its first tokens do not count; one that straddles the end of that text does)
-        self.stops_active = True
+        # held (a request's min_tokens): no stop string is looked for (and the text kept for it) until
+        # `search_from` says where to begin
+        self.holding_stops = hold_stops and bool(self.stops)
 
     @property
     def committed(self) -> int:
@@ -90,10 +91,10 @@ class IncrementalText:
         self.seen = len(tokens)
         visible = self.tail if final else self.tail.rstrip(REPLACEMENT)
         end = self.committed + len(visible)
-        if self.stops and end > self.searched:
+        if self.stops and not self.holding_stops and end > self.searched:
             base = max(0, self.searched - self.overlap)
             haystack = self.recent[base - self.recent_start:] + visible
-            hits = [(haystack.find(s), s) for s in self.stops] if self.stops_active else []
+            hits = [(haystack.find(s), s) for s in self.stops]
             hits = [(pos, s) for pos, s in hits if pos >= 0]
             if hits:
                 pos, s = min(hits)
@@ -110,6 +111,12 @@ class IncrementalText:
             self.recent = self.recent[start - self.recent_start:]
             self.recent_start = start
         return None
+
+    def search_from(self, chars: int) -> None:
+        """Look for stop strings that end past character `chars` from now on (vLLM's min_tokens: not in the text of
+        the first min_tokens tokens; one that straddles its end counts)."""
+        self.holding_stops = False
+        self.searched = chars
 
     def delta(self, finished: bool) -> str:
         """The text that became final since the last call: all of it once finished; before, the text up to an

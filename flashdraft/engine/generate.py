@@ -219,6 +219,7 @@ class _Row:
     n_cached: int = 0  # tokens of this row in the target cache = position of the bonus token
     bonus: int = 0
     finish_reason: str | None = None
+    stop_token: bool = False  # ended by a stop id (or its grammar's end): that token's text is left out of the text
     detok: IncrementalText | None = None  # the output's text (with a tokenizer), decoded incrementally
     emitted_tokens: int = 0
     started: float = 0.0
@@ -1413,7 +1414,7 @@ class SpecEngine:
             if r.grammar is not None:
                 r.grammar.consume(t)
             if t in p.stop_token_ids or (r.grammar is not None and r.grammar.ended):
-                r.finish_reason = "stop"
+                r.finish_reason, r.stop_token = "stop", True
                 break
         if r.finish_reason is None and len(r.output) >= p.max_new_tokens:
             r.finish_reason = "length"
@@ -1427,11 +1428,17 @@ class SpecEngine:
 
     def _update_text(self, r: _Row) -> None:
         """Decode the new tokens (`detokenize.py`: bounded work per cycle) and apply stop strings: the text is cut
-        at the first one and the output keeps the fewest tokens whose text holds all of it."""
+        at the first one and the output keeps the fewest tokens whose text holds all of it. As in vLLM, a stop id
+        that ended the row stays in its tokens but not in its text (unless `include_stop_str_in_output`), and stop
+        strings ending in the text of the first `min_tokens` tokens do not count."""
+        p = r.params
         if r.detok is None:
-            r.detok = IncrementalText(self.tokenizer, r.params.stop_strings, r.params.include_stop_str_in_output)
-        r.detok.stops_active = len(r.output) > r.params.min_tokens  # vLLM's rule: stop strings count past min_tokens
-        keep = r.detok.update(r.output, final=r.finish_reason is not None)
+            r.detok = IncrementalText(self.tokenizer, p.stop_strings, p.include_stop_str_in_output,
+                                      hold_stops=p.min_tokens > 0)
+        if r.detok.holding_stops and len(r.output) > p.min_tokens:
+            r.detok.search_from(len(r.detok.decode(r.output[:p.min_tokens])))
+        shown = r.output[:-1] if r.stop_token and not p.include_stop_str_in_output else r.output
+        keep = r.detok.update(shown, final=r.finish_reason is not None)
         if keep is not None:
             del r.output[keep:]
             r.finish_reason = "stop"
