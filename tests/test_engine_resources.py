@@ -331,3 +331,25 @@ def test_a_stop_ids_text_is_left_out_unless_asked(tok):
         assert result.text == want == "".join(deltas), include
     assert engine.generate([prompt], SamplingParams(max_new_tokens=24, stop_token_ids=(stop,)))[0].text == \
         tok.decode(cut[:-1], skip_special_tokens=True)
+
+
+def test_special_tokens_text_only_when_asked(tok):
+    """skip_special_tokens (vLLM's, default true): an output holding special tokens (<|mask|> pushed in by a logit
+    bias) shows them in its text, streamed and not, only with skip_special_tokens=False."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    engine = SpecEngine(Qwen3ForCausalLM(cfg).double().eval(), tokenizer=tok)
+    prompt = tok("def main():")["input_ids"]
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    for skip in (True, False):
+        params = SamplingParams(max_new_tokens=12, logit_bias={mask: 3.0}, skip_special_tokens=skip)
+        deltas, result = [], None
+        for ev in engine.stream([prompt], params):
+            deltas.append(ev.text)
+            result = ev.result or result
+        assert mask in result.token_ids
+        assert result.text == tok.decode(result.token_ids, skip_special_tokens=skip) == "".join(deltas)
+        assert ("<|mask|>" in result.text) == (not skip)

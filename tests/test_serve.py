@@ -937,6 +937,14 @@ def test_allowed_token_ids_reach_the_engine(server, reference):
         assert resp.status_code == 400 and "allowed_token_ids" in resp.json()["error"]["message"], resp.text
 
 
+def test_skip_special_tokens_reaches_the_text(server, reference):
+    c, tok = client(server), reference.tokenizer
+    mask = tok.convert_tokens_to_ids("<|mask|>")
+    texts = [c.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0, logit_bias={str(mask): 100},
+                                  extra_body={"skip_special_tokens": skip}).choices[0].text for skip in (True, False)]
+    assert texts == ["", "<|mask|>" * 6]
+
+
 def test_tokens_as_token_ids_in_log_probabilities(server, reference):
     """vLLM's return_tokens_as_token_ids: log-probabilities name each token (chosen and alternatives) "token_id:<id>",
     the figures unchanged; completions, chat and a stream."""

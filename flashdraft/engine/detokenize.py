@@ -10,10 +10,10 @@ before it: an earlier occurrence would have been found by an earlier update. So 
 the new tokens (plus the lookback and a split character), not by the length of the output.
 
 The results (final text, where a stop string cuts it and the tokens kept, streamed deltas) are those of decoding
-the whole output at once with `decode(tokens, skip_special_tokens=True)`, for tokenizers whose decode
-concatenates at whole-character token boundaries: byte-level BPE (GPT-2, Llama 3, Qwen, this project's own
-tokenizer) and SentencePiece ones (whose dropped leading space the lookback covers); as in vLLM, not tokenizers
-whose `clean_up_tokenization_spaces` rewrites text across a boundary.
+the whole output at once with `decode(tokens, skip_special_tokens=...)` (True unless a request says otherwise), for
+tokenizers whose decode concatenates at whole-character token boundaries: byte-level BPE (GPT-2, Llama 3, Qwen,
+this project's own tokenizer) and SentencePiece ones (whose dropped leading space the lookback covers); as in vLLM,
+not tokenizers whose `clean_up_tokenization_spaces` rewrites text across a boundary.
 
 What this module does not know about: the engine, sampling, stop token ids; it sees a growing token list.
 """
@@ -37,9 +37,9 @@ class IncrementalText:
     """
 
     def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), include_stop: bool = False,
-                 hold_stops: bool = False):
+                 hold_stops: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.decode = text_decoder(tokenizer)
+        self.decode = text_decoder(tokenizer, skip_special_tokens)
         self.stops = tuple(stop_strings)
         self.overlap = max(map(len, self.stops)) - 1 if self.stops else 0  # a stop string may start this far back
         self.include_stop = include_stop
@@ -169,8 +169,8 @@ class IncrementalText:
         return hi
 
 
-def text_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, called on the tokenizer's Rust backend directly where that is
+def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)`, called on the tokenizer's Rust backend directly where that is
     all transformers' decode does (its own `decode` and `_decode` on a fast tokenizer that does not clean up
     tokenization spaces): an output fed one token at a time took 13.5 us per token through transformers' wrapper
     and 5.9 us through the backend (the shipped tokenizer), for every row of every cycle."""
@@ -185,8 +185,8 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
             and kind.decode is PreTrainedTokenizerBase.decode and kind._decode is TokenizersBackend._decode
             and not getattr(tokenizer, "clean_up_tokenization_spaces", False)):
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _clean(text: str) -> bool:

@@ -1434,7 +1434,7 @@ class SpecEngine:
         p = r.params
         if r.detok is None:
             r.detok = IncrementalText(self.tokenizer, p.stop_strings, p.include_stop_str_in_output,
-                                      hold_stops=p.min_tokens > 0)
+                                      hold_stops=p.min_tokens > 0, skip_special_tokens=p.skip_special_tokens)
         if r.detok.holding_stops and len(r.output) > p.min_tokens:
             r.detok.search_from(len(r.detok.decode(r.output[:p.min_tokens])))
         shown = r.output[:-1] if r.stop_token and not p.include_stop_str_in_output else r.output

@@ -54,6 +54,7 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # the text leaves special tokens (EOS, chat markers) out, as vLLM's default
     # None: no log-probabilities; k: each output token's, with the k most likely tokens at its position (`logprobs.py`)
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for the prompt's own tokens (a forward of its own)

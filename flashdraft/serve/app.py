@@ -373,6 +373,7 @@ class Server:
                 min_tokens=req.min_tokens or 0, allowed_token_ids=tuple(allowed),
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
                 logprobs=req.num_logprobs,
                 prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,

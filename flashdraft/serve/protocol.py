@@ -236,6 +236,7 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:<id>"
+    skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
     # vLLM's: keep each prompt's last k tokens (a conversation's, as the template renders it); -1: max_model_len
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
 
