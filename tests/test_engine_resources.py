@@ -277,16 +277,28 @@ def test_decode_work_grows_linearly(tok, text):
         assert long <= bound * (1600 // chunk + 1)
 
 
-def test_engine_stream_with_stop_strings_matches_full_decode(tok):
-    """Through the engine: streamed deltas, final text and kept tokens against a full decode of the output."""
+def _text_engine(tok):
+    """A tiny random Qwen3 (float64) with the project's tokenizer, and a code prompt."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    model = Qwen3ForCausalLM(cfg).double().eval()
-    engine = SpecEngine(model, tokenizer=tok)
-    prompt = tok("def main():")["input_ids"]
+    return SpecEngine(Qwen3ForCausalLM(cfg).double().eval(), tokenizer=tok), tok("def main():")["input_ids"]
+
+
+def _streamed(engine, prompt, params):
+    """(the streamed deltas joined, the final result) of one request."""
+    deltas, result = [], None
+    for ev in engine.stream([prompt], params):
+        deltas.append(ev.text)
+        result = ev.result or result
+    return "".join(deltas), result
+
+
+def test_engine_stream_with_stop_strings_matches_full_decode(tok):
+    """Through the engine: streamed deltas, final text and kept tokens against a full decode of the output."""
+    engine, prompt = _text_engine(tok)
     full = engine.generate([prompt], SamplingParams(max_new_tokens=48))[0]
     text = full.text
     assert text == tok.decode(full.token_ids, skip_special_tokens=True)
@@ -296,12 +308,9 @@ def test_engine_stream_with_stop_strings_matches_full_decode(tok):
         stop = text[a:a + rng.randint(1, 5)]
         for include in (False, True):
             params = SamplingParams(max_new_tokens=48, stop_strings=(stop,), include_stop_str_in_output=include)
-            deltas, result = [], None
-            for ev in engine.stream([prompt], params):
-                deltas.append(ev.text)
-                result = ev.result or result
+            streamed, result = _streamed(engine, prompt, params)
             want_text, keep, stopped = full_reference(tok, full.token_ids, (stop,), include)
-            assert result.text == want_text == "".join(deltas)
+            assert result.text == want_text == streamed
             assert result.token_ids == full.token_ids[:keep]
             assert result.finish_reason == ("stop" if stopped else "length")
 
@@ -309,26 +318,16 @@ def test_engine_stream_with_stop_strings_matches_full_decode(tok):
 def test_a_stop_ids_text_is_left_out_unless_asked(tok):
     """As in vLLM: a row ended by a stop id keeps the id in its tokens, not its text in the text (streamed or
     not); `include_stop_str_in_output` keeps it. Stop ids that decode to nothing (EOS) change nothing."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    model = Qwen3ForCausalLM(cfg).double().eval()
-    engine = SpecEngine(model, tokenizer=tok)
-    prompt = tok("def main():")["input_ids"]
+    engine, prompt = _text_engine(tok)
     free = engine.generate([prompt], SamplingParams(max_new_tokens=24))[0]
     stop = next(t for t in free.token_ids[2:] if tok.decode([t]))  # a stop id with text, a few tokens in
     cut = free.token_ids[:free.token_ids.index(stop) + 1]
     for include in (False, True):
         params = SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), include_stop_str_in_output=include)
-        deltas, result = [], None
-        for ev in engine.stream([prompt], params):
-            deltas.append(ev.text)
-            result = ev.result or result
+        streamed, result = _streamed(engine, prompt, params)
         assert result.token_ids == cut and result.finish_reason == "stop"
         want = tok.decode(cut if include else cut[:-1], skip_special_tokens=True)
-        assert result.text == want == "".join(deltas), include
+        assert result.text == want == streamed, include
     assert engine.generate([prompt], SamplingParams(max_new_tokens=24, stop_token_ids=(stop,)))[0].text == \
         tok.decode(cut[:-1], skip_special_tokens=True)
 
@@ -336,20 +335,11 @@ def test_a_stop_ids_text_is_left_out_unless_asked(tok):
 def test_special_tokens_text_only_when_asked(tok):
     """skip_special_tokens (vLLM's, default true): an output holding special tokens (<|mask|> pushed in by a logit
     bias) shows them in its text, streamed and not, only with skip_special_tokens=False."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
-    engine = SpecEngine(Qwen3ForCausalLM(cfg).double().eval(), tokenizer=tok)
-    prompt = tok("def main():")["input_ids"]
+    engine, prompt = _text_engine(tok)
     mask = tok.convert_tokens_to_ids("<|mask|>")
     for skip in (True, False):
         params = SamplingParams(max_new_tokens=12, logit_bias={mask: 3.0}, skip_special_tokens=skip)
-        deltas, result = [], None
-        for ev in engine.stream([prompt], params):
-            deltas.append(ev.text)
-            result = ev.result or result
+        streamed, result = _streamed(engine, prompt, params)
         assert mask in result.token_ids
-        assert result.text == tok.decode(result.token_ids, skip_special_tokens=skip) == "".join(deltas)
+        assert result.text == tok.decode(result.token_ids, skip_special_tokens=skip) == streamed
         assert ("<|mask|>" in result.text) == (not skip)
