@@ -17,7 +17,7 @@ import torch
 from flashdraft import SamplingParams, SpecEngine, StructuredOutput
 from flashdraft.engine.detokenize import IncrementalText
 from flashdraft.engine.noise import exponential_noise, race
-from tiny import engine_with, load_tokenizer, make_target
+from tiny import engine_with, load_tokenizer, make_drafter, make_target
 
 PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
 
@@ -25,6 +25,25 @@ PROMPTS = [[3, 17, 42, 8, 11], [5, 9], [60, 61, 62, 63, 64, 65, 66, 67]]
 @pytest.fixture(scope="module")
 def target():
     return make_target("qwen3")
+
+
+@torch.inference_mode()
+def assert_seeded_row_is_the_race(target, prompt: list[int], q: SamplingParams, process) -> list[int]:
+    """The seeded row's tokens, plain and drafted, beside another sampled row, equal the race under its noise on
+    softmax(process(logits, j) / T), one target forward per token without an engine (stopping at its stop ids);
+    returns them."""
+    ids, expected = list(prompt), []
+    for j in range(q.max_new_tokens):
+        logits = process(target(torch.tensor([ids])).logits[0, -1].float(), j)
+        noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
+        expected.append(int(race(torch.softmax(logits / q.temperature, dim=-1), noise)))
+        ids.append(expected[-1])
+        if expected[-1] in q.stop_token_ids:
+            break
+    for engine in (SpecEngine(target), SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")):
+        got = engine.generate([prompt, PROMPTS[1]], [q, SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)])
+        assert got[0].token_ids == expected
+    return expected
 
 
 @torch.inference_mode()
@@ -61,22 +80,13 @@ def test_greedy_output_is_the_targets_with_min_new_tokens(target, fast_path, pro
 def test_seeded_sampling_is_the_masked_targets_race(target):
     prompt, stops = PROMPTS[0], stops_for(target, PROMPTS[0])
     q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=tuple(stops), min_tokens=10)
-    ids, expected = list(prompt), []
-    with torch.inference_mode():
-        for j in range(q.max_new_tokens):
-            logits = target(torch.tensor([ids])).logits[0, -1].float()
-            if j < q.min_tokens:
-                logits[stops] = float("-inf")
-            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
-            expected.append(int(race(torch.softmax(logits / q.temperature, dim=-1), noise)))
-            ids.append(expected[-1])
-            if expected[-1] in stops:
-                break
-    from tiny import make_drafter
 
-    for engine in (SpecEngine(target), SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")):
-        got = engine.generate([prompt, PROMPTS[1]], [q, SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)])
-        assert got[0].token_ids == expected
+    def masked(logits, j):
+        if j < q.min_tokens:
+            logits[stops] = float("-inf")
+        return logits
+
+    assert_seeded_row_is_the_race(target, prompt, q, masked)
 
 
 def test_stop_strings_count_only_past_min_tokens():
@@ -144,22 +154,15 @@ def test_greedy_output_keeps_to_the_allowed_ids(target, fast_path, proposer):
 
 
 def test_seeded_sampling_keeps_to_the_allowed_ids(target):
-    from tiny import make_drafter
-
     allowed = allowed_for(target, PROMPTS[0])
     q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=9, allowed_token_ids=tuple(allowed))
-    ids, expected = list(PROMPTS[0]), []
-    with torch.inference_mode():
-        for j in range(q.max_new_tokens):
-            logits = target(torch.tensor([ids])).logits[0, -1].float()
-            keep = torch.full_like(logits, float("-inf"))
-            keep[allowed] = logits[allowed]
-            noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
-            expected.append(int(race(torch.softmax(keep, dim=-1), noise)))
-            ids.append(expected[-1])
-    for engine in (SpecEngine(target), SpecEngine(target, make_drafter(target, block_size=4), draft_policy="fixed")):
-        got = engine.generate([PROMPTS[0], PROMPTS[1]], [q, SamplingParams(max_new_tokens=16, temperature=1.0, seed=2)])
-        assert got[0].token_ids == expected and set(expected) <= set(allowed)
+
+    def restricted(logits, j):
+        keep = torch.full_like(logits, float("-inf"))
+        keep[allowed] = logits[allowed]
+        return keep
+
+    assert set(assert_seeded_row_is_the_race(target, PROMPTS[0], q, restricted)) <= set(allowed)
 
 
 def test_bad_allowed_token_ids_are_refused(target):
