@@ -187,7 +187,7 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
 
 def add_device_args(p) -> None:
     """--device, --dtype, --draft-dtype, --compile, --pack-weights, --screen-greedy, --exact, --sampler, --noise-thread,
-    --draft-policy and --tree-budget (also `flashdraft bench`)."""
+    --cudnn-attention, --draft-policy and --tree-budget (also `flashdraft bench`)."""
     p.add_argument("--device", type=device_arg, default="auto",
                    help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", type=dtype_arg, default="auto",
@@ -213,6 +213,9 @@ def add_device_args(p) -> None:
     p.add_argument("--noise-thread", choices=("auto", "on", "off"), default="auto",
                    help="CPU, --sampler gumbel: make sampled rows' noise on a thread of its own while the target "
                         "runs, in cycles where no sampled row drafts (auto: where torch's threads leave a core free)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="CUDA: let attention take cuDNN's SDPA backend too (left out by default: it plans a graph "
+                        "for every new attention shape, and drafting cycles rarely repeat one)")
     p.add_argument("--draft-policy", choices=("adaptive", "fixed"), default="adaptive",
                    help="adaptive = each row verifies the number of drafts that maximises the batch's tokens per "
                         "second under its measured acceptance and the measured step costs (down to one-token steps; "
@@ -301,6 +304,7 @@ def engine_config(args, plain: bool = False):
                           pack_weights=auto_on_off(args, "pack_weights"),
                           screen_greedy=auto_on_off(args, "screen_greedy"),
                           noise_thread=auto_on_off(args, "noise_thread"),
+                          cudnn_attention=getattr(args, "cudnn_attention", False),
                           draft_policy=getattr(args, "draft_policy", "adaptive"),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),

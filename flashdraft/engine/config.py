@@ -81,6 +81,9 @@ class EngineConfig:
     # forward runs, in cycles where no sampled row drafts (their noise is then read only at the read-out). None:
     # where the process may use more cores than torch's threads (one torch thread on a 2-core machine)
     noise_thread: bool | None = None
+    # CUDA: let torch's attention pick cuDNN's backend too. Off by default: cuDNN plans a graph for every new
+    # attention shape, and drafting cycles rarely repeat one (`kernels.py`); no effect on CPU
+    cudnn_attention: bool = False
 
     def __post_init__(self):
         def integer(value) -> bool:  # a bool is an int to Python, not a size to us
@@ -110,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
         if self.exact and self.compile:
             raise ValueError("exact=True runs eager steps; it cannot be combined with compile=True")
+        if not isinstance(self.cudnn_attention, bool):
+            raise ValueError(f"cudnn_attention must be True or False, got {self.cudnn_attention!r}")
         if self.noise_thread is not None and not isinstance(self.noise_thread, bool):
             raise ValueError(f"noise_thread must be True, False or None, got {self.noise_thread!r}")
         if self.screen_greedy is not None and not isinstance(self.screen_greedy, bool):

@@ -53,6 +53,7 @@ from flashdraft.engine.batch import (Batch, Features, PendingContext, RowBuckets
 from flashdraft.engine.compiled import compile_step, compile_unavailable
 from flashdraft.engine.config import EngineConfig
 from flashdraft.engine.detokenize import IncrementalText
+from flashdraft.engine.kernels import attention_scope, in_attention_scope
 from flashdraft.engine.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
@@ -398,6 +399,8 @@ class SpecEngine:
         self.target = target if isinstance(target, TargetModel) else TargetModel(target)
         self.drafter = drafter
         self.tokenizer = tokenizer
+        # CUDA: the engine's attention calls without cuDNN's backend unless asked for (`kernels.py`)
+        self._attention_scope = attention_scope(self.target.device, config.cudnn_attention)
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
         # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
@@ -591,6 +594,7 @@ class SpecEngine:
             yield from self.step(batch)
 
     @torch.inference_mode()
+    @in_attention_scope
     def warmup(self, max_batch_size: int = 1) -> list[int]:
         """Get ready for batches of up to `max_batch_size` rows before the first request. At each row bucket (the
         compiled buckets; eager: powers of two and `max_batch_size`) throwaway rows run one cycle of every verify
@@ -662,6 +666,7 @@ class SpecEngine:
         return self.proposer.new_batch_state(self.buckets, self.config.kv_page_size, self.kv_page_limit)
 
     @torch.inference_mode()
+    @in_attention_scope
     def add(
         self, batch: "Batch", prompts: Sequence[Sequence[int]] | torch.Tensor,
         params: SamplingParams | Sequence[SamplingParams] | None = None, request_ids: Sequence | None = None,
@@ -681,6 +686,7 @@ class SpecEngine:
         return list(self._events(rows))
 
     @torch.inference_mode()
+    @in_attention_scope
     def step(
         self, batch: "Batch", prompts: Sequence[Sequence[int]] | None = None,
         params: SamplingParams | Sequence[SamplingParams] | None = None, request_ids: Sequence | None = None,
@@ -748,6 +754,7 @@ class SpecEngine:
         return None
 
     @torch.inference_mode()
+    @in_attention_scope
     def resume(self, batch: "Batch", preempted: Sequence) -> None:
         """Bring preempted requests back into `batch`: each one's prompt and output so far are prefilled again
         (recompute; in exact mode the output positions through the exact forward, as they were first computed),

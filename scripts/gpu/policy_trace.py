@@ -67,15 +67,16 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", action="store_true", help="run SpecEngine.warmup(1) first, as `serve` does")
     p.add_argument("--cold-ms", type=float, default=0.0, help="one cold timing of a block cycle (see above)")
     p.add_argument("--json", default=None)
-    p.add_argument("--no-cudnn-attention", action="store_true",
-                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="let the engines' attention take cuDNN's SDPA backend too (left out by default on CUDA: it "
+                        "plans a graph per new shape; flashdraft/engine/kernels.py)")
     args = p.parse_args(argv)
-    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
     if args.threads:
         torch.set_num_threads(args.threads)
     target, tokenizer, drafter = load_pair(None, None, args.device, args.dtype)
-    spec = SpecEngine(target, drafter, tokenizer, EngineConfig(profile=True))
-    plain = SpecEngine(target, None, tokenizer, EngineConfig(profile=True))
+    config = EngineConfig(profile=True, cudnn_attention=args.cudnn_attention)
+    spec = SpecEngine(target, drafter, tokenizer, config)
+    plain = SpecEngine(target, None, tokenizer, config)
     encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in load_heldout_prompts(args.num_prompts)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     if args.cold_ms:

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "speed"))
 
+import engine_concurrency  # noqa: E402
 from engine_concurrency import SETS, build_engine, serve  # noqa: E402
 
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
@@ -46,10 +47,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=25, help="rows of each table printed")
     p.add_argument("--out", default="runs/serve_profile", help="folder for the full tables")
-    p.add_argument("--no-cudnn-attention", action="store_true",
-                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="let the engines' attention take cuDNN's SDPA backend too (left out by default on CUDA: it "
+                        "plans a graph per new shape; flashdraft/engine/kernels.py)")
     args = p.parse_args(argv)
-    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
+    engine_concurrency.ENGINE_OPTIONS["cudnn_attention"] = args.cudnn_attention
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

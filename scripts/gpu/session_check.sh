@@ -8,11 +8,11 @@
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl "transformers>=5.23,<6"
 # STAGES picks and orders them (default: all, in this order):
 #   STAGES="trace_bf16 trace_bf16_1thread trace_fp32 demo_bf16" bash scripts/gpu/session_check.sh   # ~4 min
-#   # the cuDNN-attention question (BENCHMARKS, 'The shipped pair on an H200'), ~9 min:
-#   STAGES="trace_bf16 trace_bf16_nocudnn profile_c32 profile_c32_nocudnn concurrency_nocudnn" bash ...
+#   # the engines without cuDNN's attention (their default) against with it (BENCHMARKS, 'cuDNN attention off'):
+#   STAGES="trace_bf16 trace_bf16_cudnn profile_c32 profile_c32_cudnn concurrency concurrency_cudnn" bash ...
 #   # the confidence trim where verification is compute-bound (BENCHMARKS, 'Confidence trim'), ~5 min:
 #   STAGES="concurrency_trim" bash scripts/gpu/session_check.sh
-#   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~25 min, more than one device call runs
+#   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~35 min, more than one device call runs
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,8 +22,8 @@ else
     export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-ALL="trace_bf16 trace_bf16_nocudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_nocudnn noise_152k
-     cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_nocudnn concurrency_t1
+ALL="trace_bf16 trace_bf16_cudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_cudnn noise_152k
+     cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_cudnn concurrency_t1
      concurrency_trim shapes_compiled divergence_bf16"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
@@ -37,17 +37,17 @@ stage() {  # stage NAME SECONDS COMMAND...
 run_stage() {
     case $1 in
     trace_bf16) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --json "$WORK/$1.json" ;;
-    trace_bf16_nocudnn) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --no-cudnn-attention \
+    trace_bf16_cudnn) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --cudnn-attention \
         --json "$WORK/$1.json" ;;
     profile_c32) stage $1 150 python3 scripts/gpu/serve_profile.py --concurrency 32 --top 12 --out "$WORK/$1" ;;
-    profile_c32_nocudnn) stage $1 150 python3 scripts/gpu/serve_profile.py --concurrency 32 --top 12 \
-        --no-cudnn-attention --out "$WORK/$1" ;;
+    profile_c32_cudnn) stage $1 150 python3 scripts/gpu/serve_profile.py --concurrency 32 --top 12 \
+        --cudnn-attention --out "$WORK/$1" ;;
     trace_bf16_1thread) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype bfloat16 --threads 1 \
         --json "$WORK/$1.json" ;;
     trace_fp32) stage $1 60 python3 scripts/gpu/policy_trace.py --dtype float32 --json "$WORK/$1.json" ;;
     noise_152k) stage $1 60 python3 scripts/speed/sampling_cost.py --device cuda --vocab 151936 \
         --shapes 1x1,16x1,32x1,1x16,4x16,16x16 ;;
-    cuda_graphs) stage $1 120 python3 -m pytest -q -p no:cacheprovider \
+    cuda_graphs) stage $1 200 python3 -m pytest -q -p no:cacheprovider \
         tests/test_compile.py::test_cuda_graphs_lossless_while_rows_come_and_go_in_place ;;
     flex_training) stage $1 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_train_cli.py::test_flex_training_on_gpu_matches_sdpa ;;
@@ -55,16 +55,16 @@ run_stage() {
     demo_bf16) stage $1 60 python3 -m flashdraft.cli demo --device cuda --json "$WORK/$1.json" ;;
     shapes_eager) stage $1 70 python3 scripts/speed/gpu_shapes.py --modes eager --batch-sizes 1,4,16,32 --tau 6.5 \
         --json "$WORK/$1.json" ;;
-    concurrency) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
+    concurrency) stage $1 400 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
         --policies adaptive,never --rounds 2 --num-prompts 32 --warm-full --lockstep --json "$WORK/$1.json" ;;
-    concurrency_nocudnn) stage $1 240 python3 scripts/speed/engine_concurrency.py --device cuda \
-        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --no-cudnn-attention --warm-full \
+    concurrency_cudnn) stage $1 400 python3 scripts/speed/engine_concurrency.py --device cuda \
+        --concurrency 1,16,32 --policies adaptive,never --rounds 2 --num-prompts 32 --cudnn-attention --warm-full \
         --lockstep --json "$WORK/$1.json" ;;
     concurrency_t1) stage $1 120 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16 \
         --temperature 1 --sets out-of-domain --policies adaptive,fixed --rounds 2 --num-prompts 32 \
         --json "$WORK/$1.json" ;;
     concurrency_trim) stage $1 300 python3 scripts/speed/engine_concurrency.py --device cuda --concurrency 1,16,32 \
-        --policies adaptive,no-trim,never --rounds 2 --num-prompts 32 --max-tokens 32-96 --no-cudnn-attention \
+        --policies adaptive,no-trim,never --rounds 2 --num-prompts 32 --max-tokens 32-96 \
         --warm-full --lockstep --json "$WORK/$1.json" ;;
     shapes_compiled) stage $1 240 python3 scripts/speed/gpu_shapes.py --modes compiled --batch-sizes 1,16 \
         --tau 6.5 --iters 10 --json "$WORK/$1.json" ;;

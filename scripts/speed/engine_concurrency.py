@@ -3,7 +3,7 @@
     python scripts/speed/engine_concurrency.py [--concurrency 1,4,16] [--sets held-out,out-of-domain]
         [--num-prompts 32] [--max-tokens 64 | LO-HI] [--temperature 0] [--top-p 1] [--top-k 0] [--rounds 2]
         [--policies adaptive,fixed,never]
-        [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--no-cudnn-attention]
+        [--compare-draft DIR] [--variant NAME:CONSTANT=VALUE[,CONSTANT=VALUE]]... [--warm-full] [--cudnn-attention]
         [--lockstep] [--dtype bfloat16]
         [--json runs/engine_concurrency.json]
 
@@ -118,13 +118,17 @@ class NeverDraft:
         pass
 
 
+# EngineConfig fields every engine built here takes (`--cudnn-attention`)
+ENGINE_OPTIONS: dict = {}
+
+
 def build_engine(target, tokenizer, drafter, policy: str | None, mixed_prefill_tokens: int = 512) -> SpecEngine:
     if policy is None:
-        return SpecEngine(target, None, tokenizer, mixed_prefill_tokens=mixed_prefill_tokens)
+        return SpecEngine(target, None, tokenizer, mixed_prefill_tokens=mixed_prefill_tokens, **ENGINE_OPTIONS)
     engine = SpecEngine(target, drafter, tokenizer, EngineConfig(
         draft_policy="fixed" if policy == "fixed" else "adaptive", mixed_prefill_tokens=mixed_prefill_tokens,
         lookup_steps=0 if policy == "no-lookup-steps" else EngineConfig.lookup_steps,
-        confidence_trim=policy != "no-trim"))
+        confidence_trim=policy != "no-trim", **ENGINE_OPTIONS))
     if policy == "never":
         open_batch = engine._new_batch
 
@@ -288,10 +292,11 @@ def main(argv=None) -> int:
     p.add_argument("--warm-full", action="store_true",
                    help="serve the whole queue once, untimed, with every engine first: on a GPU with cuDNN attention "
                         "the first engine to meet a shape pays its plan, and plain decoding runs first")
-    p.add_argument("--no-cudnn-attention", action="store_true",
-                   help="keep torch's SDPA off its cuDNN backend (bf16 on a GPU: a graph built per new shape)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="let the engines' attention take cuDNN's SDPA backend too (left out by default on CUDA: it "
+                        "plans a graph per new shape; flashdraft/engine/kernels.py)")
     args = p.parse_args(argv)
-    torch.backends.cuda.enable_cudnn_sdp(not args.no_cudnn_attention)
+    ENGINE_OPTIONS["cudnn_attention"] = args.cudnn_attention
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     policies = args.policies.split(",")
     unknown = [x for x in policies if x not in POLICIES] + [s for s in args.sets.split(",") if s not in SETS]
