@@ -221,6 +221,22 @@ def test_policy_trace_smoke(tmp_path):
     assert report["body_ms"] and report["profile_plain"]["cycles"] > 0
 
 
+def test_cycle_ops_smoke(tmp_path):
+    """The per-cycle operator count runs on CPU (scaled down): plain decoding's step issues about the same operators
+    whatever the rows, a fixed block's cycle more than a plain step (the draft and its context write)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "gpu"))
+    import cycle_ops
+
+    out = tmp_path / "ops.json"
+    assert cycle_ops.main(["--device", "cpu", "--rows", "1,2", "--cycles", "2", "--engines", "plain,fixed",
+                           "--json", str(out)]) == 0
+    cells = {(c["engine"], c["rows"]): c for c in json.loads(out.read_text())["cells"]}
+    assert set(cells) == {("plain", 1), ("plain", 2), ("fixed", 1), ("fixed", 2)}
+    assert all(c["cycles"] == 2 and c["ms_per_cycle"] > 0 for c in cells.values())
+    assert abs(cells["plain", 1]["aten_ops"] - cells["plain", 2]["aten_ops"]) <= 0.02 * cells["plain", 1]["aten_ops"]
+    assert cells["fixed", 1]["aten_ops"] > cells["plain", 1]["aten_ops"]
+
+
 def test_greedy_readout_script_smoke(tmp_path, capsys):
     """The read-out script, sampled: forward timings at one-token steps and 16-token verifies, then one cell whose
     screened engines' seeded outputs equal their full twins' (exit 0 only then)."""

@@ -10,6 +10,8 @@
 #   STAGES="trace_bf16 trace_bf16_1thread trace_fp32 demo_bf16" bash scripts/gpu/session_check.sh   # ~4 min
 #   # the engines without cuDNN's attention (their default) against with it (BENCHMARKS, 'cuDNN attention off'):
 #   STAGES="trace_bf16 trace_bf16_cudnn profile_c32 profile_c32_cudnn concurrency concurrency_cudnn" bash ...
+#   # what a 16-32-row drafting cycle issues (launches, syncs, GPU busy time) against a plain step, ~2 min:
+#   STAGES="cycle_ops" bash scripts/gpu/session_check.sh
 #   # the confidence trim where verification is compute-bound (BENCHMARKS, 'Confidence trim'), ~5 min:
 #   STAGES="concurrency_trim" bash scripts/gpu/session_check.sh
 #   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~35 min, more than one device call runs
@@ -24,7 +26,7 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ALL="trace_bf16 trace_bf16_cudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_cudnn noise_152k
      cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_cudnn concurrency_t1
-     concurrency_trim shapes_compiled divergence_bf16"
+     concurrency_trim shapes_compiled divergence_bf16 cycle_ops"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     echo "=== $name (limit ${limit}s) $(date +%T)"
@@ -70,6 +72,7 @@ run_stage() {
         --tau 6.5 --iters 10 --json "$WORK/$1.json" ;;
     divergence_bf16) stage $1 240 python3 scripts/lossless/divergence.py --device cuda --dtypes bfloat16 \
         --num-prompts 32 --json "$WORK/$1.json" ;;
+    cycle_ops) stage $1 150 python3 scripts/gpu/cycle_ops.py --device cuda --rows 1,16,32 --json "$WORK/$1.json" ;;
     *) echo "unknown stage $1 (stages: $ALL)"; return 2 ;;
     esac
 }
