@@ -7,6 +7,9 @@ drafter), the DFlash drafter and plain decoding, beside rows without it, on both
 the target's own race under the request's noise with the stop ids masked, computed here without an engine.
 allowed_token_ids: every other id's logit is -inf; greedy rows against transformers'
 `generate(prefix_allowed_tokens_fn=...)`, sampled rows against the restricted target's race, the same ways.
+bad_words: the last token of a banned sequence is -inf where the output would complete it; greedy rows against
+transformers' `generate(bad_words_ids=...)` (words whose other tokens are not in the prompt, where its rule, which
+reads the prompt too, and vLLM's, which reads the output only, agree), sampled rows against the race.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ def target():
 @torch.inference_mode()
 def assert_seeded_row_is_the_race(target, prompt: list[int], q: SamplingParams, process) -> list[int]:
     """The seeded row's tokens, plain and drafted, beside another sampled row, equal the race under its noise on
-    softmax(process(logits, j) / T), one target forward per token without an engine (stopping at its stop ids);
-    returns them."""
+    softmax(process(logits, j, output so far) / T), one target forward per token without an engine (stopping at its
+    stop ids); returns them."""
     ids, expected = list(prompt), []
     for j in range(q.max_new_tokens):
-        logits = process(target(torch.tensor([ids])).logits[0, -1].float(), j)
+        logits = process(target(torch.tensor([ids])).logits[0, -1].float(), j, expected)
         noise = exponential_noise(torch.tensor([q.seed]), torch.tensor([j]), 1, logits.shape[-1])[0, 0]
         expected.append(int(race(torch.softmax(logits / q.temperature, dim=-1), noise)))
         ids.append(expected[-1])
@@ -81,7 +84,7 @@ def test_seeded_sampling_is_the_masked_targets_race(target):
     prompt, stops = PROMPTS[0], stops_for(target, PROMPTS[0])
     q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=5, stop_token_ids=tuple(stops), min_tokens=10)
 
-    def masked(logits, j):
+    def masked(logits, j, _):
         if j < q.min_tokens:
             logits[stops] = float("-inf")
         return logits
@@ -157,7 +160,7 @@ def test_seeded_sampling_keeps_to_the_allowed_ids(target):
     allowed = allowed_for(target, PROMPTS[0])
     q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=9, allowed_token_ids=tuple(allowed))
 
-    def restricted(logits, j):
+    def restricted(logits, j, _):
         keep = torch.full_like(logits, float("-inf"))
         keep[allowed] = logits[allowed]
         return keep
@@ -174,3 +177,80 @@ def test_bad_allowed_token_ids_are_refused(target):
         SamplingParams(allowed_token_ids=(3,), stop_token_ids=(3,), min_tokens=2)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         SpecEngine(target).generate([PROMPTS[0]], SamplingParams(allowed_token_ids=(10 ** 6,)))
+
+
+# ---- bad_words (vLLM's): a banned sequence is never completed ----------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate_banned(model, prompt: list[int], max_new: int, words: list[tuple[int, ...]]) -> list[int]:
+    ids = torch.tensor([prompt])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=0, bad_words_ids=[list(w) for w in words] or None)[0, len(prompt):].tolist()
+
+
+def words_for(output, prompt: list[int], max_new: int) -> list[tuple[int, ...]]:
+    """A word of 1, 2 and 3 tokens, each taken from `output(words)` with the words before it banned, so each one
+    changes the output; their other tokens are not in the prompt."""
+    words: list[tuple[int, ...]] = []
+    for n in (1, 2, 3):
+        out = output(words)
+        word = next(tuple(out[end - n + 1:end + 1]) for end in range(n + 1, max_new)
+                    if not set(out[end - n + 1:end]) & set(prompt))
+        words.append(word)
+        assert output(words) != out
+    return words
+
+
+@pytest.mark.parametrize("fast_path", [None, False], ids=["fast", "generic"])
+@pytest.mark.parametrize("proposer", ["oracle", "dflash", "none"])
+def test_greedy_output_never_completes_a_bad_word(target, fast_path, proposer):
+    """Greedy output equals transformers' `generate(bad_words_ids=...)`, beside a row without bad words."""
+    max_new = 20
+    words = [words_for(lambda w, p=p: generate_banned(target, p, max_new, w), p, max_new) if p else []
+             for p in (PROMPTS[0], None, PROMPTS[2])]
+    expected = [generate_banned(target, p, max_new, w) for p, w in zip(PROMPTS, words)]
+    engine = engine_with(proposer, target, PROMPTS, expected, fast_path, seed=10)
+    params = [SamplingParams(max_new_tokens=max_new, bad_words=tuple(w)) for w in words]
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
+
+
+def test_a_bad_word_reads_the_output_only(target):
+    """vLLM's rule: a word whose other tokens end the prompt is not completed by the first output token only if the
+    output holds them; here the prompt does, so the free output is unchanged (transformers' rule would ban it)."""
+    free = generate_banned(target, PROMPTS[0], 8, [])
+    word = (PROMPTS[0][-1], free[0])
+    assert generate_banned(target, PROMPTS[0], 8, [word]) != free
+    got = SpecEngine(target).generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, bad_words=(word,)))
+    assert got[0].token_ids == free
+
+
+def test_seeded_sampling_never_completes_a_bad_word(target):
+    plain = SpecEngine(target)
+
+    def sampled(words):
+        q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, bad_words=tuple(words))
+        return plain.generate([PROMPTS[0]], q)[0].token_ids
+
+    words = words_for(sampled, PROMPTS[0], 16)
+    q = SamplingParams(max_new_tokens=16, temperature=1.0, seed=11, bad_words=tuple(words))
+
+    def banned(logits, j, output):
+        for word in words:
+            if len(word) - 1 <= len(output) and tuple(output[len(output) - len(word) + 1:]) == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        return logits
+
+    assert_seeded_row_is_the_race(target, PROMPTS[0], q, banned)
+
+
+def test_bad_bad_words_are_refused(target):
+    for bad in (((),), ((3, -1),), (("a",),), 5):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    with pytest.raises(ValueError, match="structured output"):
+        SamplingParams(bad_words=((3,),), structured=StructuredOutput(regex="a+"))
+    with pytest.raises(ValueError, match="nothing could"):
+        SamplingParams(allowed_token_ids=(3, 4), bad_words=((3,), (4,), (5, 4)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SpecEngine(target).generate([PROMPTS[0]], SamplingParams(bad_words=((3, 10 ** 6),)))

@@ -937,6 +937,29 @@ def test_allowed_token_ids_reach_the_engine(server, reference):
         assert resp.status_code == 400 and "allowed_token_ids" in resp.json()["error"]["message"], resp.text
 
 
+def test_bad_words_reach_the_engine(server, reference):
+    """vLLM's bad_words: each word banned as written and after a space (where that is another token sequence of the
+    same length); the text is the engine's with those sequences banned (tests/test_min_tokens.py checks that against
+    transformers'); empty, blank or too many words: 400."""
+    c, tok = client(server), reference.tokenizer
+    ids = tok("def add(a, b):")["input_ids"]
+    free = reference(ids, 12)
+    word = next(tok.decode([t]) for t in free.token_ids  # a token of the output that is a word on its own
+                if tok.decode([t]).isalnum() and tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    banned = [tuple(tok.encode(word, add_special_tokens=False))]
+    spaced = tuple(tok.encode(" " + word, add_special_tokens=False))
+    if len(spaced) == len(banned[0]) and spaced[0] != banned[0][0]:
+        banned.append(spaced)
+    got = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0,
+                               extra_body={"bad_words": ["  " + word]})
+    expected = reference(ids, 12, bad_words=tuple(banned))
+    assert got.choices[0].text == expected.text != free.text
+    for bad in ([""], ["   "], ["x"] * 65, "x"):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, "bad_words": bad})
+        assert resp.status_code == 400 and "bad_words" in resp.text, resp.text
+
+
 def test_skip_special_tokens_reaches_the_text(server, reference):
     c, tok = client(server), reference.tokenizer
     mask = tok.convert_tokens_to_ids("<|mask|>")

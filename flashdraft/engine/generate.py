@@ -257,7 +257,7 @@ def _wants_logprobs(rows: Sequence[_Row]) -> bool:
 
 def _processes_logits(r: _Row) -> bool:
     return (r.bias is not None or r.refused is not None or r.params.penalized or r.grammar is not None
-            or len(r.output) < r.params.min_tokens)
+            or bool(r.params.bad_words) or len(r.output) < r.params.min_tokens)
 
 
 def _reads_logits(rows: Sequence[_Row]) -> bool:
@@ -269,11 +269,11 @@ def _reads_logits(rows: Sequence[_Row]) -> bool:
 def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.Tensor,
                     block: torch.Tensor | None = None) -> torch.Tensor:
     """logits [g, w, V] of rows `members` (in place) with each one's penalties, then its logit bias, then -inf on
-    the ids outside its allowed ones and on its stop ids at the positions of output tokens before `min_tokens`, then
-    its grammar's mask. Position t of a
+    the ids outside its allowed ones, on the bad words' last tokens where they would complete one and on its stop ids
+    at the positions of output tokens before `min_tokens`, then its grammar's mask. Position t of a
     row's logits follows its block's tokens 0..t (block [b, >= w]; None: w = 1, nothing drafted), so the tokens a
-    penalty counts there are its output and its drafts 1..t, and its grammar stands after them: the target's
-    distribution given that text, which is what the verifier must judge draft t + 1 against."""
+    penalty or a bad word counts there are its output and its drafts 1..t, and its grammar stands after them: the
+    target's distribution given that text, which is what the verifier must judge draft t + 1 against."""
     for j, i in enumerate(members):
         r = rows[i]
         if r.params.penalized:
@@ -283,6 +283,8 @@ def _process_logits(rows: Sequence[_Row], members: Sequence[int], logits: torch.
             logits[j, ..., ids] += values.to(logits.dtype)
         if r.refused is not None:
             logits[j].masked_fill_(r.refused, float("-inf"))
+        if r.params.bad_words:
+            _ban_bad_words(r, logits[j], [] if block is None else block[i, 1:logits.shape[1]].tolist())
         early = r.params.min_tokens - len(r.output)  # block positions choosing output tokens before min_tokens
         if early > 0 and r.params.stop_token_ids:
             logits[j, :early, list(r.params.stop_token_ids)] = float("-inf")
@@ -300,6 +302,18 @@ def _refused(allowed: tuple[int, ...], vocab: int, device) -> torch.Tensor | Non
     refused = torch.ones(vocab, dtype=torch.bool, device=device)
     refused[list(allowed)] = False
     return refused
+
+
+def _ban_bad_words(r: _Row, logits: torch.Tensor, drafts: list[int]) -> None:
+    """logits [w, V] (in place): at position t, -inf on the last token of every bad word whose other tokens end the
+    output followed by drafts[:t] (vLLM's rule: the output only, not the prompt)."""
+    text = r.output + drafts
+    for t in range(logits.shape[0]):
+        end = len(r.output) + t  # the tokens before position t's choice: text[:end]
+        for word in r.params.bad_words:
+            k = len(word) - 1
+            if k <= end and tuple(text[end - k:end]) == word[:-1]:
+                logits[t, word[-1]] = float("-inf")
 
 
 def _penalize(r: _Row, logits: torch.Tensor, drafts: torch.Tensor | None) -> None:
@@ -817,6 +831,8 @@ class SpecEngine:
             if p.allowed_token_ids and p.allowed_token_ids[-1] >= vocab:
                 raise ValueError(f"request {i}: allowed_token_ids has token id {p.allowed_token_ids[-1]}, outside the "
                                  f"vocabulary [0, {vocab})")
+            if p.bad_words and max(max(word) for word in p.bad_words) >= vocab:
+                raise ValueError(f"request {i}: bad_words has a token id outside the vocabulary [0, {vocab})")
             if self.max_positions and len(prompt) + p.max_new_tokens > self.max_positions:
                 raise ValueError(
                     f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens {p.max_new_tokens} exceed the "

@@ -71,6 +71,10 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # only these token ids may be produced (every other one's logit is -inf; vLLM's allowed_token_ids); () = all
     allowed_token_ids: tuple[int, ...] = ()
+    # token sequences the output never completes (vLLM's bad_words, as the server tokenizes them): at each output
+    # position the last token of every sequence whose other tokens end the output so far gets -inf (the prompt does
+    # not count); a one-token sequence is never produced
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -124,6 +128,18 @@ class SamplingParams:
             raise ValueError("allowed_token_ids are all stop ids, which min_tokens forbids at first: nothing could "
                              "be produced")
         object.__setattr__(self, "allowed_token_ids", allowed)
+        try:
+            bad_words = tuple(tuple(int(t) for t in word) for word in self.bad_words)
+        except (TypeError, ValueError):
+            raise ValueError(f"bad_words must be sequences of token ids, got {self.bad_words!r}") from None
+        if any(not word or min(word) < 0 for word in bad_words):
+            raise ValueError("bad_words must be non-empty sequences of token ids >= 0")
+        if bad_words and self.structured is not None:
+            raise ValueError("bad_words cannot be combined with a structured output (the grammar decides which tokens "
+                             "may come)")
+        if allowed and set(allowed) <= {word[0] for word in bad_words if len(word) == 1}:
+            raise ValueError("bad_words ban every one of allowed_token_ids: nothing could be produced")
+        object.__setattr__(self, "bad_words", bad_words)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if any((not isinstance(s, str)) or s == "" for s in self.stop_strings):

@@ -261,6 +261,20 @@ class Server:
                                 "function or 'none'", param="tool_choice")
         return self.render_chat(req)
 
+    def bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """vLLM's reading of `bad_words`: each word (leading spaces stripped) as written, and after a space where that
+        is another token sequence of the same length (a word inside the text rather than at its start)."""
+        out = []
+        for word in words:
+            ids = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not ids:
+                raise APIError(400, f"'bad_words' has {word!r}, which is no tokens", param="bad_words")
+            out.append(ids)
+            if len(spaced) == len(ids) and spaced[0] != ids[0]:
+                out.append(spaced)
+        return tuple(out)
+
     def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The ids of a conversation (messages, tools, generation prompt) through the chat template."""
         if not self.has_chat_template:
@@ -371,6 +385,7 @@ class Server:
                 max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                 top_p=1.0 if req.top_p is None else float(req.top_p), top_k=top_k, min_p=float(req.min_p or 0.0),
                 min_tokens=req.min_tokens or 0, allowed_token_ids=tuple(allowed),
+                bad_words=self.bad_word_ids(req.bad_words or ()),
                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), stop_strings=tuple(req.stop or ()), seed=req.seed,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,

@@ -41,6 +41,7 @@ MAX_TOKEN_ID = 2**31 - 1  # the schema's bound on token ids; the app checks them
 MAX_N = 16  # choices per prompt (`n`)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias
 MAX_ALLOWED_IDS = 1 << 16  # allowed_token_ids a request may list
+MAX_BAD_WORDS = 64  # bad_words a request may list
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
@@ -215,6 +216,10 @@ class _SamplingFields(BaseModel):
     # vLLM's: only these ids may be produced
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
         default=None, min_length=1, max_length=MAX_ALLOWED_IDS)
+    # vLLM's: words the output never completes (each banned as written and, where it makes another token sequence of
+    # the same length, after a space)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None = Field(
+        default=None, max_length=MAX_BAD_WORDS)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
