@@ -425,27 +425,13 @@ class ChatMessage(BaseModel):
         return len((self.content or "").encode("utf-8"))
 
 
-def check_template_fields(req) -> None:
-    """vLLM's rules for continuing the last message: it is the assistant's, and no generation prompt follows it."""
-    if req.continue_final_message:
-        if req.add_generation_prompt:
-            raise APIError(400, "'continue_final_message' continues the last message: send 'add_generation_prompt': "
-                                "false with it", param="continue_final_message")
-        if req.messages[-1].role != "assistant":
-            raise APIError(400, "'continue_final_message' needs the last message to be the assistant's, got "
-                                f"{req.messages[-1].role!r}", param="continue_final_message")
+class _ChatTemplateFields(BaseModel):
+    """The fields /v1/chat/completions and /tokenize render through the chat template (`Server.render_chat`)."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
-    function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
-    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)  # vLLM's
@@ -457,8 +443,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("'messages' must contain at least one message")
         return data
 
+    def check_template_fields(self) -> None:
+        """vLLM's rules for continuing the last message: it is the assistant's, and no generation prompt follows."""
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(400, "'continue_final_message' continues the last message: send "
+                                    "'add_generation_prompt': false with it", param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise APIError(400, "'continue_final_message' needs the last message to be the assistant's, got "
+                                    f"{self.messages[-1].role!r}", param="continue_final_message")
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+
+class ChatCompletionRequest(_ChatTemplateFields, _SamplingFields):
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    functions: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    function_call: Annotated[Any, WithJsonSchema({"enum": ["none", None]})] = None
+    parallel_tool_calls: bool | None = None
+
     def check_supported(self) -> None:
-        check_template_fields(self)
+        self.check_template_fields()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         if self.functions:
@@ -492,9 +501,6 @@ class ChatCompletionRequest(_SamplingFields):
     def calls_forced(self) -> bool:
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
-    def tool_dicts(self) -> list[dict]:
-        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
-
     def structured_output(self) -> StructuredOutput | None:
         """A forced tool call's constraint (`tools.forced_calls`), else the request's structured output."""
         if self.calls_forced:
@@ -525,21 +531,13 @@ class TokenizeCompletionRequest(_TokenizerFields):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_TokenizerFields):
+class TokenizeChatRequest(_ChatTemplateFields, _TokenizerFields):
     """/tokenize of a conversation: the ids /v1/chat/completions would run for these messages and tools."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = Field(default=None, max_length=MAX_TEMPLATE_KWARGS)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     return_token_strs: bool = False
 
     def check_supported(self) -> None:
-        check_template_fields(self)
-
-    def tool_dicts(self) -> list[dict]:
-        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+        self.check_template_fields()
 
 
 def tokenize_request_model(data: dict) -> type[BaseModel]:
