@@ -960,6 +960,20 @@ def test_bad_words_reach_the_engine(server, reference):
         assert resp.status_code == 400 and "bad_words" in resp.text, resp.text
 
 
+def test_priority_needs_priority_scheduling(server):
+    """vLLM's `priority`: 0 (or none) under the default first-come-first-served policy; any other value is a 400
+    naming --scheduling-policy (tests/test_serve_units.py orders a queue by priority)."""
+    ok = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 0})
+    assert ok.status_code == 200, ok.text
+    for bad in (3, -1, 2**31, "1"):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": bad})
+        assert resp.status_code == 400 and "priority" in resp.text, resp.text
+    assert "scheduling-policy" in httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "priority": 3}).json()["error"]["message"]
+
+
 def test_skip_special_tokens_reaches_the_text(server, reference):
     c, tok = client(server), reference.tokenizer
     mask = tok.convert_tokens_to_ids("<|mask|>")

@@ -110,6 +110,42 @@ def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
     assert max(held) <= budget * (target_bytes + drafter_bytes), (max(held), budget)
 
 
+def test_priority_scheduling_preempts_the_least_urgent_request():
+    """Under `policy="priority"` the request preempted is the least urgent running one (highest priority value, then
+    latest arrival), not the latest arrival; here the earliest arrivals are the least urgent (and join last: the
+    queue is in priority order). Outputs stay the target's greedy ones."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16, draft_policy="fixed")
+    prompts = {f"r{i}": [(5 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)}
+    expected = {rid: greedy_reference(target, p, 60) for rid, p in prompts.items()}
+    sched = Scheduler(engine, max_batch_size=6, max_queue=6, kv_cache_positions=220, policy="priority")
+    victims, preempt = [], engine.preempt
+
+    def recording(batch, rid):  # scheduler thread: the running requests are those of `sched._running`
+        running = [sched._running[row.index] for row in batch.rows if row.index in sched._running]
+        victims.append((rid, max(running, key=lambda r: (r.priority, r.arrival)).rid,
+                        max(running, key=lambda r: r.arrival).rid))
+        return preempt(batch, rid)
+
+    engine.preempt = recording
+    sched.start()
+
+    async def main():
+        with sched._cond:
+            reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid, priority=10 - i)
+                    for i, (rid, p) in enumerate(prompts.items())]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        sched.stop()
+    for rid, tokens in zip(prompts, outcomes):
+        assert tokens == expected[rid], rid
+    assert victims and all(got == least for got, least, _ in victims), victims
+    assert any(least != latest for _, least, latest in victims), victims  # where fcfs would take another
+
+
 def test_queue_bound_still_answers_429_with_a_budget():
     from flashdraft.serve.scheduler import QueueFull
 

@@ -148,6 +148,41 @@ def test_stop_cancels_in_flight_and_refuses_new():
     assert not sched.alive
 
 
+def test_priority_policy_serves_waiting_requests_by_priority_then_arrival():
+    """One batch slot: while the first request runs, the rest queue; under "priority" they start in order of
+    priority (lower first), then arrival; under "fcfs" a nonzero priority is refused."""
+    target = make_target("qwen3")
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    started, add = [], engine.add
+
+    def recording(batch, prompts, params=None, request_ids=None):
+        started.extend(request_ids)
+        return add(batch, prompts, params, request_ids)
+
+    engine.add = recording
+    with pytest.raises(ValueError, match="priority scheduling"):
+        Scheduler(engine).submit([1, 2], SamplingParams(max_new_tokens=2), "x", loop=asyncio.new_event_loop(),
+                                 priority=1)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Scheduler(engine, policy="lifo")
+    sched = Scheduler(engine, max_batch_size=1, max_queue=8, policy="priority")
+    sched.start()
+    order = [("first", 0), ("late", 5), ("urgent", -3), ("normal", 0), ("urgent2", -3), ("normal2", 0)]
+
+    async def main():
+        with sched._cond:  # all queued before the scheduler admits any
+            reqs = [sched.submit([3, 1 + i], SamplingParams(max_new_tokens=4), rid, priority=p)
+                    for i, (rid, p) in enumerate(order)]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        outcomes = asyncio.run(main())
+    finally:
+        sched.stop()
+    assert started == ["urgent", "urgent2", "first", "normal", "normal2", "late"]
+    assert all(not isinstance(res, Failure) for _, res in outcomes)
+
+
 def test_metrics_count_drafts_by_position():
     m = Metrics("x")
     m.count_drafts([1, 3, 5, 2], [5, 4, 5, 2], block_size=5, one_token_steps=3, lookup_splices=2)

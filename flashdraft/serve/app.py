@@ -80,6 +80,7 @@ class ServeConfig:
     tokenizer_workers: int = 2  # threads that parse and tokenize requests (off the event loop)
     kv_cache_bytes: int | None = None  # target + drafter K/V budget; admission waits beyond it (None: no bound)
     tool_call_parser: str | None = None  # how tool_choice "auto" reads calls out of text (`tools.PARSERS`)
+    scheduling_policy: str = "fcfs"  # waiting requests: "fcfs", or "priority" by each request's `priority` (vLLM's)
 
 
 def system_fingerprint(engine: SpecEngine) -> str | None:
@@ -111,7 +112,8 @@ class Server:
         self.metrics = Metrics(config.model_name)
         self.kv_cache_positions = self._kv_cache_positions(config.kv_cache_bytes)
         self.scheduler = Scheduler(engine, config.max_batch_size, config.max_queue, config.max_prefill_tokens,
-                                   self.metrics, threads=config.threads, kv_cache_positions=self.kv_cache_positions)
+                                   self.metrics, threads=config.threads, kv_cache_positions=self.kv_cache_positions,
+                                   policy=config.scheduling_policy)
         self.pool = ThreadPoolExecutor(config.tokenizer_workers, thread_name_prefix="flashdraft-tokenize")
         self.eos_ids = engine.eos_token_ids
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
@@ -398,12 +400,14 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def submit(self, prompt: list[int], params: SamplingParams, rid: str):
+    def submit(self, prompt: list[int], params: SamplingParams, rid: str, priority: int = 0):
         if self.draining:
             self.metrics.rejected("shutting_down")
             raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
-            return self.scheduler.submit(prompt, params, rid)
+            return self.scheduler.submit(prompt, params, rid, priority=priority)
+        except ValueError as e:  # a priority the scheduling policy does not take
+            raise APIError(400, str(e), param="priority") from None
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, str(e), code="queue_full") from None
@@ -693,7 +697,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
         try:
             for state, (_, params) in zip(states, choices):
                 state.handle = server.submit(state.prompt, params,
-                                             rid if len(choices) == 1 else f"{rid}-{state.index}")
+                                             rid if len(choices) == 1 else f"{rid}-{state.index}", req.priority or 0)
         except BaseException:
             _cancel(states)
             raise

@@ -61,6 +61,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=16, help="rows decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a batch slot; beyond that the server answers 429 (default 64)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="order of the requests waiting for a batch slot: fcfs = first come first served (a request "
+                        "with a nonzero priority is a 400); priority = by each request's `priority`, lower first, "
+                        "then arrival, and under --kv-cache-memory the least urgent running request is preempted "
+                        "first (vLLM's; default fcfs)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
@@ -234,6 +239,7 @@ def run_serve(args) -> int:
                          api_key=api_key, drain_timeout=args.drain_timeout, threads=args.threads,
                          max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                          max_prompt_bytes=args.max_prompt_bytes, tool_call_parser=args.tool_call_parser,
+                         scheduling_policy=args.scheduling_policy,
                          kv_cache_bytes=args.kv_cache_memory and resolve_memory_budget(args.kv_cache_memory,
                                                                                        engine.target.device))
     app = create_app(engine, config)

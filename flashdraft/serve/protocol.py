@@ -42,6 +42,7 @@ MAX_N = 16  # choices per prompt (`n`)
 MAX_LOGIT_BIAS = 300  # token ids a request may bias
 MAX_ALLOWED_IDS = 1 << 16  # allowed_token_ids a request may list
 MAX_BAD_WORDS = 64  # bad_words a request may list
+MAX_PRIORITY = 2**31 - 1  # request priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
@@ -220,6 +221,8 @@ class _SamplingFields(BaseModel):
     # the same length, after a space)
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS)
+    # vLLM's: with the server's --scheduling-policy priority, lower values are served first (else only 0)
+    priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -13,16 +13,18 @@ Design. `SpecEngine` is not thread-safe, so exactly one scheduler thread touches
              that arrived last is preempted (`engine.preempt`) and goes back to the head of the queue;
 4. step    - one draft/verify cycle for every row (`engine.step`); finished rows leave the batch;
 5. deliver - each request's new tokens are handed to its asyncio queue with `loop.call_soon_threadsafe`.
-With nothing to do the thread sleeps on a condition variable. Requests beyond the batch wait in a bounded FIFO
-queue; `submit` on a full queue raises `QueueFull` at once (the server answers 429) instead of blocking.
+With nothing to do the thread sleeps on a condition variable. Requests beyond the batch wait in a bounded queue,
+first come first served (`policy="fcfs"`), or with `policy="priority"` (vLLM's) in order of each request's
+`priority` (lower first), then arrival; `submit` on a full queue raises `QueueFull` at once (the server answers 429)
+instead of blocking.
 Memory: the engine's caches are paged; a batch takes, per row, its own committed tokens plus a block, in pages
 (`flashdraft.memory.held_positions`); the engine's pools never grow past the budget's pages
 (`SpecEngine.kv_page_limit`, set here). Admission counts what rows hold now with one page of growth each (capped at
 what they may ever hold, prompt + max_tokens): the head of the queue joins only while that stays within
 `kv_cache_positions`,
-otherwise it waits (FIFO: later, smaller requests do not overtake it). Rows that outgrow the budget anyway are
-preempted and recomputed, vLLM's policy: the latest arrival leaves the batch with everything it generated, waits at
-the head of the queue, and when it fits again its prompt and output are prefilled again and it goes on with the
+otherwise it waits (later, smaller requests do not overtake it). Rows that outgrow the budget anyway are
+preempted and recomputed, vLLM's policy: the latest arrival (under priorities: of the least urgent priority) leaves
+the batch with everything it generated, waits at the head of the queue (of its priority), and when it fits again its prompt and output are prefilled again and it goes on with the
 output it would have had (`SpecEngine.resume`). A lone row always fits, because a request that could not fit even
 alone, at prompt + max_tokens, is refused at `submit` (`TooLarge`, HTTP 400); so the batch always progresses.
 Each request carries its own SamplingParams (temperature, stop ids/strings, max tokens); the engine applies them
@@ -77,6 +79,7 @@ class Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
+    priority: int = 0  # `policy="priority"`: lower is served first (vLLM's)
     first_token_at: float | None = None
     stats: object = None  # the engine's RequestStats of this request, once admitted
     preempted: object = None  # the engine's state of this request while it waits preempted (`engine.resume`)
@@ -86,12 +89,18 @@ class Request:
     counted_lookups: tuple[int, int, int] = (0, 0, 0)  # lookup steps, their tokens verified and accepted, added
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(self, engine: SpecEngine, max_batch_size: int = 16, max_queue: int = 64,
                  max_prefill_tokens: int = 8192, metrics=None, threads: int | None = None,
-                 kv_cache_positions: int | None = None):
+                 kv_cache_positions: int | None = None, policy: str = "fcfs"):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queue >= 0")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
         if kv_cache_positions is not None and kv_cache_positions < 1:
             raise ValueError(f"kv_cache_positions must be >= 1 or None, got {kv_cache_positions}")
         self.engine = engine
@@ -134,11 +143,14 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, prompt: list[int], params: SamplingParams, rid: str,
-               loop: asyncio.AbstractEventLoop | None = None) -> Request:
+               loop: asyncio.AbstractEventLoop | None = None, priority: int = 0) -> Request:
         """Queue a request; its events arrive on `request.queue` (in `loop`). Raises QueueFull / SchedulerClosed /
-        TooLarge (its cache alone exceeds the memory budget)."""
+        TooLarge (its cache alone exceeds the memory budget) / ValueError (a priority under "fcfs")."""
+        if priority and self.policy != "priority":
+            raise ValueError(f"priority {priority} needs priority scheduling (the server's --scheduling-policy "
+                             "priority); this one serves first come first served")
         loop = loop or asyncio.get_running_loop()
-        req = Request(rid, list(prompt), params, loop)
+        req = Request(rid, list(prompt), params, loop, priority=priority)
         self._check_fits_alone(req)
         with self._cond:
             if not self._accepting or not self.alive:
@@ -148,10 +160,18 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue + max(0, free_slots):
                 raise QueueFull(f"the server is at capacity ({self.num_running} running, {len(self._waiting)} "
                                 f"waiting, queue bound {self.max_queue}); retry later")
-            self._waiting.append(req)
+            self._enqueue(req)
             self._cond.notify()
         self._gauges()
         return req
+
+    def _enqueue(self, req: Request) -> None:
+        """Into the waiting queue, kept in order of (priority, arrival): first come first served where every
+        priority is 0, and a preempted request (which arrived before everything waiting of its priority) goes ahead
+        of those. Call with the lock held."""
+        key = (req.priority, req.arrival)
+        at = next((i for i, w in enumerate(self._waiting) if (w.priority, w.arrival) > key), len(self._waiting))
+        self._waiting.insert(at, req)
 
     @staticmethod
     def most_tokens(req: Request) -> int:
@@ -192,17 +212,18 @@ class Scheduler:
 
     def _preempt_to_fit(self) -> None:
         """While the batch's next cycle would take more than the budget, the running request that arrived last
-        leaves it (its cache freed, its state kept) for the head of the queue; a lone row always fits."""
+        (of the least urgent priority) leaves it (its cache freed, its state kept) for the head of the queue (of its
+        priority); a lone row always fits."""
         if self.kv_cache_positions is None:
             return
         while (len(self._batch.rows) > 1
                and self.positions([row.n_cached for row in self._batch.rows]) > self.kv_cache_positions):
             req = max((self._running[row.index] for row in self._batch.rows if row.index in self._running),
-                      key=lambda r: r.arrival)
+                      key=lambda r: (r.priority, r.arrival))
             req.preempted = self.engine.preempt(self._batch, req.rid)
             del self._running[req.rid]
             with self._cond:
-                self._waiting.appendleft(req)
+                self._enqueue(req)
             if self.metrics is not None:
                 self.metrics.preemptions.inc()
             log.info("preempted request %s (%d tokens held) to stay within --kv-cache-memory; it resumes when the "
