@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -263,6 +264,57 @@ def test_logprobs_in_every_format(server, reference):
     assert [x.token for x in streamed] == [x.token for x in content] and all(x.top_logprobs == [] for x in streamed)
     plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_prompt_logprobs_are_the_targets_own(server, pair):
+    """vLLM's prompt_logprobs: per prompt token (null first) its log-probability and rank and the k likeliest tokens
+    ranked 1..k, against the target's own forward over the prompt; per choice in completions, once in chat; not with
+    stream (400)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32)
+    tok = server.app.state.server.tokenizer
+
+    def own(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(target(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+    def check(entries, ids, k):
+        logp = own(ids)
+        assert len(entries) == len(ids) and entries[0] is None
+        for pos, entry in enumerate(entries[1:], start=1):
+            row, token = logp[pos - 1], ids[pos]
+            top = row.topk(k).indices.tolist()
+            assert set(entry) == {str(t) for t in top + [token]}
+            assert entry[str(token)]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+            near = 1e-5  # the server's figures are float32's: a token within that of this one may rank either way
+            rank = entry[str(token)]["rank"]
+            assert int((row > row[token] + near).sum()) < rank <= int((row >= row[token] - near).sum())
+            assert [entry[str(t)]["rank"] for t in top] == list(range(1, k + 1))
+            assert all(entry[str(t)]["decoded_token"] == tok.decode([t]) for t in top + [token])
+
+    ids = tok("def add(a, b):\n    return")["input_ids"]
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 2}).json()
+    assert [c["prompt_logprobs"] for c in resp["choices"]][0] == resp["choices"][1]["prompt_logprobs"]
+    check(resp["choices"][0]["prompt_logprobs"], ids, 2)
+    echo = httpx.post(f"{server.url}/v1/completions", timeout=30, json={  # with echo's own k beside it
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 3, "prompt_logprobs": 0}).json()
+    check(echo["choices"][0]["prompt_logprobs"], ids, 0)
+    assert len(echo["choices"][0]["logprobs"]["top_logprobs"][1]) >= 3
+    messages = [{"role": "user", "content": "sort a list"}]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    check(chat["prompt_logprobs"], tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False), 1)
+    assert "prompt_logprobs" not in chat["choices"][0]
+    plain = httpx.post(f"{server.url}/v1/completions", timeout=30, json={"model": MODEL, "prompt": ids,
+                                                                       "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    for bad in ({"stream": True, "prompt_logprobs": 1}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1}):
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, **bad})
+        assert resp.status_code == 400 and "prompt_logprobs" in resp.text, resp.text
 
 
 def test_echo_scores_the_prompt(server, reference):

@@ -392,7 +392,8 @@ class Server:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=req.num_logprobs,
-                prompt_logprobs=req.logprobs if isinstance(req, CompletionRequest) and req.echo else None,
+                prompt_logprobs=max((k for k in (req.logprobs if isinstance(req, CompletionRequest) and req.echo
+                                                 else None, req.prompt_logprobs) if k is not None), default=None),
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -709,7 +710,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             return StreamingResponse(_stream(states, rid, prompt_tokens, chat, req.stream_options, tooling),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, states, rid, prompt_tokens, chat, tooling)
+        return await _collect(request, states, rid, prompt_tokens, chat, tooling, req.prompt_logprobs)
 
     def _cancel(states) -> None:
         """Free the batch slots of the choices still running (their client went away, or one of them failed)."""
@@ -717,8 +718,10 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             if state.handle is not None and not state.finished:
                 server.scheduler.cancel(state.handle.rid)
 
-    async def _collect(request: Request, states, rid: str, prompt_tokens: int, chat: bool, tooling):
-        """Wait for every choice's result, watching for the client going away (then cancel them all)."""
+    async def _collect(request: Request, states, rid: str, prompt_tokens: int, chat: bool, tooling,
+                       prompt_top: int | None):
+        """Wait for every choice's result, watching for the client going away (then cancel them all).
+        `prompt_top`: the prompt's log-probabilities with that many alternatives (vLLM's `prompt_logprobs`)."""
 
         async def disconnected():
             while (await request.receive())["type"] != "http.disconnect":
@@ -754,10 +757,17 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             if tooling is not None:
                 text, calls, reason = tools.read_calls(text, tooling[0], reason, tooling[1])
             bodies.append(protocol.choice_body(state.index, chat, text, reason, logprobs, calls))
+            if prompt_top is not None and not chat:  # vLLM's: per choice in completions, once in chat
+                bodies[-1]["prompt_logprobs"] = protocol.prompt_logprobs_body(item.result.prompt_logprobs, prompt_top,
+                                                                              state.token_text)
             n_out += n
         stats = protocol.merge_stats([server.stats(item.result) for item in items])
-        return protocol.completion_body(rid, cfg.model_name, chat, bodies, protocol.usage(prompt_tokens, n_out), stats,
+        body = protocol.completion_body(rid, cfg.model_name, chat, bodies, protocol.usage(prompt_tokens, n_out), stats,
                                         server.fingerprint)
+        if prompt_top is not None and chat:
+            body["prompt_logprobs"] = protocol.prompt_logprobs_body(items[0].result.prompt_logprobs, prompt_top,
+                                                                    states[0].token_text)
+        return body
 
     async def _stream(states, rid: str, prompt_tokens: int, chat: bool, opts, tooling):
         """The choices' events as SSE chunks in the order they come, each tagged with its choice's index; a usage

@@ -221,6 +221,8 @@ class _SamplingFields(BaseModel):
     # the same length, after a space)
     bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] | None = Field(
         default=None, max_length=MAX_BAD_WORDS)
+    # vLLM's: each prompt token's log-probability, rank and this many alternatives (not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: with the server's --scheduling-policy priority, lower values are served first (else only 0)
     priority: int | None = Field(default=None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -273,6 +275,8 @@ class _SamplingFields(BaseModel):
                            param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "'prompt_logprobs' are not available when streaming", param="prompt_logprobs")
         self.structured_output()
 
     def structured_output(self) -> StructuredOutput | None:
@@ -700,6 +704,21 @@ def choice_body(index: int, chat: bool, text: str | None, finish_reason: str, lo
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
+def prompt_logprobs_body(entries: list, top: int, token_text) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (null first: nothing precedes it) {token id: {"logprob", "rank",
+    "decoded_token"}} for the token itself and the `top` likeliest tokens there (ranked 1 .. top)."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        figures = {str(t): {"logprob": v, "rank": k + 1, "decoded_token": token_text(t)}
+                   for k, (t, v) in enumerate(e.top[:top])}
+        figures.setdefault(str(e.token), {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e.token)})
+        out.append(figures)
+    return out
+
+
 def completion_body(rid: str, model: str, chat: bool, choices: list[dict], use: dict, stats: dict,
                     fingerprint: str | None = None) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -764,6 +783,12 @@ _LOGPROBS = {"anyOf": [
         "top_logprobs": {"type": "array", "items": {"anyOf": [
             {"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}]}},
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
+# vLLM's per prompt token: null first, then {token id: figures} for the token and the alternatives asked for
+_PROMPT_LOGPROBS = {"anyOf": [{"type": "null"}, {"type": "array", "items": {"anyOf": [
+    {"type": "null"}, {"type": "object", "additionalProperties": {
+        "type": "object", "required": ["logprob", "rank", "decoded_token"],
+        "properties": {"logprob": {"type": "number", "maximum": 0}, "rank": {"type": "integer", "minimum": 1},
+                       "decoded_token": {"type": "string"}}}}]}}]}
 _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage", "dflash"],
                "properties": {
                    "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion"]},
@@ -772,10 +797,10 @@ _COMPLETION = {"type": "object", "required": ["id", "object", "created", "model"
                        "type": "object", "required": ["index", "finish_reason"],
                        "properties": {"index": {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1},
                                       "text": {"type": "string"}, "finish_reason": _FINISH,
-                                      "logprobs": _LOGPROBS,
+                                      "logprobs": _LOGPROBS, "prompt_logprobs": _PROMPT_LOGPROBS,
                                       "message": {"type": "object", "required": ["role", "content"], "properties": {
                                           "role": {"const": "assistant"}, "content": {"type": "string"}}}}}},
-                   "usage": _USAGE, "dflash": _STATS}}
+                   "usage": _USAGE, "dflash": _STATS, "prompt_logprobs": _PROMPT_LOGPROBS}}
 _CHUNK = {"type": "object", "required": ["id", "object", "created", "model", "choices"],
           "properties": {
               "id": {"type": "string"}, "object": {"enum": ["text_completion", "chat.completion.chunk"]},
