@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.model.cpu_linear import native_bf16_cpu
+
 DEFAULT_PAIR_DIR = Path(__file__).parent / "assets" / "default_pair"
 DEFAULT_TARGET = DEFAULT_PAIR_DIR / "target"
 DEFAULT_DRAFTER = DEFAULT_PAIR_DIR / "drafter"
@@ -189,14 +191,6 @@ def default_pair_paths() -> tuple[Path, Path]:
     if not (DEFAULT_DRAFTER / "config.json").is_file():
         raise DefaultPairMissing(f"no default drafter shipped yet: {DEFAULT_DRAFTER} is missing; pass --draft")
     return DEFAULT_TARGET, DEFAULT_DRAFTER
-
-
-def native_bf16_cpu() -> bool:
-    """True if this CPU multiplies bf16 natively (AVX512-BF16 / AMX), where bf16 matmuls beat fp32 several times."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def resolve_draft_dtype(draft_dtype: str | torch.dtype | None, target_dtype: torch.dtype, device: str) -> torch.dtype:

@@ -9,12 +9,13 @@ from torch import nn
 from flashdraft import SpecEngine
 from flashdraft.model import cpu_linear
 from flashdraft.model.cpu_linear import PackedLinear, can_pack, pack_by_default, packed_concat, packed_linear
-from tiny import make_drafter, make_target
+from tiny import make_drafter, make_target, needs_native_bf16
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2,
+                                                                          marks=needs_native_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, tol, bias):
     torch.manual_seed(0)
@@ -54,6 +55,7 @@ def test_what_is_not_packed_comes_back_unchanged():
 def test_auto_packing_stays_within_its_budget(monkeypatch):
     weights = [torch.zeros(256, 256), torch.zeros(256, 256, dtype=torch.bfloat16)]
     monkeypatch.setattr(cpu_linear, "packing_pays", lambda weights, rows=(1, 16): True)
+    monkeypatch.setattr(cpu_linear, "native_bf16_cpu", lambda: True)  # nothing is packed here: any CPU will do
     assert pack_by_default(weights)
     monkeypatch.setattr(cpu_linear, "AUTO_PACK_BUDGET_BYTES", 256 * 256 * 6 - 1)
     assert not pack_by_default(weights)
@@ -87,6 +89,7 @@ def test_engine_packs_a_small_fp32_target_on_cpu_where_packing_pays(monkeypatch)
     assert unpacked.fast.packed_layers is None and isinstance(unpacked.fast.lm_head, nn.Linear)
 
 
+@needs_native_bf16
 def test_the_drafters_read_out_is_packed_where_packing_pays_for_it(monkeypatch):
     """The default measures the drafter's read-out apart from the target: on an AMX Xeon MKL was faster for the fp32
     target and oneDNN for a bf16 drafter's read-out. Faked here: packing pays for bf16 weights only, at a block's
@@ -107,8 +110,24 @@ def test_the_drafters_read_out_is_packed_where_packing_pays_for_it(monkeypatch):
 def test_pack_weights_true_on_unpackable_weights_is_a_clear_error():
     target = make_target("qwen3")  # float64
     assert not SpecEngine(target, make_drafter(target)).pack_weights
-    with pytest.raises(ValueError, match="pack_weights=True needs fp32 or bf16 weights.*float64"):
+    with pytest.raises(ValueError, match="pack_weights=True needs fp32 weights.*float64"):
         SpecEngine(target, make_drafter(target), pack_weights=True)
+
+
+def test_bf16_weights_are_packed_only_where_onednn_multiplies_bf16(monkeypatch):
+    """oneDNN packs bf16 weights only on CPUs with a bf16 path (AVX512BW/VL/DQ, AVX-NE-CONVERT, AMX); elsewhere
+    (AVX2 alone) the packing call fails, so bf16 weights count as unpackable: auto leaves them, `True` is an error
+    for a bf16 target and leaves a bf16 drafter's read-out as it is."""
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "native_bf16_cpu", lambda: False)
+    assert not can_pack(weight) and can_pack(weight.float())
+    assert not pack_by_default([weight]) and not isinstance(packed_linear(nn.Linear(64, 64).bfloat16()), PackedLinear)
+    target = make_target("llama", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pack_weights=True needs .*bf16 ones on a CPU whose oneDNN.*bfloat16"):
+        SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.bfloat16), pack_weights=True)
+    target = make_target("llama", dtype=torch.float32)
+    engine = SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.bfloat16), pack_weights=True)
+    assert isinstance(engine.fast.lm_head, PackedLinear) and not isinstance(engine.proposer.lm_head, PackedLinear)
 
 
 def test_packed_concat_with_some_biases_missing():

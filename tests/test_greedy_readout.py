@@ -14,7 +14,7 @@ from flashdraft.bench.datasets import load_prompts
 from flashdraft.engine.noise import exponential_noise, race, race_offsets
 from flashdraft.loading import load_pair
 from flashdraft.model.greedy_readout import MIN_ROWS, ScreenedArgmax, screening_unavailable
-from tiny import drain, finished
+from tiny import drain, finished, needs_native_bf16
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,7 @@ def test_what_cannot_be_screened_says_why():
         ScreenedArgmax(nn.Linear(4, 8))
 
 
+@needs_native_bf16  # the default drafter is bf16 only there
 def test_the_drafters_bf16_read_out_is_shared_not_copied(pair):
     target, tokenizer, drafter = pair
     engine = SpecEngine(target, drafter, tokenizer, screen_greedy=True)

@@ -26,8 +26,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+import pytest
+
 from flashdraft import DFlashDraftModel, make_draft_config
 from flashdraft.engine import NoRowState
+from flashdraft.model.cpu_linear import native_bf16_cpu
+
+# tests of oneDNN's packed bf16 weights (and of the bf16 drafter a CPU gets by default) run where oneDNN has them
+needs_native_bf16 = pytest.mark.skipif(
+    not native_bf16_cpu(), reason="this CPU's oneDNN has no bf16 path (needs AVX512BW/VL/DQ, AVX-NE-CONVERT or AMX)")
 
 VOCAB = 96
 MASK_ID = VOCAB - 1

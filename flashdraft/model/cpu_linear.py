@@ -41,15 +41,26 @@ def _(x, packed_weight, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def native_bf16_cpu() -> bool:
+    """True if this CPU multiplies bf16 natively (AVX512-BF16 / AMX), where bf16 matmuls beat fp32 several times;
+    oneDNN packs bf16 weights only on such CPUs (or AVX512BW/VL/DQ, AVX-NE-CONVERT ones), not on AVX2-only ones."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (weight.dtype != torch.bfloat16 or native_bf16_cpu()))
 
 
 def require_packable(weights: list[torch.Tensor]) -> None:
     bad = sorted({f"{w.dtype} on {w.device}" for w in weights if not can_pack(w)})
     if bad:
-        raise ValueError(f"pack_weights=True needs fp32 or bf16 weights on a CPU with oneDNN, got {', '.join(bad)}")
+        raise ValueError(f"pack_weights=True needs fp32 weights on a CPU with oneDNN, or bf16 ones on a CPU whose "
+                         f"oneDNN multiplies bf16 (AVX512 or AMX), got {', '.join(bad)}")
 
 
 def pack_by_default(weights: list[torch.Tensor], rows: tuple[int, ...] = (1, 16)) -> bool:

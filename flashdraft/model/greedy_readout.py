@@ -32,8 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flashdraft.loading import native_bf16_cpu
-from flashdraft.model.cpu_linear import can_pack, packed_linear, packing_pays
+from flashdraft.model.cpu_linear import can_pack, native_bf16_cpu, packed_linear, packing_pays
 
 UNIT_ROUNDOFF = 2.0 ** -8  # bf16: 8 significant bits, round to nearest
 FLOAT32_ROUNDOFF = 2.0 ** -24
