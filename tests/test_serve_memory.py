@@ -92,18 +92,7 @@ def test_rows_that_outgrow_the_budget_are_preempted_and_recomputed():
         return out
 
     engine.step = recording
-    sched.start()
-
-    async def main():
-        with sched._cond:  # all queued before the scheduler admits any: the same batches every run
-            reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid) for rid, p in prompts.items()]
-        return await asyncio.gather(*(_collect(r) for r in reqs))
-
-    try:
-        outcomes = asyncio.run(main())
-    finally:
-        sched.stop()
-    for rid, tokens in zip(prompts, outcomes):
+    for rid, tokens in zip(prompts, _serve_queued(sched, prompts, 60)):
         assert tokens == expected[rid], rid
     preempted = metrics.preemptions._value.get()
     assert preempted >= 1 and max(rows) >= 4, (preempted, rows)  # short rows joined; growing, some had to leave
@@ -128,19 +117,7 @@ def test_priority_scheduling_preempts_the_least_urgent_request():
         return preempt(batch, rid)
 
     engine.preempt = recording
-    sched.start()
-
-    async def main():
-        with sched._cond:
-            reqs = [sched.submit(p, SamplingParams(max_new_tokens=60), rid, priority=10 - i)
-                    for i, (rid, p) in enumerate(prompts.items())]
-        return await asyncio.gather(*(_collect(r) for r in reqs))
-
-    try:
-        outcomes = asyncio.run(main())
-    finally:
-        sched.stop()
-    for rid, tokens in zip(prompts, outcomes):
+    for rid, tokens in zip(prompts, _serve_queued(sched, prompts, 60, priority=lambda i: 10 - i)):
         assert tokens == expected[rid], rid
     assert victims and all(got == least for got, least, _ in victims), victims
     assert any(least != latest for _, least, latest in victims), victims  # where fcfs would take another
@@ -206,6 +183,23 @@ def test_admission_figure_is_what_the_engine_allocates():
         sizes.add((len(tokens), owned))
     assert not batch.rows and len(sizes) >= 8  # rows joined, grew and left, the long one (260 tokens) among them
     assert batch_kv_bytes(batch) == 0  # an emptied batch lets its caches go
+
+
+def _serve_queued(sched: Scheduler, prompts: dict[str, list[int]], max_new: int, priority=lambda i: 0):
+    """Start `sched`, queue every prompt before it admits any (the same batches every run), serve them all and stop
+    it; each request's tokens, in the order of `prompts`."""
+    sched.start()
+
+    async def main():
+        with sched._cond:
+            reqs = [sched.submit(p, SamplingParams(max_new_tokens=max_new), rid, priority=priority(i))
+                    for i, (rid, p) in enumerate(prompts.items())]
+        return await asyncio.gather(*(_collect(r) for r in reqs))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        sched.stop()
 
 
 async def _collect(req) -> list[int]:

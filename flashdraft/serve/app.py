@@ -407,8 +407,6 @@ class Server:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         try:
             return self.scheduler.submit(prompt, params, rid, priority=priority)
-        except ValueError as e:  # a priority the scheduling policy does not take
-            raise APIError(400, str(e), param="priority") from None
         except QueueFull as e:
             self.metrics.rejected("queue_full")
             raise APIError(429, str(e), code="queue_full") from None
@@ -418,6 +416,8 @@ class Server:
         except SchedulerClosed as e:
             self.metrics.rejected("shutting_down")
             raise APIError(503, str(e), code="shutting_down") from None
+        except ValueError as e:  # (after TooLarge, a ValueError too) a priority the scheduling policy does not take
+            raise APIError(400, str(e), param="priority") from None
 
     def stats(self, result) -> dict:
         return protocol.dflash_stats(result.stats, self.engine.block_size)
