@@ -30,17 +30,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_arg, default=None,
                    help="sampling seed: the same seed gives the same text (default: a random one)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--bad-word", action="append", default=[], metavar="WORD",
+                   help="a word the output never completes, as written or after a space (vLLM's bad_words; "
+                        "repeatable)")
 
 
 def _sampling_params(args, tokenizer):
     from flashdraft.engine import SamplingParams
+    from flashdraft.engine.detokenize import bad_word_ids
 
     stop_ids = ()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop_ids = (int(tokenizer.eos_token_id),)
+    bad_words = bad_word_ids(tokenizer, args.bad_word) if args.bad_word and tokenizer is not None else ()
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens, seed=args.seed,
-                          stop_token_ids=stop_ids, stop_strings=tuple(args.stop))
+                          stop_token_ids=stop_ids, stop_strings=tuple(args.stop), bad_words=bad_words)
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

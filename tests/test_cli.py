@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from flashdraft.cli import main
 from tiny import save_text_pair
@@ -86,3 +87,18 @@ def test_pack_weights_flag(pair, capsys):
     code = main(["generate", "--target", str(pair / "target"), "--draft", str(pair / "drafter"), "--prompt", "x",
                  "--device", "cpu", "--dtype", "float16", "--pack-weights", "on"])
     assert code == 2 and "pack_weights=True needs fp32 weights" in capsys.readouterr().err
+
+
+def test_bad_words_through_the_cli_are_the_targets_own_with_them_banned(pair, capsys):
+    """`--bad-word`: a word of the free output (as written or after a space) never completes again, and `--compare`
+    checks the result against the target's own generate with the same words banned as vLLM reads them."""
+    from flashdraft.bench.reference import OutputBadWords
+
+    free = json.loads(_generate(pair, capsys, "--json"))["text"]
+    word = next(w for w in free.split() if w.isalnum())
+    banned = json.loads(_generate(pair, capsys, "--json", "--compare", "--bad-word", word))
+    assert banned["identical_to_target_generate"] is True and banned["text"] != free
+    scores = torch.zeros(1, 8)
+    words = ((1, 2), (5,), (9, 7, 1, 4))  # the last one would match were the prompt [1, 9] read
+    OutputBadWords(words, prompt_len=2)(torch.tensor([[1, 9, 7, 1]]), scores)
+    assert scores[0].tolist() == [0, 0, float("-inf"), 0, 0, float("-inf"), 0, 0]

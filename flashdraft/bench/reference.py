@@ -19,7 +19,7 @@ def target_greedy_generate(target, prompt_ids: list[int], params, grammars=None)
     generation config (no penalties or other defaults from the checkpoint's generation_config.json) with our stop
     ids as its EOS ids and our max_new_tokens, and is cut after the first stop id, as our engine stops. A structured
     output (`params.structured`) masks each step through `grammars` (the engine's `GrammarCompiler`); `min_tokens`
-    is transformers' `min_new_tokens`."""
+    is transformers' `min_new_tokens`; bad words mask as vLLM reads them (`OutputBadWords`)."""
     import torch
     from transformers import GenerationConfig
 
@@ -27,13 +27,17 @@ def target_greedy_generate(target, prompt_ids: list[int], params, grammars=None)
     pad = stops[0] if stops else (target.config.pad_token_id if target.config.pad_token_id is not None else 0)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target.device)
     extra = {"min_new_tokens": params.min_tokens} if params.min_tokens and stops else {}
+    processors = []
     if params.structured is not None:
-        from transformers import LogitsProcessorList
-
         from flashdraft.engine.structured import GrammarLogitsProcessor
 
-        extra["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(grammars.matcher(params.structured),
-                                                                                 len(prompt_ids))])
+        processors.append(GrammarLogitsProcessor(grammars.matcher(params.structured), len(prompt_ids)))
+    if params.bad_words:
+        processors.append(OutputBadWords(params.bad_words, len(prompt_ids)))
+    if processors:
+        from transformers import LogitsProcessorList
+
+        extra["logits_processor"] = LogitsProcessorList(processors)
     saved = target.generation_config
     target.generation_config = GenerationConfig(do_sample=False, num_beams=1, eos_token_id=stops or None,
                                                 pad_token_id=pad)
@@ -49,6 +53,23 @@ def target_greedy_generate(target, prompt_ids: list[int], params, grammars=None)
         if t in stops:
             return tokens[:i + 1]
     return tokens
+
+
+class OutputBadWords:
+    """A transformers logits processor for `SamplingParams.bad_words` as vLLM reads them: a word's last token is
+    -inf where the output so far (after `prompt_len` prompt tokens, which do not count) ends in its other tokens.
+    transformers' own `bad_words_ids` reads the prompt too."""
+
+    def __init__(self, words: tuple[tuple[int, ...], ...], prompt_len: int):
+        self.words, self.prompt_len = words, prompt_len
+
+    def __call__(self, input_ids, scores):
+        output = tuple(input_ids[0, self.prompt_len:].tolist())
+        for word in self.words:
+            k = len(word) - 1
+            if k <= len(output) and output[len(output) - k:] == word[:-1]:
+                scores[:, word[-1]] = float("-inf")
+        return scores
 
 
 def compare_with_target(target, prompt_ids: list[int], params, result, grammars=None) -> dict:

@@ -15,6 +15,8 @@ tokenizers whose decode concatenates at whole-character token boundaries: byte-l
 this project's own tokenizer) and SentencePiece ones (whose dropped leading space the lookback covers); as in vLLM,
 not tokenizers whose `clean_up_tokenization_spaces` rewrites text across a boundary.
 
+`bad_word_ids` reads vLLM's `bad_words` (text) into the token sequences `SamplingParams.bad_words` bans.
+
 What this module does not know about: the engine, sampling, stop token ids; it sees a growing token list.
 """
 
@@ -192,3 +194,19 @@ def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[
 def _clean(text: str) -> bool:
     """Text that ends on a whole character (and says something)."""
     return bool(text) and not text.endswith(REPLACEMENT)
+
+
+def bad_word_ids(tokenizer, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of `bad_words`: each word (leading spaces stripped) as written, and after a space where that is
+    another token sequence of the same length (the word inside the text rather than at its start). A word that is no
+    tokens is a ValueError."""
+    out = []
+    for word in words:
+        ids = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"bad word {word!r} is no tokens")
+        out.append(ids)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(ids) and spaced[0] != ids[0]:
+            out.append(spaced)
+    return tuple(out)

@@ -49,6 +49,7 @@ from starlette.requests import ClientDisconnect
 
 from flashdraft import memory
 from flashdraft.engine import SamplingParams, SpecEngine
+from flashdraft.engine.detokenize import bad_word_ids
 from flashdraft.engine.logprobs import TokenLogprob
 from flashdraft.engine.noise import NOISE_VERSION
 from flashdraft.memory import engine_bytes_per_position
@@ -264,18 +265,11 @@ class Server:
         return self.render_chat(req)
 
     def bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
-        """vLLM's reading of `bad_words`: each word (leading spaces stripped) as written, and after a space where that
-        is another token sequence of the same length (a word inside the text rather than at its start)."""
-        out = []
-        for word in words:
-            ids = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            if not ids:
-                raise APIError(400, f"'bad_words' has {word!r}, which is no tokens", param="bad_words")
-            out.append(ids)
-            if len(spaced) == len(ids) and spaced[0] != ids[0]:
-                out.append(spaced)
-        return tuple(out)
+        """vLLM's reading of `bad_words` (`detokenize.bad_word_ids`); a word that is no tokens is a 400."""
+        try:
+            return bad_word_ids(self.tokenizer, words)
+        except ValueError as e:
+            raise APIError(400, f"'bad_words': {e}", param="bad_words") from None
 
     def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The ids of a conversation (messages, tools, generation prompt) through the chat template."""
