@@ -57,7 +57,7 @@ from flashdraft.serve import protocol, tools
 from flashdraft.serve.metrics import Metrics
 from flashdraft.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeChatRequest, clip)
-from flashdraft.serve.scheduler import Failure, QueueFull, Scheduler, SchedulerClosed, TooLarge
+from flashdraft.serve.scheduler import Failure, NotPrioritized, QueueFull, Scheduler, SchedulerClosed, TooLarge
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -373,6 +373,8 @@ class Server:
                 param = ("tools" if getattr(req, "calls_forced", False) else "structured_outputs"
                          if req.structured_outputs is not None else "response_format")
                 raise APIError(400, str(e), param=param) from None
+        # the prompt's figures: for completions' echo (its logprobs' alternatives) and vLLM's prompt_logprobs
+        echo_top = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
         top_k = req.top_k or 0
         if top_k < 0 or top_k >= self.vocab_size:  # -1 (vLLM's "off") or a k that keeps every token
             top_k = 0
@@ -386,8 +388,7 @@ class Server:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 logprobs=req.num_logprobs,
-                prompt_logprobs=max((k for k in (req.logprobs if isinstance(req, CompletionRequest) and req.echo
-                                                 else None, req.prompt_logprobs) if k is not None), default=None),
+                prompt_logprobs=max((k for k in (echo_top, req.prompt_logprobs) if k is not None), default=None),
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -410,7 +411,7 @@ class Server:
         except SchedulerClosed as e:
             self.metrics.rejected("shutting_down")
             raise APIError(503, str(e), code="shutting_down") from None
-        except ValueError as e:  # (after TooLarge, a ValueError too) a priority the scheduling policy does not take
+        except NotPrioritized as e:
             raise APIError(400, str(e), param="priority") from None
 
     def stats(self, result) -> dict:

@@ -21,11 +21,11 @@ Memory: the engine's caches are paged; a batch takes, per row, its own committed
 (`flashdraft.memory.held_positions`); the engine's pools never grow past the budget's pages
 (`SpecEngine.kv_page_limit`, set here). Admission counts what rows hold now with one page of growth each (capped at
 what they may ever hold, prompt + max_tokens): the head of the queue joins only while that stays within
-`kv_cache_positions`,
-otherwise it waits (later, smaller requests do not overtake it). Rows that outgrow the budget anyway are
-preempted and recomputed, vLLM's policy: the latest arrival (under priorities: of the least urgent priority) leaves
-the batch with everything it generated, waits at the head of the queue (of its priority), and when it fits again its prompt and output are prefilled again and it goes on with the
-output it would have had (`SpecEngine.resume`). A lone row always fits, because a request that could not fit even
+`kv_cache_positions`, otherwise it waits (later, smaller requests do not overtake it). Rows that outgrow the budget
+anyway are preempted and recomputed, vLLM's policy: the latest arrival (under priorities: of the least urgent
+priority) leaves the batch with everything it generated, waits at the head of the queue (of its priority), and when
+it fits again its prompt and output are prefilled again and it goes on with the output it would have had
+(`SpecEngine.resume`). A lone row always fits, because a request that could not fit even
 alone, at prompt + max_tokens, is refused at `submit` (`TooLarge`, HTTP 400); so the batch always progresses.
 Each request carries its own SamplingParams (temperature, stop ids/strings, max tokens); the engine applies them
 per row, so mixing greedy and sampled requests in one batch is fine.
@@ -59,6 +59,10 @@ class TooLarge(ValueError):
     """The request's cache reservation alone exceeds the memory budget (HTTP 400)."""
 
 
+class NotPrioritized(ValueError):
+    """A request with a nonzero priority under first-come-first-served scheduling (HTTP 400)."""
+
+
 class SchedulerClosed(Exception):
     """The scheduler is shutting down or has stopped (HTTP 503)."""
 
@@ -87,6 +91,11 @@ class Request:
     counted_steps: int = 0  # one-token steps already added
     counted_splices: int = 0  # chains continued by prompt lookup already added
     counted_lookups: tuple[int, int, int] = (0, 0, 0)  # lookup steps, their tokens verified and accepted, added
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Where the request waits (and, running, how late it would be preempted): by priority, then arrival."""
+        return self.priority, self.arrival
 
 
 POLICIES = ("fcfs", "priority")
@@ -145,9 +154,9 @@ class Scheduler:
     def submit(self, prompt: list[int], params: SamplingParams, rid: str,
                loop: asyncio.AbstractEventLoop | None = None, priority: int = 0) -> Request:
         """Queue a request; its events arrive on `request.queue` (in `loop`). Raises QueueFull / SchedulerClosed /
-        TooLarge (its cache alone exceeds the memory budget) / ValueError (a priority under "fcfs")."""
+        TooLarge (its cache alone exceeds the memory budget) / NotPrioritized (a priority under "fcfs")."""
         if priority and self.policy != "priority":
-            raise ValueError(f"priority {priority} needs priority scheduling (the server's --scheduling-policy "
+            raise NotPrioritized(f"priority {priority} needs priority scheduling (the server's --scheduling-policy "
                              "priority); this one serves first come first served")
         loop = loop or asyncio.get_running_loop()
         req = Request(rid, list(prompt), params, loop, priority=priority)
@@ -169,8 +178,7 @@ class Scheduler:
         """Into the waiting queue, kept in order of (priority, arrival): first come first served where every
         priority is 0, and a preempted request (which arrived before everything waiting of its priority) goes ahead
         of those. Call with the lock held."""
-        key = (req.priority, req.arrival)
-        at = next((i for i, w in enumerate(self._waiting) if (w.priority, w.arrival) > key), len(self._waiting))
+        at = next((i for i, w in enumerate(self._waiting) if w.order > req.order), len(self._waiting))
         self._waiting.insert(at, req)
 
     @staticmethod
@@ -219,7 +227,7 @@ class Scheduler:
         while (len(self._batch.rows) > 1
                and self.positions([row.n_cached for row in self._batch.rows]) > self.kv_cache_positions):
             req = max((self._running[row.index] for row in self._batch.rows if row.index in self._running),
-                      key=lambda r: (r.priority, r.arrival))
+                      key=lambda r: r.order)
             req.preempted = self.engine.preempt(self._batch, req.rid)
             del self._running[req.rid]
             with self._cond:
