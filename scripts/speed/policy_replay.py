@@ -21,6 +21,9 @@ Deterministic at `--noise 0`: a policy change can be compared without a machine'
 engine (`engine_concurrency.py --variant`), which only this script's acceptance model leaves out: acceptance at
 narrower widths is the block's cut short, and the confidence trim is not replayed.
 
+`policy_sim.py` runs the policy on batches whose acceptance it draws from models; this one replays one row at a
+time through the outcomes the shipped pair actually gives, with the best possible beside.
+
 What this script does not know about: batches of more than one row, sampling, lookup steps, trees.
 """
 
