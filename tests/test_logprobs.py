@@ -162,3 +162,23 @@ def test_prompt_logprobs_are_the_targets_own(target, monkeypatch, chunk):
             if e.finished and e.index == "a":
                 assert e.result.prompt_logprobs == events["a"].prompt_logprobs
     assert engine.generate([[7]], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0].prompt_logprobs == [None]
+
+
+def test_choices_of_one_prompt_share_its_scoring_forward(target, monkeypatch):
+    """A request's n choices are rows with the same prompt: its figures are computed once for all of them (a
+    completions request with n = 4 and echo ran the prompt's forward four times), and each gets them."""
+    from flashdraft.engine import generate
+
+    calls = []
+    real = generate.prompt_logprobs
+    monkeypatch.setattr(generate, "prompt_logprobs", lambda *a: calls.append(a[1:]) or real(*a))
+    engine = SpecEngine(target, make_drafter(target, block_size=4))
+    params = [SamplingParams(max_new_tokens=3, prompt_logprobs=k, temperature=1.0, seed=i)
+              for i, k in enumerate((2, 2, 2, 1))]
+    results = engine.generate([PROMPTS[0]] * 3 + [PROMPTS[0]], params) + engine.generate(
+        [PROMPTS[1]], SamplingParams(max_new_tokens=2, prompt_logprobs=2))
+    assert calls == [(PROMPTS[0], 2), (PROMPTS[0], 1), (PROMPTS[1], 2)]  # per distinct prompt and figure count
+    assert results[0].prompt_logprobs == results[1].prompt_logprobs == results[2].prompt_logprobs
+    assert [len(e.top) for e in results[3].prompt_logprobs[1:]] == [1] * (len(PROMPTS[0]) - 1)
+    alone = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3, prompt_logprobs=2))[0]
+    assert alone.prompt_logprobs == results[0].prompt_logprobs

@@ -729,10 +729,15 @@ class SpecEngine:
         return events + list(self._events(rows + joining))
 
     def _score_prompts(self, rows: Sequence[_Row]) -> None:
-        """New rows that ask for their prompt's log-probabilities get them (a forward of their own, `logprobs.py`)."""
+        """New rows that ask for their prompt's log-probabilities get them (a forward of their own, `logprobs.py`),
+        one forward per distinct prompt and figure count: the n choices of a request share it."""
+        scored: dict[tuple, list] = {}
         for r in rows:
             if r.params.prompt_logprobs is not None:
-                r.prompt_logprobs = prompt_logprobs(self.target, r.prompt, r.params.prompt_logprobs)
+                key = (tuple(r.prompt), r.params.prompt_logprobs)
+                if key not in scored:
+                    scored[key] = prompt_logprobs(self.target, r.prompt, r.params.prompt_logprobs)
+                r.prompt_logprobs = scored[key]
 
     def check(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
               ) -> None:
