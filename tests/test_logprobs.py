@@ -175,7 +175,7 @@ def test_choices_of_one_prompt_share_its_scoring_forward(target, monkeypatch):
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     params = [SamplingParams(max_new_tokens=3, prompt_logprobs=k, temperature=1.0, seed=i)
               for i, k in enumerate((2, 2, 2, 1))]
-    results = engine.generate([PROMPTS[0]] * 3 + [PROMPTS[0]], params) + engine.generate(
+    results = engine.generate([PROMPTS[0]] * 4, params) + engine.generate(
         [PROMPTS[1]], SamplingParams(max_new_tokens=2, prompt_logprobs=2))
     assert calls == [(PROMPTS[0], 2), (PROMPTS[0], 1), (PROMPTS[1], 2)]  # per distinct prompt and figure count
     assert results[0].prompt_logprobs == results[1].prompt_logprobs == results[2].prompt_logprobs
