@@ -372,3 +372,41 @@ def test_drafting_projections_fused_follow_weight_updates():
     fused_after, separate_after = fused_and_separate()
     torch.testing.assert_close(fused_after, separate_after)
     assert not torch.allclose(fused_after, fused)
+
+
+def test_pending_context_is_taken_whole_in_order_for_every_row():
+    """`take_pending`: each row's chunks, in order, from its first pending position, padded with invalid slots
+    to the longest row; a row with nothing pending is all padding; the features take the drafter's dtype; nothing
+    stays pending."""
+    from flashdraft.engine.batch import PendingContext, take_pending
+
+    width = 3
+    chunks = {0: [torch.randn(2, width), torch.randn(1, width), torch.randn(4, width)], 2: [torch.randn(5, width)]}
+    pending = [PendingContext() for _ in range(3)]
+    starts = {0: 10, 2: 4}
+    for i, row_chunks in chunks.items():
+        at = starts[i]
+        for chunk in row_chunks:
+            pending[i].add(chunk, at)
+            at += chunk.shape[0]
+    got = take_pending(pending, width, torch.float64, torch.device("cpu"))
+    assert got.values.shape == (3, 7, width) and got.values.dtype == torch.float64
+    for i in range(3):
+        expected = torch.cat(chunks[i]).double() if i in chunks else torch.zeros(0, width, dtype=torch.float64)
+        n = expected.shape[0]
+        assert got.valid[i].tolist() == [True] * n + [False] * (7 - n)
+        torch.testing.assert_close(got.values[i, :n], expected, rtol=0, atol=0)
+        assert not got.values[i, n:].any()
+        if n:
+            assert got.positions[i, :n].tolist() == list(range(starts[i], starts[i] + n))
+    assert all(p.length == 0 for p in pending)
+    empty = take_pending([PendingContext()], width, torch.float32, torch.device("cpu"))
+    assert empty.values.shape == (1, 0, width) and empty.valid.shape == (1, 0)
+    one = PendingContext()
+    one.add(torch.randn(2, width), 7)
+    one.add(torch.randn(3, width), 9)
+    expected = torch.cat(one.values).double()
+    alone = take_pending([one], width, torch.float64, torch.device("cpu"))
+    torch.testing.assert_close(alone.values[0], expected, rtol=0, atol=0)
+    assert alone.positions.tolist() == [[7, 8, 9, 10, 11]] and alone.valid.all() and one.length == 0
+    assert take_pending([], width, torch.float32, torch.device("cpu")).values.shape == (0, 0, width)

@@ -102,30 +102,36 @@ class PendingContext:
             self.values.append(values)
             self.length += values.shape[0]
 
-    def take(self) -> tuple[torch.Tensor, int] | None:
-        """Everything pending, (values [c, F], first position), and nothing pending after; None if nothing was."""
-        if not self.length:
-            return None
-        out = torch.cat(self.values) if len(self.values) > 1 else self.values[0], self.start
+    def take_chunks(self) -> tuple[list[torch.Tensor], int, int]:
+        """Everything pending, (its chunks [c_i, F] in order, first position, positions in all), and nothing pending
+        after; ([], 0, 0) if nothing was."""
+        out = (self.values, self.start, self.length) if self.length else ([], 0, 0)
         self.values, self.length = [], 0
         return out
 
 
 def take_pending(pending: list[PendingContext], width: int, dtype, device) -> Features:
     """The rows' pending features as one `Features` [b, c, width] (c = the most any row had; shorter rows padded
-    with invalid slots at the end), leaving nothing pending."""
-    taken = [p.take() for p in pending]
-    c = max((t[0].shape[0] for t in taken if t is not None), default=0)
-    values = torch.zeros(len(pending), c, width, dtype=dtype, device=device)
-    starts = torch.tensor([t[1] if t is not None else 0 for t in taken], device=device)
-    positions = starts[:, None] + torch.arange(c, device=device)[None]
-    valid = torch.zeros(len(pending), c, dtype=torch.bool, device=device)
-    for i, t in enumerate(taken):
-        if t is not None:
-            n = t[0].shape[0]
-            values[i, :n] = t[0]
-            valid[i, :n] = True
-    return Features(values, positions, valid)
+    with invalid slots at the end), leaving nothing pending. Every row's chunks go in by one concatenation and one
+    indexed copy, whatever the rows (per-row copies were three operators a row: launches, on a GPU), and the
+    indices reach the device in one copy from the host, as the rows' starts alone did."""
+    taken = [p.take_chunks() for p in pending]
+    if len(taken) == 1 and taken[0][2]:  # one row (batch 1): its chunks as they are
+        chunks, start, n = taken[0]
+        return Features(torch.cat(chunks).to(dtype)[None], torch.arange(start, start + n, device=device)[None],
+                        torch.ones(1, n, dtype=torch.bool, device=device))
+    b, lengths = len(pending), torch.tensor([n for _, _, n in taken], dtype=torch.long)
+    c = int(lengths.max()) if b else 0
+    offsets = torch.arange(c)
+    slots = (torch.arange(b)[:, None] * c + offsets[None])[offsets[None] < lengths[:, None]]
+    packed = torch.cat([torch.tensor([start for _, start, _ in taken], dtype=torch.long), lengths, slots]).to(device)
+    starts, lengths, slots = packed[:b], packed[b:2 * b], packed[2 * b:]
+    offsets = torch.arange(c, device=device)[None]
+    values = torch.zeros(b, c, width, dtype=dtype, device=device)
+    chunks = [chunk for row_chunks, _, _ in taken for chunk in row_chunks]
+    if chunks:
+        values.view(-1, width).index_copy_(0, slots, torch.cat(chunks).to(dtype))
+    return Features(values, starts[:, None] + offsets, offsets < lengths[:, None])
 
 
 @dataclass
