@@ -120,11 +120,12 @@ def take_pending(pending: list[PendingContext], width: int, dtype, device) -> Fe
         chunks, start, n = taken[0]
         return Features(torch.cat(chunks).to(dtype)[None], torch.arange(start, start + n, device=device)[None],
                         torch.ones(1, n, dtype=torch.bool, device=device))
-    b, lengths = len(pending), torch.tensor([n for _, _, n in taken], dtype=torch.long)
-    c = int(lengths.max()) if b else 0
-    offsets = torch.arange(c)
-    slots = (torch.arange(b)[:, None] * c + offsets[None])[offsets[None] < lengths[:, None]]
-    packed = torch.cat([torch.tensor([start for _, start, _ in taken], dtype=torch.long), lengths, slots]).to(device)
+    b, host_lengths = len(pending), torch.tensor([n for _, _, n in taken], dtype=torch.long)
+    c = int(host_lengths.max()) if b else 0
+    host_offsets = torch.arange(c)[None]
+    host_slots = (torch.arange(b)[:, None] * c + host_offsets)[host_offsets < host_lengths[:, None]]
+    host_starts = torch.tensor([start for _, start, _ in taken], dtype=torch.long)
+    packed = torch.cat([host_starts, host_lengths, host_slots]).to(device)
     starts, lengths, slots = packed[:b], packed[b:2 * b], packed[2 * b:]
     offsets = torch.arange(c, device=device)[None]
     values = torch.zeros(b, c, width, dtype=dtype, device=device)

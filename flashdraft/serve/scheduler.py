@@ -157,7 +157,7 @@ class Scheduler:
         TooLarge (its cache alone exceeds the memory budget) / NotPrioritized (a priority under "fcfs")."""
         if priority and self.policy != "priority":
             raise NotPrioritized(f"priority {priority} needs priority scheduling (the server's --scheduling-policy "
-                             "priority); this one serves first come first served")
+                                 "priority); this one serves first come first served")
         loop = loop or asyncio.get_running_loop()
         req = Request(rid, list(prompt), params, loop, priority=priority)
         self._check_fits_alone(req)

@@ -211,6 +211,12 @@ def shipped_pair(set_name: str = "default", num_prompts: int = 32, threads: int 
     return target, tokenizer, drafter, [tokenizer.encode(q.text) for q in load_prompts(set_name, num_prompts)]
 
 
+def set_prompts(tokenizer, name: str, num_prompts: int) -> list[list[int]]:
+    """A set's first prompts as token ids: `num_prompts` shared evenly by its datasets (at least one of each)."""
+    per = max(1, num_prompts // len(SETS[name]))
+    return [tokenizer.encode(q.text) for spec in SETS[name] for q in load_prompts(spec, per)]
+
+
 def warm(engine: SpecEngine, prompts: list[list[int]], concurrency: int, temperature: float, top_p: float = 1.0,
          top_k: int = 0) -> None:
     """As `flashdraft serve` does before its first request (`SpecEngine.warmup`), and a short untimed pass: plain
@@ -321,8 +327,7 @@ def main(argv=None) -> int:
     print(f"| set | conc | {' | '.join(columns)} |  (DFlash / plain decoding tokens/s, mean tau per request)")
     print("|---|---|" + "---|" * len(columns))
     for name in args.sets.split(","):
-        per = max(1, args.num_prompts // len(SETS[name]))
-        prompts = [tokenizer.encode(q.text) for spec in SETS[name] for q in load_prompts(spec, per)]
+        prompts = set_prompts(tokenizer, name, args.num_prompts)
         lengths = request_lengths(args.max_tokens, len(prompts))
         for concurrency in concurrencies:
             engines = {"plain": build_engine(target, tokenizer, drafter, None),

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_concurrency import SETS, parse_variant, policy_constants  # noqa: E402
+from engine_concurrency import SETS, parse_variant, policy_constants, set_prompts  # noqa: E402
 
 from flashdraft.engine import policy as policy_module  # noqa: E402
 
@@ -53,7 +53,6 @@ def collect(sets: list[str], num_prompts: int, max_tokens: int) -> dict[str, lis
     from tqdm import tqdm
 
     from flashdraft import SamplingParams, SpecEngine
-    from flashdraft.bench.datasets import load_prompts
     from flashdraft.engine import EngineConfig
     from flashdraft.loading import load_pair
 
@@ -63,10 +62,8 @@ def collect(sets: list[str], num_prompts: int, max_tokens: int) -> dict[str, lis
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     traces = {}
     for name in sets:
-        datasets = SETS[name]
-        prompts = [tokenizer.encode(q.text) for d in datasets for q in load_prompts(d, -(-num_prompts // len(datasets)))]
         traces[name] = []
-        for prompt in tqdm(prompts[:num_prompts], desc=name):
+        for prompt in tqdm(set_prompts(tokenizer, name, num_prompts), desc=name):
             answer = engine.generate([prompt], SamplingParams(max_new_tokens=max_tokens, stop_token_ids=stop))[0]
             answer = answer.token_ids
             lengths = []
