@@ -312,6 +312,7 @@ def engine_config(args, plain: bool = False):
                           lookup_steps=getattr(args, "lookup_steps", EngineConfig.lookup_steps),
                           confidence_trim=getattr(args, "confidence_trim", EngineConfig.confidence_trim),
                           walk_candidates=getattr(args, "walk_candidates", None),
+                          prefix_cache_tokens=getattr(args, "prefix_cache_tokens", 0),
                           mixed_prefill_tokens=_given(args, "mixed_prefill_tokens", EngineConfig.mixed_prefill_tokens))
     return config.plain() if plain else config
 

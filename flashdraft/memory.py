@@ -142,7 +142,7 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return total, rss
 
 
-def resolve_memory_budget(spec: tuple[str, float], device: torch.device) -> int:
+def resolve_memory_budget(spec: tuple[str, float], device: torch.device, flag: str = "--kv-cache-memory") -> int:
     """Bytes of K/V budget: GiB as given, or P% of the device's memory less what is in use already (the weights:
     vLLM's `gpu_memory_utilization` reading). Refused when nothing is left."""
     kind, amount = spec
@@ -151,8 +151,8 @@ def resolve_memory_budget(spec: tuple[str, float], device: torch.device) -> int:
     total, used = device_memory(device)
     budget = int(total * amount / 100) - used
     if budget <= 0:
-        raise ValueError(f"--kv-cache-memory {amount:g}%: {amount:g}% of {total / GiB:.1f} GiB leaves nothing for the "
-                         f"KV cache beside the {used / GiB:.1f} GiB in use (weights); raise it or give GiB")
+        raise ValueError(f"{flag} {amount:g}%: {amount:g}% of {total / GiB:.1f} GiB leaves nothing for the "
+                         f"cache beside the {used / GiB:.1f} GiB in use (weights); raise it or give GiB")
     return budget
 
 

@@ -58,6 +58,10 @@ class EngineConfig:
     # own (eager fast path, not exact, no trees; 0 = always apart). Longer prompts are prefilled apart: a long
     # prompt is compute-bound anyway, and riding it would stall every running row's cycle for it
     mixed_prefill_tokens: int = 512
+    # automatic prefix caching (`prefix_cache.py`): up to this many positions of prompts' full pages (the target's
+    # K/V and the features the drafter reads) kept, so a later prompt that starts with the same tokens computes only
+    # the rest; least recently used pages leave first. Fast path outside exact mode; 0 = off
+    prefix_cache_tokens: int = 0
     # with trees: a prompt-lookup branch in every drafting row's tree, the continuation of the latest earlier match
     # of the context's last n <= lookup_ngram tokens (0 = none)
     lookup_ngram: int = 0
@@ -97,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"tree_budget must be 'auto' or an integer in [0, 512], got {self.tree_budget!r}")
         if not integer(self.mixed_prefill_tokens) or self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}")
+        if not integer(self.prefix_cache_tokens) or self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be an integer >= 0, got {self.prefix_cache_tokens!r}")
         if not integer(self.lookup_ngram) or not 0 <= self.lookup_ngram <= 16:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if not integer(self.lookup_splice) or not 0 <= self.lookup_splice <= MAX_NGRAM:

@@ -58,6 +58,7 @@ from flashdraft.engine.logprobs import TokenLogprob, prompt_logprobs, token_logp
 from flashdraft.engine.lookup import NgramIndex, splice
 from flashdraft.engine.profile import CycleProfiler
 from flashdraft.engine.noise import exponential_noise, race_offsets, random_seed
+from flashdraft.engine.prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from flashdraft.engine.policy import SETTLED, AcceptancePriors, CostModel, CycleTiming, new_policy, width_choices
 from flashdraft.engine.proposers import DFlashProposer, NoProposer, ProposalInput
 from flashdraft.engine.structured import GrammarCompiler, RowGrammar
@@ -108,6 +109,7 @@ class RequestStats:
     lookup_steps: int = 0
     lookup_drafts: int = 0
     lookup_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (`prefix_cache.py`), not computed
     time_to_first_token: float = 0.0
     decode_time: float = 0.0
 
@@ -249,6 +251,17 @@ class _Row:
     @property
     def history(self) -> list[int]:
         return self.prompt + self.output
+
+
+@dataclass
+class Seating:
+    """Rows whose prompts ride a cycle's forward (`SpecEngine._seat`): their drafter state, one prompt group per row
+    for `forward_ragged`, their prefix-cache hits (None without a cache), their first row in the target cache."""
+
+    state: object
+    prompts: list
+    hits: list[PrefixHit] | None
+    first: int
 
 
 def _wants_logprobs(rows: Sequence[_Row]) -> bool:
@@ -516,6 +529,16 @@ class SpecEngine:
         self.cycle_trace: Callable[[dict], None] | None = None
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
         self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
+        # automatic prefix caching (`prefix_cache.py`): prompts' full pages kept for later prompts that start alike
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache_tokens:
+            why_not = ("the generic target path" if self.fast is None else
+                       "exact mode computes each prompt whole" if exact else None)
+            if why_not:
+                warnings.warn(f"prefix_cache_tokens={config.prefix_cache_tokens} ignored: {why_not}", stacklevel=2)
+            else:
+                self.prefix_cache = PrefixCache(config.kv_page_size, -(-config.prefix_cache_tokens
+                                                                       // config.kv_page_size))
         self._noise_worker: ThreadPoolExecutor | None | bool = False  # `_noise_thread`; False: not decided yet
 
     def _screened(self, config: EngineConfig, use_fast: bool) -> ScreenedArgmax | None:
@@ -630,6 +653,14 @@ class SpecEngine:
         # enough tokens for every warm-up cycle of every width, should every draft be accepted
         params = SamplingParams(max_new_tokens=(PROFILE_CYCLES + 1) * sum(self.width_choices) + 2)
         prompt = [0] * (self.block_size + 1)  # longer than a block: the drafter's context write runs alone too
+        prefix_cache, self.prefix_cache = self.prefix_cache, None  # throwaway prompts are not kept
+        try:
+            self._warm_buckets(buckets, prompt, params)
+        finally:
+            self.prefix_cache = prefix_cache
+        return buckets
+
+    def _warm_buckets(self, buckets: list[int], prompt: list[int], params: SamplingParams) -> None:
         for rows in buckets:
             batch = self.open_batch()
             self.add(batch, [prompt] * rows, params)
@@ -640,7 +671,6 @@ class SpecEngine:
             while batch.rows and self.block_step is not None:  # compiled: the rows' last steps too
                 self.step(batch)
             self._time_context_writes(rows)
-        return buckets
 
     def _time_context_writes(self, rows: int) -> None:
         """Time writing pending context of a few lengths, up to `PENDING_CONTEXT_LIMIT` per row, for `rows` rows into
@@ -750,7 +780,12 @@ class SpecEngine:
         (batch-invariant prefill runs each prompt alone), and the prompts hold at most `mixed_prefill_tokens` tokens
         in all."""
         return (bool(batch.rows) and self.ragged and not self.exact and not self.tree_budget
-                and sum(len(r.prompt) for r in rows) <= self.config.mixed_prefill_tokens)
+                and sum(map(self._uncached_tokens, rows)) <= self.config.mixed_prefill_tokens)
+
+    def _uncached_tokens(self, row) -> int:
+        """Tokens of a request's prompt a prefill would compute now (those after its prefix cache hit)."""
+        cached = self.prefix_cache.cached_tokens(row.prompt) if self.prefix_cache is not None else 0
+        return len(row.prompt) - cached
 
     def cancel(self, batch: "Batch", request_id) -> bool:
         """Drop a request from the batch now (e.g. its client went away), freeing its cache rows."""
@@ -865,11 +900,14 @@ class SpecEngine:
         prompts = [r.history[:r.n_cached] for r in rows] if resume else [r.prompt for r in rows]
         capture = self.proposer.needs_features
         lengths = [len(p) + self.scratch_slots for p in prompts]  # pages for the prompt and the first block
+        hits = self._prefix_hits(rows, prompts, count=not resume)
         if self.fast is not None:
             kv, logits, features = PagedTargetKV.prefill(self.fast, prompts, capture, lengths,
                                                          self.config.kv_page_size, self.buckets, self.block_step,
                                                          max_pages=self.kv_page_limit,
-                                                         exact_from=[len(r.prompt) for r in rows] if resume else None)
+                                                         exact_from=[len(r.prompt) for r in rows] if resume else None,
+                                                         cached=hits and (self.prefix_cache, hits))
+            features = self._cache_prompts(kv.kv, range(len(rows)), prompts, hits, features)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
@@ -880,6 +918,31 @@ class SpecEngine:
         batch = self._prefilled_batch(rows, kv, features, lengths)
         self._drop_finished(batch)
         return batch
+
+    def _prefix_hits(self, rows: Sequence[_Row], prompts: Sequence[Sequence[int]], count: bool = True
+                     ) -> list[PrefixHit] | None:
+        """Each prompt's cached start (None without a prefix cache); with `count`, new rows learn how many of their
+        prompt tokens it gave (a resumed row's recompute is not its prompt's)."""
+        if self.prefix_cache is None:
+            return None
+        hits = [self.prefix_cache.match(p) for p in prompts]
+        if count:
+            for r, hit in zip(rows, hits):
+                r.stats.cached_tokens = hit.tokens
+        return hits
+
+    def _cache_prompts(self, kv, rows: Sequence[int], prompts: Sequence[Sequence[int]], hits: list[PrefixHit] | None,
+                       features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """After a forward computed prompts (the positions after their hits) into rows `rows` of `kv` (a PagedKV):
+        each prompt's whole features (its hit's, then the forward's: `features`), and its full pages into the
+        prefix cache."""
+        if hits is None:
+            return features
+        if features is not None:
+            features = [f if not hit.slots else torch.cat([self.prefix_cache.prefix_features(hit), f])
+                        for hit, f in zip(hits, features)]
+        self.prefix_cache.insert(kv, rows, prompts, features)
+        return features
 
     def _prefilled_batch(self, rows: list[_Row], kv, features: list[torch.Tensor] | None, lengths: list[int]) -> Batch:
         """`features`: each row's prompt features [n, F] (positions 0 .. n - 1), or None."""
@@ -967,7 +1030,7 @@ class SpecEngine:
             groups = width_groups(verified, block.device)
             seated = self._seat(batch, joining) if joining else None
             logits, features, prompt_outputs = self._target_forward(batch, block, positions, groups,
-                                                                    seated[1] if seated else (), noise)
+                                                                    seated.prompts if seated else (), noise)
             prof.mark("target")
             if any(_processes_logits(r) for r in rows):
                 for (_, idx), group_logits in zip(groups, logits):
@@ -980,7 +1043,7 @@ class SpecEngine:
         self._commit_block(batch, block, features, verified, accepted, next_tokens, draft_width, copies, set(drafting),
                            logprobs)
         if joining:
-            self._join(batch, joining, seated[0], prompt_outputs)
+            self._join(batch, joining, seated, prompt_outputs)
         prof.mark("commit")
         context_tokens, context_s = context
         timing = CycleTiming(sum(verified) if self.ragged else len(rows) * max(widths), len(drafting) * draft_width,
@@ -1358,20 +1421,31 @@ class SpecEngine:
         lengths = [len(r.prompt) + self.scratch_slots for r in rows]
         first = batch.kv.num_rows
         batch.kv.add_rows(lengths)
+        hits = self._prefix_hits(rows, [r.prompt for r in rows]) or [NO_HIT] * len(rows)
+        if self.prefix_cache is not None:
+            self.prefix_cache.load(batch.kv.kv, range(first, first + len(rows)), hits)
         state = self._new_proposer_state()
         state.grow(lengths)
-        prompts = [(torch.tensor([first + j], device=dev), torch.tensor([r.prompt], device=dev),
-                    torch.arange(len(r.prompt), device=dev)[None]) for j, r in enumerate(rows)]
-        return state, prompts
+        prompts = [(torch.tensor([first + j], device=dev), torch.tensor([r.prompt[hit.tokens:]], device=dev),
+                    torch.arange(hit.tokens, len(r.prompt), device=dev)[None])
+                   for j, (r, hit) in enumerate(zip(rows, hits))]
+        return Seating(state, prompts, hits if self.prefix_cache is not None else None, first)
 
-    def _join(self, batch: Batch, rows: Sequence[_Row], state, outputs) -> None:
+    def _join(self, batch: Batch, rows: Sequence[_Row], seating: "Seating", outputs) -> None:
         """Rows whose prompts rode this cycle's forward join the batch below the others, as `_prefill` leaves
-        new rows: first token sampled, the prompt's features pending for the drafter (long ones written now)."""
+        new rows: first token sampled, the prompt's features pending for the drafter (long ones written now), its
+        pages in the prefix cache."""
         self._first_tokens(rows, torch.cat([logits[:, -1] for logits, _ in outputs]))
-        batch.proposer_state.merge(state, len(batch.rows), len(rows))
-        batch.rows = batch.rows + list(rows)
+        features = None
         if outputs[0][1] is not None:  # copies: a view would hold the whole cycle's features
-            self._pend_prompts(batch, rows, [features[0].clone() for _, features in outputs])
+            features = [f[0].clone() for _, f in outputs]
+        if seating.hits is not None:
+            features = self._cache_prompts(batch.kv.kv, range(seating.first, seating.first + len(rows)),
+                                           [r.prompt for r in rows], seating.hits, features)
+        batch.proposer_state.merge(seating.state, len(batch.rows), len(rows))
+        batch.rows = batch.rows + list(rows)
+        if features is not None:
+            self._pend_prompts(batch, rows, features)
 
     def _verify(self, rows, groups, logits, block, drafting, draft_probs, noise) -> tuple[list[int], list[int]]:
         """The shared verifier over each width group: per row the accepted drafts and the next token. `logits`:

@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from flashdraft.engine.batch import RowBuckets, zero_pad
+from flashdraft.engine.prefix_cache import PrefixCache, PrefixHit
 from flashdraft.model.fast_target import FastTarget, resolved
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, compaction_order, gather_slots
 from flashdraft.model.target import TargetModel
@@ -116,9 +117,15 @@ class PagedTargetKV:
     @classmethod
     def prefill(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, lengths: list[int],
                 page_size: int = DEFAULT_PAGE_SIZE, buckets: RowBuckets = RowBuckets(), compiled_forward=None,
-                pad_id: int = 0, exact_from: list[int] | None = None, max_pages: int | None = None):
+                pad_id: int = 0, exact_from: list[int] | None = None, max_pages: int | None = None,
+                cached: tuple[PrefixCache, list[PrefixHit]] | None = None):
         """Rows own pages for `lengths` positions (at least their prompts); `exact_from`: per row, where the
-        tokens a resumed row had decoded start (`FastTarget.prefill`)."""
+        tokens a resumed row had decoded start (`FastTarget.prefill`). `cached`: a prefix cache and each row's hit
+        in it: those pages are copied in and each prompt computes only the rest (one ragged forward); the features
+        returned are then those of the rest only."""
+        if cached is not None and any(hit.slots for hit in cached[1]):
+            return cls._prefill_after(fast, prompts, capture, lengths, page_size, buckets, compiled_forward,
+                                      max_pages, *cached)
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -131,6 +138,24 @@ class PagedTargetKV:
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)  # the padding rows compiled steps see
         return cls(fast, kv, live, buckets, compiled_forward), logits[:, 0], features
+
+    @classmethod
+    def _prefill_after(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, lengths: list[int],
+                       page_size: int, buckets: RowBuckets, compiled_forward, max_pages: int | None,
+                       cache: PrefixCache, hits: list[PrefixHit]):
+        """`prefill` of prompts whose first pages the prefix cache holds: each row its own group of the positions
+        after its hit, attending to the pages copied in."""
+        dev = fast.target.device
+        kv = fast.new_cache(len(prompts), [max(n, len(p)) for n, p in zip(lengths, prompts)], page_size, max_pages)
+        cache.load(kv, range(len(prompts)), hits)
+        groups = [(torch.tensor([i], device=dev), torch.tensor([p[hit.tokens:]], device=dev),
+                   torch.arange(hit.tokens, len(p), device=dev)[None])
+                  for i, (p, hit) in enumerate(zip(prompts, hits))]
+        outputs = fast.forward_ragged([], kv, capture, prompts=groups)
+        live = len(prompts)
+        kv.join_rows(live, buckets.rows(live) - live)
+        logits = torch.cat([row_logits[:, -1] for row_logits, _ in outputs])
+        return cls(fast, kv, live, buckets, compiled_forward), logits, [f[0] for _, f in outputs] if capture else None
 
     def forward_block(self, block: torch.Tensor, positions: torch.Tensor, capture: bool, end: int,
                       greedy: bool = False, offsets: torch.Tensor | None = None):

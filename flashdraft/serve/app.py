@@ -417,6 +417,16 @@ class Server:
     def stats(self, result) -> dict:
         return protocol.dflash_stats(result.stats, self.engine.block_size)
 
+    def usage(self, choices, prompt_tokens: int, completion_tokens: int) -> dict:
+        """A finished request's usage; with a prefix cache, the prompt tokens it gave: each prompt's first
+        choice's (its other choices may find what the first computed)."""
+        if self.engine.prefix_cache is None:
+            return protocol.usage(prompt_tokens, completion_tokens)
+        first = {}
+        for choice in choices:
+            first.setdefault(choice.prompt_index, choice.cached_tokens)
+        return protocol.usage(prompt_tokens, completion_tokens, sum(first.values()))
+
     # ---- shutdown ------------------------------------------------------------------------------------------------
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -502,6 +512,8 @@ class _Choice:
     shown: int = 0
     call_id: str | None = None  # a stream's named call, once its first arguments went out
     token_text: Callable[[int], str] | None = None  # a token's string in log-probabilities
+    prompt_index: int = 0  # which of the request's prompts
+    cached_tokens: int = 0  # of its prompt, those the prefix cache gave (once finished)
 
     def result_parts(self, result) -> tuple[str, list | None, int, str]:
         """(text, log-probability entries or None, completion tokens, finish reason) of the choice's result, the
@@ -688,8 +700,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             # with max_tokens 0)
             req.prompt[i] if isinstance(req.prompt[i], str) and not req.truncate_prompt_tokens
             else server.tokenizer.decode(prompts[i]), prompts[i],
-            req.max_tokens != 0), token_text=token_id_text if req.return_tokens_as_token_ids else server.token_text)
-            for c, (i, _) in enumerate(choices)]
+            req.max_tokens != 0), token_text=token_id_text if req.return_tokens_as_token_ids else server.token_text,
+            prompt_index=i) for c, (i, _) in enumerate(choices)]
         try:
             for state, (_, params) in zip(states, choices):
                 state.handle = server.submit(state.prompt, params,
@@ -746,6 +758,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
             raise _failure(failure)
         bodies, n_out = [], 0
         for state, item in zip(states, items):
+            state.cached_tokens = item.result.stats.cached_tokens
             text, entries, n, reason = state.result_parts(item.result)
             logprobs = None if entries is None else protocol.logprobs_body(entries, state.token_text, chat)
             calls = None
@@ -757,8 +770,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                                                                               state.token_text)
             n_out += n
         stats = protocol.merge_stats([server.stats(item.result) for item in items])
-        body = protocol.completion_body(rid, cfg.model_name, chat, bodies, protocol.usage(prompt_tokens, n_out), stats,
-                                        server.fingerprint)
+        body = protocol.completion_body(rid, cfg.model_name, chat, bodies, server.usage(states, prompt_tokens, n_out),
+                                        stats, server.fingerprint)
         if prompt_top is not None and chat:
             body["prompt_logprobs"] = protocol.prompt_logprobs_body(items[0].result.prompt_logprobs, prompt_top,
                                                                     states[0].token_text)
@@ -839,6 +852,7 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                 if item.finished:
                     state.finished = True
                     result = item.result
+                    state.cached_tokens = result.stats.cached_tokens
                     text, _, state.n_out, reason = state.result_parts(result)
                     rest = result.logprobs[state.sent:] if result.logprobs and completes else None
                     if tooling is not None:
@@ -858,8 +872,8 @@ def create_app(engine: SpecEngine, config: ServeConfig | None = None) -> FastAPI
                     results.append(final["dflash"])
                     yield _sse(final)
             if include_usage and not failed:
-                last = chunk(None, None, choices=False,
-                             use=protocol.usage(prompt_tokens, sum(s.n_out for s in states)))
+                use = server.usage(states, prompt_tokens, sum(s.n_out for s in states))
+                last = chunk(None, None, choices=False, use=use)
                 last["dflash"] = protocol.merge_stats(results)
                 yield _sse(last)
             yield "data: [DONE]\n\n"

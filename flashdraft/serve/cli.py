@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from flashdraft.args import add_model_args, engine_from_args, int_at_least, int_in
-from flashdraft.memory import memory_budget_arg, resolve_memory_budget
+from flashdraft.memory import kv_bytes_per_position, memory_budget_arg, resolve_memory_budget
 from flashdraft.serve.tools import PARSERS
 
 API_KEY_ENV = "FLASHDRAFT_API_KEY"
@@ -80,6 +80,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "RAM). Requests wait in the queue while the batch, grown by a chunk per row, would exceed "
                         "it; running rows that outgrow it are preempted and recomputed later; one that cannot fit "
                         "alone is a 400 (default: no bound beyond --max-batch-size)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep prompts' full pages (the target's K/V and the features the drafter reads) so a later "
+                        "prompt that starts with the same tokens computes only the rest (vLLM's flag; fast target "
+                        "path, not with --exact; default on)")
+    p.add_argument("--prefix-cache-memory", type=memory_budget_arg, default=("GiB", 1.0),
+                   help="memory the prefix cache may take as pages come, beside --kv-cache-memory: GiB or a "
+                        "percentage, as there (default 1 GiB); least recently used pages leave first")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; without either the "
                         "server is open; an empty key is an error)")
@@ -183,9 +190,23 @@ def build_engine(args):
     if tokenizer is None:
         raise ValueError("the target has no tokenizer; the server needs one to encode prompts")
     set_chat_template(tokenizer, template)
+    args.prefix_cache_tokens = prefix_cache_tokens(args, model, drafter)
     engine = engine_from_args(args, model, drafter, tokenizer)
     name = args.served_model_name or str(target_path).rstrip("/").split("/")[-1]
     return engine, name
+
+
+def prefix_cache_tokens(args, model, drafter) -> int:
+    """Positions `--prefix-cache-memory` holds for this pair: the target's K/V and, with a drafter, the tapped
+    features of each (0 with --no-enable-prefix-caching)."""
+    if not args.enable_prefix_caching or args.exact:  # exact mode computes each prompt whole
+        return 0
+    budget = resolve_memory_budget(args.prefix_cache_memory, model.device, "--prefix-cache-memory")
+    per_position = kv_bytes_per_position(model.config, model.dtype)
+    if drafter is not None:
+        hidden = model.config.get_text_config().hidden_size
+        per_position += len(drafter.target_layer_ids) * hidden * model.dtype.itemsize
+    return budget // per_position
 
 
 def open_cycle_trace(path: str | None):

@@ -11,8 +11,9 @@ Speculative decoding (counted per verify cycle, live, as vLLM does):
   spec_decode_num_one_token_steps             cycles a request decoded one token without a draft (policy's choice)
 Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / generation_tokens (counters),
 request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, num_preemptions (running
-requests preempted for the KV-cache budget), kv_cache_reserved_positions / kv_cache_budget_positions, and histograms
-e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds. The process's own
+requests preempted for the KV-cache budget), prefix_cache_queries / prefix_cache_hits (prompt tokens looked up in
+the prefix cache and found there, counted at each request's first token), kv_cache_reserved_positions /
+kv_cache_budget_positions, and histograms e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds. The process's own
 (prometheus_client's process collector, Linux): process_cpu_seconds_total, process_resident_memory_bytes, ... (the
 CPU seconds a level of requests took are what `flashdraft bench --server` divides its tokens by: work per token
 that another process on the machine does not move, as wall time does).
@@ -65,6 +66,8 @@ class Metrics:
         self._rejected = counter("requests_rejected", "Requests refused before generation.", ["reason"])
         self._preemptions = counter("num_preemptions", "Running requests preempted to stay within the KV-cache "
                                     "budget (recomputed when they resume).")
+        self._prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self._prefix_hits = counter("prefix_cache_hits", "Prompt tokens the prefix cache gave (not computed).")
         self._running = Gauge("num_requests_running", "Requests in the running batch.", m, registry=r)
         self._waiting = Gauge("num_requests_waiting", "Requests waiting for a batch slot.", m, registry=r)
         self._kv_reserved = Gauge("kv_cache_reserved_positions", "KV-cache positions the running batch takes for "
@@ -85,6 +88,8 @@ class Metrics:
         self.kv_reserved = self._kv_reserved.labels(model_name)
         self.kv_budget = self._kv_budget.labels(model_name)
         self.preemptions = self._preemptions.labels(model_name)
+        self.prefix_cache_queries = self._prefix_queries.labels(model_name)
+        self.prefix_cache_hits = self._prefix_hits.labels(model_name)
         self.ttft = self._ttft.labels(model_name)
         self._block_size = 0
         for c in (self._num_drafts, self._draft_tokens, self._accepted, self._proposed, self._one_token_steps,

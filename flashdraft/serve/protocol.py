@@ -646,9 +646,13 @@ def dflash_stats(stats, block_size: int) -> dict:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with a prefix cache, `prompt_tokens_details.cached_tokens`: the prompt tokens it gave."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def logprobs_body(entries, token_text, chat: bool, offset: int = 0) -> dict:
@@ -747,8 +751,10 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {
+                             "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _STATS = {"type": "object",
           "required": ["tau", "drafts", "draft_tokens", "accepted_tokens", "acceptance_histogram",
                        "per_position_acceptance", "block_size"],

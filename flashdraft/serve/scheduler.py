@@ -397,6 +397,9 @@ class Scheduler:
                 req.first_token_at = now
                 if self.metrics is not None:
                     self.metrics.ttft.observe(now - req.arrival)
+                    if self.engine.prefix_cache is not None and req.stats is not None:
+                        self.metrics.prefix_cache_queries.inc(len(req.prompt))
+                        self.metrics.prefix_cache_hits.inc(req.stats.cached_tokens)
             if self.metrics is not None:
                 self.metrics.generation_tokens.inc(len(ev.token_ids))
             self._count_cycles(req)

@@ -1,0 +1,197 @@
+"""Automatic prefix caching: what the target computed for prompts' full pages, reused by later prompts that begin
+with the same tokens (a shared system prompt, few-shot examples, the earlier turns of a conversation).
+
+Design:
+- The unit is one page of a prompt (`kv_page_size` positions, the paged caches' page): the target's K/V of every
+  layer at those positions and, when the drafter reads them, the tapped layers' features there (the drafter's
+  context for those positions is then built from them as from a prefill's).
+- A page's key is (the id of the page before it, its tokens): a hit on page j means pages 0 .. j match token for
+  token (exact keys, no hash to collide). A prompt's match is its longest chain of cached pages that leaves at
+  least its last token to compute: that token's logits give the first output token.
+- Copies, not shared pages: the cache holds its pages in a store of its own, and a hit copies them into the row's
+  own pages (one indexed copy per layer's K and V). Rows own their pages exactly as without the cache, so growth,
+  compaction, merges, preemption and compiled steps know nothing of it; the price is the copy (far below the
+  forward it replaces) and the store's memory, bounded by `max_pages`.
+- A prompt's pages go in after the forward that computed them; least recently used pages leave first, a chain's
+  last pages before its first (a hit touches a chain from its end back to its start), so what stays is reachable.
+
+What this module does not know about: rows, batches, requests, or when caching is exact (the engine uses it on
+the fast path outside exact mode, where a prefill is computed in chunks of any size anyway); it maps token
+sequences to store pages and copies tensors between the store and a `PagedKV`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashdraft.model.slots import PagedKV
+
+# the store is allocated as pages come: MIN_STORE_PAGES first, then GROWTH times what it holds, up to max_pages
+MIN_STORE_PAGES, GROWTH = 16, 2
+
+
+@dataclass
+class PrefixHit:
+    """A prompt's cached start: `slots` = the store pages of its first len(slots) pages (positions [0, tokens))."""
+
+    slots: list[int]
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.slots) * self.page_size
+
+
+NO_HIT = PrefixHit([], 1)
+
+
+class PrefixCache:
+    """Full prompt pages by their tokens (see the module docstring). `queries` / `hits`: prompt tokens looked up
+    and found (vLLM's prefix-cache counters)."""
+
+    def __init__(self, page_size: int, max_pages: int):
+        if max_pages < 1:
+            raise ValueError(f"a prefix cache needs room for at least one page, got max_pages={max_pages}")
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.keys: list[torch.Tensor] = []  # per layer [store pages, page_size, kv_heads, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.features: torch.Tensor | None = None  # [store pages, page_size, F] (None: the drafter reads none)
+        self.index: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, tokens) -> page id
+        self.pages: OrderedDict[int, tuple[tuple[int, tuple[int, ...]], int]] = OrderedDict()  # id -> (key, slot)
+        self.free: list[int] = []
+        self.next_id = 1  # page ids are never reused: a child of an evicted page can never be reached again
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def clear(self) -> None:
+        """Forget every page (the store's memory stays allocated)."""
+        self.index.clear()
+        self.pages.clear()
+        self.free = list(range(self.keys[0].shape[0])) if self.keys else []
+
+    # ---- looking up ------------------------------------------------------------------------------------------
+
+    def _chain(self, tokens: Sequence[int]) -> list[int]:
+        """Page ids of the longest cached chain of `tokens`' full pages, leaving at least the last token out."""
+        ids, parent, size = [], 0, self.page_size
+        for j in range((len(tokens) - 1) // size):
+            page = self.index.get((parent, tuple(tokens[j * size:(j + 1) * size])))
+            if page is None:
+                break
+            ids.append(page)
+            parent = page
+        return ids
+
+    def cached_tokens(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`' first positions a `match` would find now (nothing counted or touched)."""
+        return len(self._chain(tokens)) * self.page_size
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit:
+        """The cached start of `tokens`; counted in `queries` / `hits` and touched as recently used."""
+        ids = self._chain(tokens)
+        for page in reversed(ids):  # the chain's start ends up most recent: evicted last
+            self.pages.move_to_end(page)
+        self.queries += len(tokens)
+        self.hits += len(ids) * self.page_size
+        return PrefixHit([self.pages[page][1] for page in ids], self.page_size)
+
+    def load(self, kv: PagedKV, rows: Sequence[int], hits: Sequence[PrefixHit]) -> None:
+        """Copy each hit's pages into the first pages of its row of `kv` (which owns pages for them already)."""
+        dst = [kv.pages[r][j] for r, hit in zip(rows, hits) for j in range(len(hit.slots))]
+        if not dst:
+            return
+        src = torch.tensor([s for hit in hits for s in hit.slots], dtype=torch.long, device=kv.table.device)
+        dst = torch.tensor(dst, dtype=torch.long, device=kv.table.device)
+        for pool, store in zip(kv.keys + kv.values, self.keys + self.values):
+            pool.index_copy_(0, dst, store.index_select(0, src))
+
+    def prefix_features(self, hit: PrefixHit) -> torch.Tensor | None:
+        """The tapped features [hit.tokens, F] of a hit's positions (None without features or a hit)."""
+        if self.features is None or not hit.slots:
+            return None
+        index = torch.tensor(hit.slots, dtype=torch.long, device=self.features.device)
+        return self.features.index_select(0, index).flatten(0, 1)
+
+    # ---- storing ---------------------------------------------------------------------------------------------
+
+    def insert(self, kv: PagedKV, rows: Sequence[int], prompts: Sequence[Sequence[int]],
+               features: Sequence[torch.Tensor | None] | None = None) -> None:
+        """After a forward computed `prompts` into rows `rows` of `kv` (features[i]: row i's [len(prompt), F], or
+        None): their full pages not cached yet go in."""
+        size = self.page_size
+        src_pages, src_features, slots = [], [], []
+        kept: set[int] = set()  # pages this insert found or made: none of them leaves to make room
+        for i, (row, tokens) in enumerate(zip(rows, prompts)):
+            parent, chain = 0, []
+            for j in range(len(tokens) // size):
+                key = (parent, tuple(tokens[j * size:(j + 1) * size]))
+                page = self.index.get(key)
+                if page is None:
+                    slot = self._take_slot(kv, features[i] if features is not None else None, kept)
+                    if slot is None:
+                        break
+                    page = self.next_id
+                    self.next_id += 1
+                    self.index[key] = page
+                    self.pages[page] = (key, slot)
+                    src_pages.append(kv.pages[row][j])
+                    slots.append(slot)
+                    if self.features is not None:
+                        src_features.append(features[i][j * size:(j + 1) * size])
+                chain.append(page)
+                kept.add(page)
+                parent = page
+            for page in reversed(chain):  # as `match` leaves a chain: its start most recent
+                self.pages.move_to_end(page)
+        if not slots:
+            return
+        device = kv.table.device
+        src = torch.tensor(src_pages, dtype=torch.long, device=device)
+        dst = torch.tensor(slots, dtype=torch.long, device=device)
+        for store, pool in zip(self.keys + self.values, kv.keys + kv.values):
+            store.index_copy_(0, dst, pool.index_select(0, src))
+        if self.features is not None:
+            self.features.index_copy_(0, dst.to(self.features.device), torch.stack(src_features))
+
+    def _take_slot(self, kv: PagedKV, features: torch.Tensor | None, kept: set[int]) -> int | None:
+        """A free store page: the store is made or grown if it may, else the least recently used page not in
+        `kept` leaves. None if every page is kept."""
+        if not self.free:
+            self._grow(kv, features)
+        if self.free:
+            return self.free.pop()
+        for page, (key, slot) in self.pages.items():
+            if page not in kept:
+                del self.pages[page]
+                del self.index[key]
+                return slot
+        return None
+
+    def _grow(self, kv: PagedKV, features: torch.Tensor | None) -> None:
+        have = self.keys[0].shape[0] if self.keys else 0
+        want = min(self.max_pages, max(MIN_STORE_PAGES, have * GROWTH))
+        if want <= have:
+            return
+
+        def grown(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            new = like.new_zeros((want, *like.shape[1:]))
+            if old is not None:
+                new[:have] = old
+            return new
+
+        shape = (1, self.page_size, *kv.keys[0].shape[2:])
+        self.keys = [grown(self.keys[i] if have else None, kv.keys[i].new_empty(shape)) for i in range(len(kv.keys))]
+        self.values = [grown(self.values[i] if have else None, kv.values[i].new_empty(shape))
+                       for i in range(len(kv.values))]
+        if features is not None or self.features is not None:
+            like = (features if features is not None else self.features)
+            self.features = grown(self.features, like.new_empty((1, self.page_size, like.shape[-1])))
+        self.free.extend(range(want - 1, have - 1, -1))  # popped from the end: the lowest first

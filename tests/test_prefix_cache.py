@@ -1,0 +1,274 @@
+"""Automatic prefix caching (`engine/prefix_cache.py`): prompts that start with pages an earlier prompt computed take
+the target's K/V and the drafter's features for them from the cache and compute only the rest.
+
+Covered: the store's keys (a chain of pages, token for token), its least-recently-used eviction (a chain's end
+before its start) within its bound; a hit's K/V and pending drafter features equal to what a prefill without the
+cache computes; greedy output equal to the target's own `generate` for prompts sharing prefixes, added apart, riding
+a running batch's cycle, preempted and resumed, with DFlash and plain decoding; seeded sampling equal to plain
+decoding without a cache; the ride-along rule counting only uncached tokens; the served usage's
+`prompt_tokens_details.cached_tokens` and the Prometheus counters; the flags' validation.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from flashdraft.engine import EngineConfig, SamplingParams, SpecEngine
+from flashdraft.engine.batch import take_pending
+from flashdraft.engine.prefix_cache import PrefixCache
+from flashdraft.model.slots import PagedKV
+from test_preemption import run_with_preemption
+from tiny import cache_row, greedy_reference, make_drafter, make_target
+
+PAGE = 4
+SYSTEM = list(range(10, 40))  # 30 tokens: 7 full pages of 4 before a prompt's own tokens
+PROMPTS = [SYSTEM + [5, 6, 7], SYSTEM + [8], SYSTEM[:13] + [1, 2, 3], SYSTEM + [5, 6, 7, 9, 9, 9, 9, 9],
+           [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("qwen3")
+
+
+@pytest.fixture(scope="module")
+def expected(target):
+    return [greedy_reference(target, p, 20) for p in PROMPTS]
+
+
+def engine(target, drafter=True, tokens=64, **options) -> SpecEngine:
+    return SpecEngine(target, make_drafter(target, block_size=4) if drafter else None, kv_page_size=PAGE,
+                      prefix_cache_tokens=tokens, draft_policy="fixed", **options)
+
+
+# ---- the store -----------------------------------------------------------------------------------------------
+
+def _filled_kv(rows: int, length: int, seed: int = 0) -> PagedKV:
+    kv = PagedKV(2, rows, 2, 8, torch.float64, "cpu", PAGE, [length] * rows)
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.keys + kv.values:
+        t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    return kv
+
+
+def test_a_hit_is_a_chain_of_whole_pages_token_for_token_and_leaves_the_last_token():
+    cache = PrefixCache(PAGE, 100)
+    kv = _filled_kv(1, 16)
+    prompt = list(range(100, 112))  # 3 full pages
+    cache.insert(kv, [0], [prompt])
+    assert len(cache) == 3
+    assert cache.match(prompt).tokens == 8  # the third page would leave no token to compute
+    assert cache.match(prompt + [1]).tokens == 12
+    assert cache.match(prompt[:4] + [0] + prompt[5:] + [1]).tokens == 4  # a page differs: the chain stops there
+    assert cache.match([0] + prompt).tokens == 0  # the same tokens elsewhere are another chain
+    assert cache.cached_tokens(prompt + [1]) == 12
+    assert (cache.queries, cache.hits) == (12 + 13 + 13 + 13, 8 + 12 + 4)  # `cached_tokens` counts nothing
+
+
+def test_loaded_pages_are_the_pages_inserted():
+    cache = PrefixCache(PAGE, 100)
+    source = _filled_kv(2, 12, seed=1)
+    prompts = [list(range(12)), list(range(50, 62))]
+    cache.insert(source, [0, 1], prompts)
+    dest = _filled_kv(2, 12, seed=2)
+    hits = [cache.match(p + [0]) for p in prompts[::-1]]
+    cache.load(dest, [0, 1], hits)
+    for row, source_row in ((0, 1), (1, 0)):
+        for got, want in zip(cache_row(dest, row, 12), cache_row(source, source_row, 12)):
+            assert torch.equal(got, want)
+
+
+def test_the_least_recently_used_pages_leave_first_a_chains_end_before_its_start():
+    cache = PrefixCache(PAGE, 4)
+    kv = _filled_kv(3, 8)
+    a, b, c = list(range(8)), list(range(20, 28)), list(range(40, 48))
+    cache.insert(kv, [0, 1], [a, b])  # 4 pages: full
+    assert cache.match(a + [0]).tokens == 8  # a is now the more recent chain
+    cache.insert(kv, [2], [c])  # needs 2 pages: b's two leave, its end first
+    assert len(cache) == 4
+    assert cache.match(b + [0]).tokens == 0
+    assert cache.match(c + [0]).tokens == 8 and cache.match(a + [0]).tokens == 8
+    cache.insert(kv, [1], [b[:4]])  # one page: c's end leaves (a was touched after c), c's start stays reachable
+    assert cache.match(c + [0]).tokens == 4 and cache.match(a + [0]).tokens == 8
+
+
+def test_the_store_grows_as_pages_come_within_its_bound():
+    cache = PrefixCache(PAGE, 40)
+    kv = _filled_kv(1, 200)
+    cache.insert(kv, [0], [list(range(8))])
+    assert cache.keys[0].shape[0] == 16  # allocated as pages come, not the bound at once
+    cache.insert(kv, [0], [list(range(1000, 1200))])  # 50 pages: the bound holds 40
+    assert cache.keys[0].shape[0] == 40 and len(cache) == 40
+    cache.clear()
+    assert len(cache) == 0 and cache.match(list(range(9))).tokens == 0
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+
+def test_a_hit_gives_the_rows_cache_and_drafter_context_a_prefill_computes(target):
+    """The target's K/V and the pending features of a prompt found in the cache equal those a prefill without the
+    cache computes (float64: to rounding), so the drafter drafts from the same context."""
+    prompt = PROMPTS[3]
+    warm, cold = engine(target), engine(target, tokens=0)
+    warm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))  # the shared prefix goes in
+    params = SamplingParams(max_new_tokens=8)
+    rows = []
+    for eng in (warm, cold):
+        batch = eng.open_batch()
+        eng.add(batch, [prompt], params)
+        row = batch.rows[0]
+        features = take_pending([row.pending], *eng._feature_spec).values[0]
+        rows.append((cache_row(batch.kv.kv, 0, len(prompt)), features, row.stats.cached_tokens))
+    (kv_warm, features_warm, hit), (kv_cold, features_cold, none) = rows
+    assert (hit, none) == (32, 0)
+    assert features_warm.shape == features_cold.shape == (len(prompt), features_cold.shape[-1])
+    torch.testing.assert_close(features_warm, features_cold, rtol=1e-10, atol=1e-10)
+    for got, want in zip(kv_warm, kv_cold):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["dflash", "plain"])
+def test_prompts_that_share_prefixes_end_with_the_targets_greedy_output(target, expected, drafter):
+    eng = engine(target, drafter)
+    params = SamplingParams(max_new_tokens=20)
+    apart = [eng.generate([p], params)[0] for p in PROMPTS]
+    assert [r.token_ids for r in apart] == expected
+    assert [r.stats.cached_tokens for r in apart] == [0, 28, 12, 32, 0]
+    # riding a running batch's cycle: each prompt joins the next step
+    batch, outputs = eng.open_batch(), {}
+    for ev in eng.add(batch, [PROMPTS[0]], params, request_ids=[0]):
+        outputs.setdefault(ev.index, []).extend(ev.token_ids)
+    for i, prompt in enumerate(PROMPTS[1:], 1):
+        assert eng.rides_cycle(batch, [eng._make_rows([prompt], params)[0]])
+        for ev in eng.step(batch, [prompt], params, request_ids=[i]):
+            outputs.setdefault(ev.index, []).extend(ev.token_ids)
+    while batch.rows:
+        for ev in eng.step(batch):
+            outputs.setdefault(ev.index, []).extend(ev.token_ids)
+    assert [outputs[i] for i in range(len(PROMPTS))] == expected
+    assert eng.prefix_cache.hits > 4 * 28
+
+
+def test_acceptance_is_the_same_with_and_without_hits(target):
+    """Fixed policy, same drafter: a hit's drafter context is the prefill's, so every cycle accepts the same."""
+    params = SamplingParams(max_new_tokens=24)
+    warm, cold = engine(target), engine(target, tokens=0)
+    warm.generate([PROMPTS[0]], params)
+    got = warm.generate(PROMPTS[1:4], params)
+    want = cold.generate(PROMPTS[1:4], params)
+    assert [r.stats.acceptance_lengths for r in got] == [r.stats.acceptance_lengths for r in want]
+    assert all(r.stats.cached_tokens for r in got)
+
+
+def test_preempted_rows_resume_through_the_cache_with_the_targets_greedy_output(target, expected):
+    eng = engine(target)
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    outputs, preemptions = run_with_preemption(eng, PROMPTS, SamplingParams(max_new_tokens=20))
+    assert [outputs[i] for i in range(len(PROMPTS))] == expected
+    assert preemptions >= 4
+
+
+def test_seeded_sampling_is_plain_decodings_with_the_same_seed(target):
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    plain = SpecEngine(target, None, kv_page_size=PAGE).generate(PROMPTS, params)
+    eng = engine(target)
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    got = eng.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert sum(r.stats.cached_tokens for r in got) >= 28 * 3
+
+
+def test_a_small_cache_evicts_and_stays_exact(target, expected):
+    eng = engine(target, tokens=3 * PAGE)
+    params = SamplingParams(max_new_tokens=20)
+    for _ in range(2):
+        assert [eng.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+        assert len(eng.prefix_cache) <= 3
+
+
+# ---- when it is used -----------------------------------------------------------------------------------------------
+
+def test_the_ride_along_rule_counts_the_tokens_left_to_compute(target):
+    eng = engine(target, mixed_prefill_tokens=12)
+    params = SamplingParams(max_new_tokens=30)
+    batch = eng.open_batch()
+    eng.add(batch, [PROMPTS[4]], params)
+    joining = eng._make_rows([PROMPTS[0]], params)
+    assert not eng.rides_cycle(batch, joining)  # 33 tokens to compute
+    eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))
+    assert eng.rides_cycle(batch, joining)  # 5 left after 28 cached
+
+
+def test_warmup_keeps_nothing_and_exact_or_generic_engines_have_no_cache(target):
+    eng = engine(target)
+    eng.warmup(2)
+    assert len(eng.prefix_cache) == 0 and eng.prefix_cache.queries == 0
+    for options in ({"exact": True}, {"fast_path": False}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert engine(target, **options).prefix_cache is None
+        assert any("prefix_cache_tokens" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        EngineConfig(prefix_cache_tokens=-1)
+
+
+# ---- served ------------------------------------------------------------------------------------------------------
+
+def test_served_usage_and_metrics_count_the_cached_prompt_tokens(tmp_path):
+    """Two completions of one long prompt through the server: the second's usage says which prompt tokens the
+    cache gave, both texts are the same (greedy), and /metrics counts the tokens looked up and found."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from flashdraft.loading import load_pair
+    from flashdraft.serve.app import ServeConfig, create_app
+    from test_serve import live
+    from tiny import save_text_pair
+
+    save_text_pair(tmp_path, max_positions=512)
+    model, tokenizer, drafter = load_pair(tmp_path / "target", tmp_path / "drafter", "cpu", "float32")
+    eng = SpecEngine(model, drafter, tokenizer, prefix_cache_tokens=1024)
+    prompt = " ".join(f"def f{i}(x): return x + {i}" for i in range(40))
+    n = len(tokenizer(prompt)["input_ids"])
+    assert n > 128
+    with live(create_app(eng, ServeConfig(model_name="tiny"))) as server:
+        bodies = [httpx.post(f"{server.url}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=60).json()
+            for _ in range(2)]
+        assert bodies[0]["choices"][0]["text"] == bodies[1]["choices"][0]["text"]
+        cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies]
+        assert cached == [0, (n - 1) // 64 * 64]
+        assert server.metric("prefix_cache_queries_total") == 2 * n
+        assert server.metric("prefix_cache_hits_total") == cached[1]
+
+
+def test_serve_flags_size_the_cache_from_its_memory(capsys, tmp_path):
+    import argparse
+
+    from flashdraft.memory import GiB, kv_bytes_per_position
+    from flashdraft.serve.cli import add_serve_parser, build_engine
+    from tiny import save_text_pair
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve"])
+    assert args.enable_prefix_caching and args.prefix_cache_memory == ("GiB", 1.0)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["serve", "--prefix-cache-memory", "0"])
+    assert exit_info.value.code == 2 and "--prefix-cache-memory" in capsys.readouterr().err
+
+    save_text_pair(tmp_path, max_positions=512)
+    pair = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"), "--device", "cpu",
+            "--dtype", "float32", "--chat-template", "{{ messages }}"]
+    engine, _ = build_engine(parser.parse_args(["serve", *pair, "--prefix-cache-memory", "0.01"]))
+    config = engine.target.config
+    per_position = kv_bytes_per_position(config, torch.float32) + 4 * config.hidden_size * len(
+        engine.drafter.target_layer_ids)
+    assert engine.config.prefix_cache_tokens == int(0.01 * GiB) // per_position
+    assert engine.prefix_cache.max_pages == -(-engine.config.prefix_cache_tokens // 64)
+    engine, _ = build_engine(parser.parse_args(["serve", *pair, "--no-enable-prefix-caching"]))
+    assert engine.prefix_cache is None
