@@ -13,10 +13,11 @@ Serving: num_requests_running / num_requests_waiting (gauges), prompt_tokens / g
 request_success{finished_reason} (stop, length, abort, error), requests_rejected{reason}, num_preemptions (running
 requests preempted for the KV-cache budget), prefix_cache_queries / prefix_cache_hits (prompt tokens looked up in
 the prefix cache and found there, counted at each request's first token), kv_cache_reserved_positions /
-kv_cache_budget_positions, and histograms e2e_request_latency_seconds, time_to_first_token_seconds, time_per_output_token_seconds. The process's own
-(prometheus_client's process collector, Linux): process_cpu_seconds_total, process_resident_memory_bytes, ... (the
-CPU seconds a level of requests took are what `flashdraft bench --server` divides its tokens by: work per token
-that another process on the machine does not move, as wall time does).
+kv_cache_budget_positions, and histograms e2e_request_latency_seconds, time_to_first_token_seconds,
+time_per_output_token_seconds. The process's own (prometheus_client's process collector, Linux):
+process_cpu_seconds_total, process_resident_memory_bytes, ... (the CPU seconds a level of requests took are what
+`flashdraft bench --server` divides its tokens by: work per token that another process on the machine does not
+move, as wall time does).
 prometheus_client appends `_total` to counter names in the exposition text (`spec_decode_num_drafts_total`).
 
 Each server gets its own registry (several servers in one process, as in the tests, do not collide). Every
