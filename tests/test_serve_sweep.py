@@ -75,3 +75,42 @@ def test_the_compare_server_can_run_from_another_checkout(sweep, monkeypatch, tm
         pass
     assert calls[0][2] == str(tmp_path / "before") and calls[0][0][-2:] == ["--block-size", "8"]
     assert calls[1][2] is None
+
+
+def test_prefix_cache_script_cells_send_new_requests_every_round_and_compare_their_texts(monkeypatch):
+    """scripts/speed/prefix_cache.py's bookkeeping: each round's requests are new past the shared context, the
+    ratios are of summed throughputs and mean first-token times, the cached share comes from the servers' counter
+    deltas, and greedy texts are compared request by request."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts" / "speed"))
+    spec = importlib.util.spec_from_file_location("prefix_cache_script", ROOT / "scripts" / "speed" / "prefix_cache.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from flashdraft.bench.datasets import Prompt
+
+    sent, counters = [], {"c": [0.0, 0.0], "u": [0.0, 0.0]}
+
+    def fake_run_servers(specs, prompts, levels, **kwargs):
+        sent.append([p.text for p in prompts])
+        assert kwargs["num_requests"] == len(prompts)
+        out = {}
+        for name, url in (s.split("=") for s in specs):
+            cached = name == "cached"
+            counters[url][0] += 100
+            counters[url][1] += 80 if cached else 0
+            reqs = [{"index": i, "ttft_s": 0.01 if cached else 0.04, "text": "x" if cached or i else "y"}
+                    for i in range(len(prompts))]
+            out[name] = {"levels": [{"errors": 0, "output_tokens": 64, "wall_s": 1.0 if cached else 2.0,
+                                     "throughput_tok_s": 64 / (1.0 if cached else 2.0), "requests": reqs}]}
+        return {"servers": out}
+
+    monkeypatch.setattr(script, "run_servers", fake_run_servers)
+    monkeypatch.setattr(script, "prefix_counters", lambda url: tuple(counters[url]))
+    out = script.cell({"cached": "c", "uncached": "u"}, "CONTEXT\n", [Prompt(text="a"), Prompt(text="b")], 2, 0.0,
+                      8, 2)
+    assert all(t.startswith("CONTEXT\n# request 2.") for texts in sent for t in texts)
+    assert len({t for texts in sent for t in texts}) == 4  # nothing past the context repeats
+    assert out["throughput_ratio"] == 2.0 and out["ttft_ratio"] == 4.0
+    assert out["cached"]["cached_share"] == 0.8 and out["uncached"]["cached_share"] == 0.0
+    assert out["same_texts"] == 2  # request 0 of each round differs

@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--request-rate", type=finite_float_in(0.0, low_open=True), default=None,
                    help="requests per second arriving as a Poisson process, at most the cell's concurrency in flight "
                         "(default: all at once, a closed loop: each request's successor is sent when it ends)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="every server without its prefix cache (each round sends the same prompts, so with it, "
+                        "both sides find round 2's prompts whole)")
     p.add_argument("--output-dir", default="runs/serve_sweep")
     args = p.parse_args(argv)
     server_cpus = all_cpus = None
@@ -182,6 +185,7 @@ def main(argv=None) -> int:
     cells = []
     with contextlib.ExitStack() as servers:
         def start(name, extra, checkout=None):
+            extra = [*extra, "--no-enable-prefix-caching"] if args.no_prefix_caching else extra
             return servers.enter_context(server(name, extra, args.threads, max_batch, out, server_cpus, checkout))
 
         urls = {"dflash": start("dflash", shlex.split(args.serve_args)), "ar": start("ar", ["--no-draft"])}
