@@ -272,3 +272,26 @@ def test_serve_flags_size_the_cache_from_its_memory(capsys, tmp_path):
     assert engine.prefix_cache.max_pages == -(-engine.config.prefix_cache_tokens // 64)
     engine, _ = build_engine(parser.parse_args(["serve", *pair, "--no-enable-prefix-caching"]))
     assert engine.prefix_cache is None
+
+
+def test_the_prefill_budget_counts_only_the_tokens_left_to_compute(target):
+    """`--max-prefill-tokens` admits requests by the tokens their prefill computes: prompts whose start is cached
+    join together where the same prompts uncached join one per scheduler step."""
+    import asyncio
+
+    from flashdraft.serve.scheduler import Request, Scheduler
+
+    loop = asyncio.new_event_loop()
+    prompts = [SYSTEM + [i, i + 1, i + 2] for i in range(50, 56)]  # 33 tokens, 32 of them in full pages
+    admitted = []
+    for cached in (False, True):
+        eng = engine(target, tokens=64 if cached else 0)
+        if cached:
+            eng.generate([SYSTEM + [1, 2, 3]], SamplingParams(max_new_tokens=2))
+        sched = Scheduler(eng, max_batch_size=8, max_prefill_tokens=40)
+        for i, prompt in enumerate(prompts):
+            sched._enqueue(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=4), loop))
+        sched._iteration()
+        admitted.append(len(sched._running))
+    loop.close()
+    assert admitted == [1, 6]  # 33 + 33 > 40 tokens; 6 x (33 - 28) = 30 <= 40

@@ -69,7 +69,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + completion token limit (default: the target's max_position_embeddings)")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
-                   help="prompt tokens prefilled per scheduler step when requests join (default 8192)")
+                   help="prompt tokens prefilled per scheduler step when requests join, those the prefix cache "
+                        "gives not counted (default 8192)")
     p.add_argument("--mixed-prefill-tokens", type=int_at_least(0), default=None,
                    help="requests joining a running batch with at most this many prompt tokens in all are prefilled "
                         "inside the running rows' next cycle (one target forward), longer ones in a prefill of their "

@@ -206,6 +206,13 @@ class Scheduler:
         """A new request's prompt, or a preempted one's prompt and output so far (recomputed)."""
         return req.preempted.n_cached if req.preempted is not None else len(req.prompt)
 
+    def _prefill_work(self, req: Request) -> int:
+        """Tokens a prefill of the request computes (`--max-prefill-tokens` counts these): a new request's prompt
+        after what the prefix cache holds of it."""
+        if req.preempted is None and self.engine.prefix_cache is not None:
+            return len(req.prompt) - self.engine.prefix_cache.cached_tokens(req.prompt)
+        return self._tokens_to_prefill(req)
+
     def _fits(self, admit: list[Request], candidate: Request) -> bool:
         """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget with one
         page of growth for every row (no more than it may ever hold), so that a join is not undone at once by a
@@ -285,10 +292,10 @@ class Scheduler:
                 admit, budget = [], self.max_prefill_tokens
                 free = self.max_batch_size - len(self._batch.rows)
                 while (self._waiting and len(admit) < free
-                       and (not admit or self._tokens_to_prefill(self._waiting[0]) <= budget)
+                       and (not admit or self._prefill_work(self._waiting[0]) <= budget)
                        and self._fits(admit, self._waiting[0])):
                     req = self._waiting.popleft()
-                    budget -= self._tokens_to_prefill(req)
+                    budget -= self._prefill_work(req)
                     admit.append(req)
             cancels, self._cancels = self._cancels, set()
         if self._stopping:
