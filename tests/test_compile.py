@@ -40,6 +40,21 @@ def test_compiled_dflash_is_lossless_and_does_not_recompile_per_request(qwen3):
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == expected
 
 
+def test_compiled_engine_with_prefix_cache_hits_stays_lossless(qwen3):
+    """Prefix-cache hits prefill the rest of a prompt eagerly beside the compiled steps (`PagedTargetKV.prefill`'s
+    ragged path); the rows then decode through the compiled graphs as any other."""
+    target, _ = qwen3
+    shared = list(range(1, 70))
+    prompts = [shared + [5], shared + [6, 7, 8], shared[:64] + [9, 9]]
+    expected = [greedy_reference(target, p, MAX_NEW) for p in prompts]
+    engine = SpecEngine(target, make_drafter(target, block_size=4), compile=True, prefix_cache_tokens=256)
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    apart = [engine.generate([p], params)[0] for p in prompts]
+    assert [r.token_ids for r in apart] == expected
+    assert [r.stats.cached_tokens for r in apart] == [0, 64, 64]
+    assert [r.token_ids for r in engine.generate(prompts, params)] == expected
+
+
 def test_compiled_verify_with_long_accepted_runs(qwen3):
     """The oracle drafter gets whole blocks accepted, then rejected at random positions, across rows."""
     target, expected = qwen3
