@@ -95,6 +95,16 @@ def test_the_least_recently_used_pages_leave_first_a_chains_end_before_its_start
     assert cache.match(c + [0]).tokens == 4 and cache.match(a + [0]).tokens == 8
 
 
+def test_a_salt_keeps_its_prompts_pages_to_itself():
+    cache = PrefixCache(PAGE, 100)
+    kv = _filled_kv(2, 8)
+    prompt = list(range(8))
+    cache.insert(kv, [0, 1], [prompt, prompt], salts=[None, "tenant-a"])
+    assert len(cache) == 4  # the same tokens under two roots
+    assert cache.match(prompt + [0]).tokens == 8 and cache.match(prompt + [0], "tenant-a").tokens == 8
+    assert cache.match(prompt + [0], "tenant-b").tokens == 0 and cache.cached_tokens(prompt + [0], "tenant-b") == 0
+
+
 def test_the_store_grows_as_pages_come_within_its_bound():
     cache = PrefixCache(PAGE, 40)
     kv = _filled_kv(1, 200)
@@ -150,6 +160,13 @@ def test_prompts_that_share_prefixes_end_with_the_targets_greedy_output(target, 
             outputs.setdefault(ev.index, []).extend(ev.token_ids)
     assert [outputs[i] for i in range(len(PROMPTS))] == expected
     assert eng.prefix_cache.hits > 4 * 28
+    # a salted request finds only its salt's pages, and stays exact
+    salted = SamplingParams(max_new_tokens=20, cache_salt="tenant-a")
+    first, again = (eng.generate([PROMPTS[1]], salted)[0] for _ in range(2))
+    assert (first.token_ids, again.token_ids) == (expected[1], expected[1])
+    assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, 28)
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
 
 
 def test_acceptance_is_the_same_with_and_without_hits(target):
@@ -244,6 +261,14 @@ def test_served_usage_and_metrics_count_the_cached_prompt_tokens(tmp_path):
         assert cached == [0, (n - 1) // 64 * 64]
         assert server.metric("prefix_cache_queries_total") == 2 * n
         assert server.metric("prefix_cache_hits_total") == cached[1]
+        salted = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "cache_salt": "tenant-a"},
+            timeout=60).json()
+        assert salted["choices"][0]["text"] == bodies[0]["choices"][0]["text"]
+        assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        bad = httpx.post(f"{server.url}/v1/completions", json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 8, "cache_salt": ""}, timeout=60)
+        assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
 
 
 def test_serve_flags_size_the_cache_from_its_memory(capsys, tmp_path):

@@ -784,7 +784,8 @@ class SpecEngine:
 
     def _uncached_tokens(self, row) -> int:
         """Tokens of a request's prompt a prefill would compute now (those after its prefix cache hit)."""
-        cached = self.prefix_cache.cached_tokens(row.prompt) if self.prefix_cache is not None else 0
+        cached = (self.prefix_cache.cached_tokens(row.prompt, row.params.cache_salt)
+                  if self.prefix_cache is not None else 0)
         return len(row.prompt) - cached
 
     def cancel(self, batch: "Batch", request_id) -> bool:
@@ -907,7 +908,8 @@ class SpecEngine:
                                                          max_pages=self.kv_page_limit,
                                                          exact_from=[len(r.prompt) for r in rows] if resume else None,
                                                          cached=hits and (self.prefix_cache, hits))
-            features = self._cache_prompts(kv.kv, range(len(rows)), prompts, hits, features)
+            features = self._cache_prompts(kv.kv, range(len(rows)), prompts, hits, features,
+                                           [r.params.cache_salt for r in rows])
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
@@ -925,23 +927,23 @@ class SpecEngine:
         prompt tokens it gave (a resumed row's recompute is not its prompt's)."""
         if self.prefix_cache is None:
             return None
-        hits = [self.prefix_cache.match(p) for p in prompts]
+        hits = [self.prefix_cache.match(p, r.params.cache_salt) for r, p in zip(rows, prompts)]
         if count:
             for r, hit in zip(rows, hits):
                 r.stats.cached_tokens = hit.tokens
         return hits
 
     def _cache_prompts(self, kv, rows: Sequence[int], prompts: Sequence[Sequence[int]], hits: list[PrefixHit] | None,
-                       features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+                       features: list[torch.Tensor] | None, salts: Sequence[str | None]) -> list[torch.Tensor] | None:
         """After a forward computed prompts (the positions after their hits) into rows `rows` of `kv` (a PagedKV):
         each prompt's whole features (its hit's, then the forward's: `features`), and its full pages into the
-        prefix cache."""
+        prefix cache (under each row's salt)."""
         if hits is None:
             return features
         if features is not None:
             features = [f if not hit.slots else torch.cat([self.prefix_cache.prefix_features(hit), f])
                         for hit, f in zip(hits, features)]
-        self.prefix_cache.insert(kv, rows, prompts, features)
+        self.prefix_cache.insert(kv, rows, prompts, features, salts)
         return features
 
     def _prefilled_batch(self, rows: list[_Row], kv, features: list[torch.Tensor] | None, lengths: list[int]) -> Batch:
@@ -1441,7 +1443,8 @@ class SpecEngine:
             features = [f[0].clone() for _, f in outputs]
         if seating.hits is not None:
             features = self._cache_prompts(batch.kv.kv, range(seating.first, seating.first + len(rows)),
-                                           [r.prompt for r in rows], seating.hits, features)
+                                           [r.prompt for r in rows], seating.hits, features,
+                                           [r.params.cache_salt for r in rows])
         batch.proposer_state.merge(seating.state, len(batch.rows), len(rows))
         batch.rows = batch.rows + list(rows)
         if features is not None:

@@ -7,7 +7,8 @@ Design:
   context for those positions is then built from them as from a prefill's).
 - A page's key is (the id of the page before it, its tokens): a hit on page j means pages 0 .. j match token for
   token (exact keys, no hash to collide). A prompt's match is its longest chain of cached pages that leaves at
-  least its last token to compute: that token's logits give the first output token.
+  least its last token to compute: that token's logits give the first output token. A salt (vLLM's `cache_salt`)
+  stands before a chain's first page: prompts find only pages of prompts with the same salt.
 - Copies, not shared pages: the cache holds its pages in a store of its own, and a hit copies them into the row's
   own pages (one indexed copy per layer's K and V). Rows own their pages exactly as without the cache, so growth,
   compaction, merges, preemption and compiled steps know nothing of it; the price is the copy (far below the
@@ -49,6 +50,11 @@ class PrefixHit:
 NO_HIT = PrefixHit([], 1)
 
 
+def _root(salt: str | None):
+    """What stands before a chain's first page: 0 (page ids start at 1), or the salt."""
+    return 0 if salt is None else ("salt", salt)
+
+
 class PrefixCache:
     """Full prompt pages by their tokens (see the module docstring). `queries` / `hits`: prompt tokens looked up
     and found (vLLM's prefix-cache counters)."""
@@ -61,8 +67,8 @@ class PrefixCache:
         self.keys: list[torch.Tensor] = []  # per layer [store pages, page_size, kv_heads, head_dim]
         self.values: list[torch.Tensor] = []
         self.features: torch.Tensor | None = None  # [store pages, page_size, F] (None: the drafter reads none)
-        self.index: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent id, tokens) -> page id
-        self.pages: OrderedDict[int, tuple[tuple[int, tuple[int, ...]], int]] = OrderedDict()  # id -> (key, slot)
+        self.index: dict[tuple, int] = {}  # (parent page id, or a chain's root, tokens) -> page id
+        self.pages: OrderedDict[int, tuple[tuple, int]] = OrderedDict()  # page id -> (key, store slot)
         self.free: list[int] = []
         self.next_id = 1  # page ids are never reused: a child of an evicted page can never be reached again
         self.queries = 0
@@ -79,9 +85,9 @@ class PrefixCache:
 
     # ---- looking up ------------------------------------------------------------------------------------------
 
-    def _chain(self, tokens: Sequence[int]) -> list[int]:
+    def _chain(self, tokens: Sequence[int], salt: str | None) -> list[int]:
         """Page ids of the longest cached chain of `tokens`' full pages, leaving at least the last token out."""
-        ids, parent, size = [], 0, self.page_size
+        ids, parent, size = [], _root(salt), self.page_size
         for j in range((len(tokens) - 1) // size):
             page = self.index.get((parent, tuple(tokens[j * size:(j + 1) * size])))
             if page is None:
@@ -90,13 +96,14 @@ class PrefixCache:
             parent = page
         return ids
 
-    def cached_tokens(self, tokens: Sequence[int]) -> int:
+    def cached_tokens(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """How many of `tokens`' first positions a `match` would find now (nothing counted or touched)."""
-        return len(self._chain(tokens)) * self.page_size
+        return len(self._chain(tokens, salt)) * self.page_size
 
-    def match(self, tokens: Sequence[int]) -> PrefixHit:
-        """The cached start of `tokens`; counted in `queries` / `hits` and touched as recently used."""
-        ids = self._chain(tokens)
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> PrefixHit:
+        """The cached start of `tokens` (under `salt`); counted in `queries` / `hits` and touched as recently
+        used."""
+        ids = self._chain(tokens, salt)
         for page in reversed(ids):  # the chain's start ends up most recent: evicted last
             self.pages.move_to_end(page)
         self.queries += len(tokens)
@@ -123,14 +130,15 @@ class PrefixCache:
     # ---- storing ---------------------------------------------------------------------------------------------
 
     def insert(self, kv: PagedKV, rows: Sequence[int], prompts: Sequence[Sequence[int]],
-               features: Sequence[torch.Tensor | None] | None = None) -> None:
+               features: Sequence[torch.Tensor | None] | None = None,
+               salts: Sequence[str | None] | None = None) -> None:
         """After a forward computed `prompts` into rows `rows` of `kv` (features[i]: row i's [len(prompt), F], or
-        None): their full pages not cached yet go in."""
+        None; salts[i]: its salt): their full pages not cached yet go in."""
         size = self.page_size
         src_pages, src_features, slots = [], [], []
         kept: set[int] = set()  # pages this insert found or made: none of them leaves to make room
         for i, (row, tokens) in enumerate(zip(rows, prompts)):
-            parent, chain = 0, []
+            parent, chain = _root(salts[i] if salts is not None else None), []
             for j in range(len(tokens) // size):
                 key = (parent, tuple(tokens[j * size:(j + 1) * size]))
                 page = self.index.get(key)

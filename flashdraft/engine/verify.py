@@ -75,8 +75,13 @@ class SamplingParams:
     # position the last token of every sequence whose other tokens end the output so far gets -inf (the prompt does
     # not count); a one-token sequence is never produced
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # the prefix cache's namespace (vLLM's cache_salt): a prompt finds cached pages only of prompts with the same salt
+    # (None: those without one), so one tenant's requests cannot time what another's cached
+    cache_salt: str | None = None
 
     def __post_init__(self):
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):

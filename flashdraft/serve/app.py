@@ -392,7 +392,7 @@ class Server:
                 logit_bias=bias, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                structured=structured)
+                structured=structured, cache_salt=req.cache_salt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -43,6 +43,7 @@ MAX_LOGIT_BIAS = 300  # token ids a request may bias
 MAX_ALLOWED_IDS = 1 << 16  # allowed_token_ids a request may list
 MAX_BAD_WORDS = 64  # bad_words a request may list
 MAX_PRIORITY = 2**31 - 1  # request priorities lie in [-MAX_PRIORITY, MAX_PRIORITY]
+MAX_CACHE_SALT_CHARS = 256  # a cache_salt's length
 MAX_CHOICES = 64  # choices in one request: prompts of a batched completions request x n
 CLIP_CHARS = 64  # how much of a client's string an error message echoes
 
@@ -249,6 +250,8 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
     # vLLM's: keep each prompt's last k tokens (a conversation's, as the template renders it); -1: max_model_len
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
+    # vLLM's: the prefix cache's namespace; prompts share cached pages only with requests of the same salt
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop", mode="before")
     @classmethod

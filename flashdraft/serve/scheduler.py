@@ -210,7 +210,7 @@ class Scheduler:
         """Tokens a prefill of the request computes (`--max-prefill-tokens` counts these): a new request's prompt
         after what the prefix cache holds of it."""
         if req.preempted is None and self.engine.prefix_cache is not None:
-            return len(req.prompt) - self.engine.prefix_cache.cached_tokens(req.prompt)
+            return len(req.prompt) - self.engine.prefix_cache.cached_tokens(req.prompt, req.params.cache_salt)
         return self._tokens_to_prefill(req)
 
     def _fits(self, admit: list[Request], candidate: Request) -> bool:
