@@ -9,12 +9,15 @@
 #   3. evaluate  scripts/drafter/eval_tau.py at T = 0 and T = 1 on each, pooled by scripts/dflash2/compare_tau.py
 # Every step is skipped when its output exists, and training resumes from its newest checkpoint: a stopped run
 # continues where it was. On the 2-core CPU: ~20 min of data, ~0.95 s (DFlash-1) and ~1.5 s (DFlash2) per step.
-# Env: PY, STEPS (default 4000), OUT (default runs/same_budget_<STEPS>), NICE (default 10), ONLY (d1 or d2: one arm).
+# Env: PY, STEPS (default 4000), OUT (default runs/same_budget_<STEPS>), NICE (default 10), ONLY (d1 or d2: one arm),
+# DEVICE (default cpu; cuda trains on a GPU: `STAGES=train_pair bash scripts/gpu/session_check.sh`), EVAL (default 1;
+# 0 trains only, e.g. on a device machine whose checkpoints are evaluated here).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${PY:-python}"
 STEPS="${STEPS:-4000}"
+DEVICE="${DEVICE:-cpu}"
 OUT="${OUT:-runs/same_budget_$STEPS}"
 RUNNER=(nice -n "${NICE:-10}")
 TARGET=flashdraft/assets/default_pair/target
@@ -28,7 +31,7 @@ fi
 regen() {  # regen OUTPUT_DIR PROMPTS LIMIT SHARD [flags...]: skipped when the last shard is there
     local dir="$1" prompts="$2" limit="$3" shard="$4"; shift 4
     "${RUNNER[@]}" "$PY" -m flashdraft.cli regenerate --target "$TARGET" --data "$prompts" --limit "$limit" \
-        --output-dir "$dir" --max-new-tokens 128 --batch-size 32 --shard-size "$shard" --device cpu "$@"
+        --output-dir "$dir" --max-new-tokens 128 --batch-size 32 --shard-size "$shard" --device "$DEVICE" "$@"
 }
 regen "$DATA/regen_mix" "$DATA/train_prompts.jsonl" 4000 500
 regen "$DATA/regen_cov" "$DATA/coverage_prompts.jsonl" 4750 250
@@ -40,7 +43,7 @@ done
 
 COMMON=(--target "$TARGET" --data "$MIX" --init-from flashdraft/assets/default_pair/drafter --block-size 16
         --num-draft-layers 2 --target-layer-ids 0,1,2,3 --max-steps "$STEPS" --batch-size 4 --max-length 2048
-        --num-anchors 32 --start-anchors 8 --lr 1.5e-4 --seed 0 --distill-weight 1.0 --save-every 250 --device cpu)
+        --num-anchors 32 --start-anchors 8 --lr 1.5e-4 --seed 0 --distill-weight 1.0 --save-every 250 --device "$DEVICE")
 D2=(--arch dflash2 --selector-top-k 8192 --selector-rank 128 --selector-lr 1.5e-3 --selector-distill-weight 1.0)
 
 for arm in d1 d2; do
@@ -54,6 +57,7 @@ for arm in d1 d2; do
         [ "$arm" = d2 ] && extra=("${D2[@]}")
         "${RUNNER[@]}" "$PY" -m flashdraft.cli train "${COMMON[@]}" --output-dir "$run" "${extra[@]}" "${resume[@]}"
     fi
+    [ "${EVAL:-1}" = 0 ] && continue
     echo "== [3/3] evaluate $arm"
     [ -f "$run/tau_T0/results.json" ] || "${RUNNER[@]}" "$PY" scripts/drafter/eval_tau.py --draft "$run/final" \
         --threads 2 --num 32 --label "$arm" --out "$run/tau_T0"

@@ -14,6 +14,10 @@
 #   STAGES="cycle_ops" bash scripts/gpu/session_check.sh
 #   # the confidence trim where verification is compute-bound (BENCHMARKS, 'Confidence trim'), ~5 min:
 #   STAGES="concurrency_trim" bash scripts/gpu/session_check.sh
+#   # issue 16's 4,000-step DFlash-1 / DFlash2 pair trained on the GPU, both arms at once (the CPU needs ~3 h); carry
+#   # the regenerated data (data/default_pair/{coverage_prompts.jsonl,regen_mix,regen_cov,regen_t1_s0}: ~36 MB); the
+#   # final drafters and their training logs come back in the tar, evaluated here with same_budget_pair.sh:
+#   STAGES="train_pair" bash scripts/gpu/session_check.sh
 #   bash scripts/gpu/session_check.sh     # every stage: their limits add to ~35 min, more than one device call runs
 set -uo pipefail
 OUT="${OUT:-runs/gpu_check}"; WORK="${WORK:-${TMPDIR:-/tmp}/gpu_check_stages}"; mkdir -p "$OUT" "$WORK"
@@ -73,6 +77,12 @@ run_stage() {
     divergence_bf16) stage $1 240 python3 scripts/lossless/divergence.py --device cuda --dtypes bfloat16 \
         --num-prompts 32 --json "$WORK/$1.json" ;;
     cycle_ops) stage $1 150 python3 scripts/gpu/cycle_ops.py --device cuda --rows 1,16,32 --json "$WORK/$1.json" ;;
+    train_pair) stage $1 560 bash -c 'for arm in d1 d2; do
+            ONLY=$arm PY=python3 DEVICE=cuda NICE=0 EVAL=0 OUT=/tmp/pair bash scripts/dflash2/same_budget_pair.sh \
+                > "$1/train_$arm.log" 2>&1 &
+        done; wait
+        for arm in d1 d2; do mkdir -p "$1/pair/$arm"; cp /tmp/pair/$arm/train_log.jsonl "$1/pair/$arm/" 2>/dev/null
+            [ -d /tmp/pair/$arm/final ] && cp -r /tmp/pair/$arm/final "$1/pair/$arm/"; done' _ "$WORK" ;;
     *) echo "unknown stage $1 (stages: $ALL)"; return 2 ;;
     esac
 }
