@@ -39,7 +39,7 @@ def expected(target):
     return [greedy_reference(target, p, 20) for p in PROMPTS]
 
 
-def engine(target, drafter=True, tokens=64, **options) -> SpecEngine:
+def engine(target, drafter=True, tokens=256, **options) -> SpecEngine:
     return SpecEngine(target, make_drafter(target, block_size=4) if drafter else None, kv_page_size=PAGE,
                       prefix_cache_tokens=tokens, draft_policy="fixed", **options)
 
@@ -118,12 +118,15 @@ def test_the_store_grows_as_pages_come_within_its_bound():
 
 # ---- exactness ---------------------------------------------------------------------------------------------------
 
-def test_a_hit_gives_the_rows_cache_and_drafter_context_a_prefill_computes(target):
+@pytest.mark.parametrize("turn", ["prompt", "conversation"])
+def test_a_hit_gives_the_rows_cache_and_drafter_context_a_prefill_computes(target, turn):
     """The target's K/V and the pending features of a prompt found in the cache equal those a prefill without the
-    cache computes (float64: to rounding), so the drafter drafts from the same context."""
-    prompt = PROMPTS[3]
+    cache computes (float64: to rounding), so the drafter drafts from the same context: a prompt sharing another
+    prompt's start, and a conversation's next turn (the first turn's prompt and answer, then more), whose answer's
+    pages went in as decoding filled them."""
     warm, cold = engine(target), engine(target, tokens=0)
-    warm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=2))  # the shared prefix goes in
+    first = warm.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20))[0]  # the shared start goes in
+    prompt = PROMPTS[3] if turn == "prompt" else PROMPTS[0] + first.token_ids + [9, 9, 9]
     params = SamplingParams(max_new_tokens=8)
     rows = []
     for eng in (warm, cold):
@@ -133,7 +136,7 @@ def test_a_hit_gives_the_rows_cache_and_drafter_context_a_prefill_computes(targe
         features = take_pending([row.pending], *eng._feature_spec).values[0]
         rows.append((cache_row(batch.kv.kv, 0, len(prompt)), features, row.stats.cached_tokens))
     (kv_warm, features_warm, hit), (kv_cold, features_cold, none) = rows
-    assert (hit, none) == (32, 0)
+    assert (hit, none) == ((32, 0) if turn == "prompt" else ((len(prompt) - 1) // PAGE * PAGE, 0))
     assert features_warm.shape == features_cold.shape == (len(prompt), features_cold.shape[-1])
     torch.testing.assert_close(features_warm, features_cold, rtol=1e-10, atol=1e-10)
     for got, want in zip(kv_warm, kv_cold):
@@ -167,6 +170,19 @@ def test_prompts_that_share_prefixes_end_with_the_targets_greedy_output(target, 
     assert (first.stats.cached_tokens, again.stats.cached_tokens) == (0, 28)
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+@pytest.mark.parametrize("drafter", [True, False], ids=["dflash", "plain"])
+def test_a_conversations_next_turn_finds_the_answer_and_ends_with_the_targets_greedy_output(target, drafter):
+    eng = engine(target, drafter)
+    turn, written = PROMPTS[1], 0
+    for n in range(3):
+        result = eng.generate([turn], SamplingParams(max_new_tokens=13))[0]
+        assert result.token_ids == greedy_reference(target, turn, 13)
+        if n:  # the earlier turns' prompts and answers in full pages (an answer's last token was never computed)
+            assert result.stats.cached_tokens == written // PAGE * PAGE
+        written = len(turn) + len(result.token_ids) - 1
+        turn = turn + result.token_ids + [7 + n, 8]
 
 
 def test_acceptance_is_the_same_with_and_without_hits(target):

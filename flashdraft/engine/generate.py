@@ -237,6 +237,11 @@ class _Row:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # `params.logit_bias` as (token ids, biases)
     refused: torch.Tensor | None = None  # [V] True for the ids outside `params.allowed_token_ids`
     grammar: RowGrammar | None = None  # `params.structured`: where the output stands in its grammar
+    # the prefix cache (`prefix_cache.py`): where the row's chain of cached pages ends (None: it does not go on), how
+    # many full pages it covers, and the target features of the positions after them (views), for the next page
+    prefix_end: object = None
+    prefix_pages: int = 0
+    page_tail: list[torch.Tensor] = field(default_factory=list)
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -908,8 +913,7 @@ class SpecEngine:
                                                          max_pages=self.kv_page_limit,
                                                          exact_from=[len(r.prompt) for r in rows] if resume else None,
                                                          cached=hits and (self.prefix_cache, hits))
-            features = self._cache_prompts(kv.kv, range(len(rows)), prompts, hits, features,
-                                           [r.params.cache_salt for r in rows])
+            features = self._cache_prompts(kv.kv, range(len(rows)), rows, prompts, hits, features)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
@@ -933,18 +937,42 @@ class SpecEngine:
                 r.stats.cached_tokens = hit.tokens
         return hits
 
-    def _cache_prompts(self, kv, rows: Sequence[int], prompts: Sequence[Sequence[int]], hits: list[PrefixHit] | None,
-                       features: list[torch.Tensor] | None, salts: Sequence[str | None]) -> list[torch.Tensor] | None:
-        """After a forward computed prompts (the positions after their hits) into rows `rows` of `kv` (a PagedKV):
-        each prompt's whole features (its hit's, then the forward's: `features`), and its full pages into the
-        prefix cache (under each row's salt)."""
+    def _cache_prompts(self, kv, kv_rows: Sequence[int], rows: Sequence[_Row], prompts: Sequence[Sequence[int]],
+                       hits: list[PrefixHit] | None, features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """After a forward computed prompts (the positions after their hits) into rows `kv_rows` of `kv` (a
+        PagedKV): each prompt's whole features (its hit's, then the forward's: `features`), and its full pages into
+        the prefix cache (under each row's salt), where the row's output pages follow as they fill
+        (`_cache_output_pages`)."""
         if hits is None:
             return features
         if features is not None:
             features = [f if not hit.slots else torch.cat([self.prefix_cache.prefix_features(hit), f])
                         for hit, f in zip(hits, features)]
-        self.prefix_cache.insert(kv, rows, prompts, features, salts)
+        ends = self.prefix_cache.insert(kv, kv_rows, prompts, features, [r.params.cache_salt for r in rows])
+        size = self.prefix_cache.page_size
+        for i, (r, prompt, end) in enumerate(zip(rows, prompts, ends)):
+            r.prefix_end, r.prefix_pages = end, len(prompt) // size
+            r.page_tail = [features[i][r.prefix_pages * size:]] if features is not None else []
         return features
+
+    def _cache_output_pages(self, batch: Batch, kept: list[torch.Tensor] | None) -> None:
+        """After a commit: each row's newly committed positions (`kept`: their target features, per row) and the
+        pages of its output they fill go into the prefix cache, after its prompt's, so a later prompt that holds the
+        conversation so far (a chat's next turn) finds it."""
+        size = self.prefix_cache.page_size
+        for i, r in enumerate(batch.rows):
+            if r.prefix_end is None:
+                continue
+            if kept is not None:
+                r.page_tail.append(kept[i])
+            full = min(r.n_cached, len(r.prompt) + len(r.output)) // size
+            if full <= r.prefix_pages:
+                continue
+            tail, n = (torch.cat(r.page_tail) if kept is not None else None), (full - r.prefix_pages) * size
+            r.prefix_end = self.prefix_cache.extend(batch.kv.kv, i, r.prefix_end, r.history[:full * size],
+                                                    r.prefix_pages, None if tail is None else tail[:n])
+            r.prefix_pages = full
+            r.page_tail = [tail[n:]] if tail is not None and r.prefix_end is not None else []
 
     def _prefilled_batch(self, rows: list[_Row], kv, features: list[torch.Tensor] | None, lengths: list[int]) -> Batch:
         """`features`: each row's prompt features [n, F] (positions 0 .. n - 1), or None."""
@@ -1442,9 +1470,8 @@ class SpecEngine:
         if outputs[0][1] is not None:  # copies: a view would hold the whole cycle's features
             features = [f[0].clone() for _, f in outputs]
         if seating.hits is not None:
-            features = self._cache_prompts(batch.kv.kv, range(seating.first, seating.first + len(rows)),
-                                           [r.prompt for r in rows], seating.hits, features,
-                                           [r.params.cache_salt for r in rows])
+            features = self._cache_prompts(batch.kv.kv, range(seating.first, seating.first + len(rows)), rows,
+                                           [r.prompt for r in rows], seating.hits, features)
         batch.proposer_state.merge(seating.state, len(batch.rows), len(rows))
         batch.rows = batch.rows + list(rows)
         if features is not None:
@@ -1490,8 +1517,10 @@ class SpecEngine:
             # some were not kept: a view would hold the whole block's features)
             longest = max(accepted) + 1
             kept_features = features if longest == features.shape[1] else features[:, :longest].clone()
-            for r, values, a in zip(rows, kept_features.unbind(0), accepted):
-                r.pending.add(values if a + 1 == longest else values[:a + 1], r.n_cached)
+            kept = [values if a + 1 == longest else values[:a + 1]
+                    for values, a in zip(kept_features.unbind(0), accepted)]
+            for r, values in zip(rows, kept):
+                r.pending.add(values, r.n_cached)
             self._write_long_pending(batch)
         for i, (r, w, a, nxt, blk) in enumerate(zip(rows, widths, accepted, next_tokens, block.tolist())):
             if i in copies:
@@ -1507,6 +1536,8 @@ class SpecEngine:
             r.n_cached += a + 1
             r.bonus = nxt
             self._append(r, blk[1:1 + a] + [nxt], logprobs.get(i) if logprobs else None)
+        if self.prefix_cache is not None:
+            self._cache_output_pages(batch, kept if features is not None else None)
 
     def _append(self, r: _Row, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Append tokens (with their log-probabilities, if the row asks) to a row's output, applying max_new_tokens,

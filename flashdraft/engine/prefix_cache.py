@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,17 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit([], 1)
+
+
+@dataclass
+class _Copies:
+    """An insert's planned copies: row pages of the pool -> store slots (with their features), and the pages it
+    found or made (none of them leaves to make room for another)."""
+
+    pages: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+    kept: set[int] = field(default_factory=set)
 
 
 def _root(salt: str | None):
@@ -104,8 +115,8 @@ class PrefixCache:
         """The cached start of `tokens` (under `salt`); counted in `queries` / `hits` and touched as recently
         used."""
         ids = self._chain(tokens, salt)
-        for page in reversed(ids):  # the chain's start ends up most recent: evicted last
-            self.pages.move_to_end(page)
+        if ids:
+            self._touch(ids[-1])
         self.queries += len(tokens)
         self.hits += len(ids) * self.page_size
         return PrefixHit([self.pages[page][1] for page in ids], self.page_size)
@@ -131,43 +142,72 @@ class PrefixCache:
 
     def insert(self, kv: PagedKV, rows: Sequence[int], prompts: Sequence[Sequence[int]],
                features: Sequence[torch.Tensor | None] | None = None,
-               salts: Sequence[str | None] | None = None) -> None:
+               salts: Sequence[str | None] | None = None) -> list[object | None]:
         """After a forward computed `prompts` into rows `rows` of `kv` (features[i]: row i's [len(prompt), F], or
-        None; salts[i]: its salt): their full pages not cached yet go in."""
+        None; salts[i]: its salt): their full pages not cached yet go in. Returns each row's chain end, where
+        `extend` goes on (None where the store could not take every full page)."""
+        copies = _Copies()
+        ends = [self._link(copies, kv, row, _root(salts[i] if salts is not None else None), tokens, 0,
+                           features[i] if features is not None else None)
+                for i, (row, tokens) in enumerate(zip(rows, prompts))]
+        self._copy(kv, copies)
+        return ends
+
+    def extend(self, kv: PagedKV, row: int, end, tokens: Sequence[int], first: int,
+               features: torch.Tensor | None) -> object | None:
+        """Pages `first` .. len(tokens) // page_size - 1 of a row whose chain ends at `end` (`insert`'s, or the last
+        `extend`'s), as decoding fills them: `tokens` are the row's from position 0, `features` those of positions
+        first x page_size on. Returns the new end (None: the chain left the cache, or the store is full of it)."""
+        if end is None or (isinstance(end, int) and end and end not in self.pages):
+            return None
+        copies = _Copies()
+        end = self._link(copies, kv, row, end, tokens, first, features)
+        self._copy(kv, copies)
+        return end
+
+    def _link(self, copies: "_Copies", kv: PagedKV, row: int, parent, tokens: Sequence[int], first: int,
+              features: torch.Tensor | None) -> object | None:
+        """The row's full pages from `first` on, under `parent`: found ones touched, new ones given store pages
+        (their copies planned in `copies`). Returns the last page's id, or None if the store ran out."""
         size = self.page_size
-        src_pages, src_features, slots = [], [], []
-        kept: set[int] = set()  # pages this insert found or made: none of them leaves to make room
-        for i, (row, tokens) in enumerate(zip(rows, prompts)):
-            parent, chain = _root(salts[i] if salts is not None else None), []
-            for j in range(len(tokens) // size):
-                key = (parent, tuple(tokens[j * size:(j + 1) * size]))
-                page = self.index.get(key)
-                if page is None:
-                    slot = self._take_slot(kv, features[i] if features is not None else None, kept)
-                    if slot is None:
-                        break
-                    page = self.next_id
-                    self.next_id += 1
-                    self.index[key] = page
-                    self.pages[page] = (key, slot)
-                    src_pages.append(kv.pages[row][j])
-                    slots.append(slot)
-                    if self.features is not None:
-                        src_features.append(features[i][j * size:(j + 1) * size])
-                chain.append(page)
-                kept.add(page)
-                parent = page
-            for page in reversed(chain):  # as `match` leaves a chain: its start most recent
-                self.pages.move_to_end(page)
-        if not slots:
+        for j in range(first, len(tokens) // size):
+            key = (parent, tuple(tokens[j * size:(j + 1) * size]))
+            page = self.index.get(key)
+            if page is None:
+                slot = self._take_slot(kv, features, copies.kept)
+                if slot is None:
+                    parent = None
+                    break
+                page = self.next_id
+                self.next_id += 1
+                self.index[key] = page
+                self.pages[page] = (key, slot)
+                copies.pages.append(kv.pages[row][j])
+                copies.slots.append(slot)
+                if self.features is not None:
+                    copies.features.append(features[(j - first) * size:(j - first + 1) * size])
+            copies.kept.add(page)
+            parent = page
+        self._touch(parent)
+        return parent
+
+    def _touch(self, end) -> None:
+        """The chain ending at page `end`, touched from its end back to its start: the start is then the most
+        recently used, and pages leave a chain from its end (none is left unreachable behind an evicted one)."""
+        while isinstance(end, int) and end in self.pages:  # a root (0 or a salt) ends the walk
+            self.pages.move_to_end(end)
+            end = self.pages[end][0][0]
+
+    def _copy(self, kv: PagedKV, copies: "_Copies") -> None:
+        if not copies.slots:
             return
         device = kv.table.device
-        src = torch.tensor(src_pages, dtype=torch.long, device=device)
-        dst = torch.tensor(slots, dtype=torch.long, device=device)
+        src = torch.tensor(copies.pages, dtype=torch.long, device=device)
+        dst = torch.tensor(copies.slots, dtype=torch.long, device=device)
         for store, pool in zip(self.keys + self.values, kv.keys + kv.values):
             store.index_copy_(0, dst, pool.index_select(0, src))
         if self.features is not None:
-            self.features.index_copy_(0, dst.to(self.features.device), torch.stack(src_features))
+            self.features.index_copy_(0, dst.to(self.features.device), torch.stack(copies.features))
 
     def _take_slot(self, kv: PagedKV, features: torch.Tensor | None, kept: set[int]) -> int | None:
         """A free store page: the store is made or grown if it may, else the least recently used page not in
