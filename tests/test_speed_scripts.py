@@ -195,6 +195,20 @@ def test_idle_overhead_smoke(tmp_path, capsys):
         idle_overhead.main(["--batch", "0"])
 
 
+def test_prefix_cache_turns_smoke(tmp_path):
+    """Conversations of the shipped pair: a later turn finds its earlier prompts and answers in the cache, and the
+    answers are those of the engine without it."""
+    import prefix_cache_turns
+
+    out = tmp_path / "turns.json"
+    assert prefix_cache_turns.main(["--conversations", "2", "--turns", "3", "--max-tokens", "40",
+                                    "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["same"] == 2
+    shares = [t["cached_share"] for t in result["turns"]]
+    assert shares[0] == 0 and 0 < shares[1] < shares[2]
+
+
 def test_sampling_cost_smoke(capsys):
     import sampling_cost
 
