@@ -185,6 +185,29 @@ def test_a_conversations_next_turn_finds_the_answer_and_ends_with_the_targets_gr
         turn = turn + result.token_ids + [7 + n, 8]
 
 
+@pytest.mark.parametrize("how", ["add", "step"])
+def test_requests_sharing_a_start_admitted_together_compute_it_once(target, expected, how):
+    """A request's n choices, or requests with one system prompt arriving together: the first computes the shared
+    pages, the others find them (prefilled after it, or joining after the cycle it rode)."""
+    eng = engine(target)
+    params = SamplingParams(max_new_tokens=20)
+    batch, outputs, stats = eng.open_batch(), {}, {}
+    group = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[4], PROMPTS[3]]
+    if how == "step":  # into a running batch: the first rides the cycle, the others join after it
+        eng.add(batch, [[1, 2, 3]], params, request_ids=["other"])
+    events = (eng.add if how == "add" else eng.step)(batch, group, params, request_ids=list(range(len(group))))
+    while True:
+        for ev in events:
+            outputs.setdefault(ev.index, []).extend(ev.token_ids)
+            if ev.finished:
+                stats[ev.index] = ev.result.stats.cached_tokens
+        if not batch.rows:
+            break
+        events = eng.step(batch)
+    assert [outputs[i] for i in range(len(group))] == [expected[0], expected[0], expected[1], expected[4], expected[3]]
+    assert [stats[i] for i in range(len(group))] == [0, 32, 28, 0, 32]
+
+
 def test_acceptance_is_the_same_with_and_without_hits(target):
     """Fixed policy, same drafter: a hit's drafter context is the prefill's, so every cycle accepts the same."""
     params = SamplingParams(max_new_tokens=24)

@@ -731,8 +731,26 @@ class SpecEngine:
         self._score_prompts(rows)
         for r in rows:
             r.acceptance = batch.policy.new_row(sampled=not r.params.greedy)
-        batch.merge(self._prefill(rows))
+        for group in self._after_their_start(rows):
+            if group:
+                batch.merge(self._prefill(group))
         return list(self._events(rows))
+
+    def _after_their_start(self, rows: Sequence[_Row]) -> tuple[list[_Row], list[_Row]]:
+        """(rows, []) without a prefix cache; with one, (the others, rows whose first full page an earlier row of
+        the same admission starts with too, under the same salt): the second are prefilled after the first, so
+        they find the pages they share in the cache instead of computing them beside it (a request's n choices,
+        requests with one system prompt arriving together)."""
+        if self.prefix_cache is None:
+            return list(rows), []
+        size, seen, first, later = self.prefix_cache.page_size, set(), [], []
+        for r in rows:
+            key = (tuple(r.prompt[:size]), r.params.cache_salt)
+            shares = (len(r.prompt) > size and key in seen  # and what it shares is not cached already
+                      and not self.prefix_cache.cached_tokens(r.prompt[:size + 1], r.params.cache_salt))
+            (later if shares else first).append(r)
+            seen.add(key)
+        return first, later
 
     @torch.inference_mode()
     @in_attention_scope
@@ -751,8 +769,10 @@ class SpecEngine:
         """
         self._check_open()
         joining = self._make_rows(prompts, params, request_ids) if prompts is not None else []
-        events = []
-        if joining and not self.rides_cycle(batch, joining):
+        events, later = [], []
+        if joining and self.rides_cycle(batch, joining):  # those sharing an earlier one's start join after it
+            joining, later = self._after_their_start(joining)
+        elif joining:
             events, joining = self._add_rows(batch, joining), []
         self._score_prompts(joining)
         for r in joining:
@@ -761,7 +781,8 @@ class SpecEngine:
         rows = list(batch.rows)
         if rows:
             self._cycle(batch, joining=joining)
-        return events + list(self._events(rows + joining))
+        events += list(self._events(rows + joining))
+        return events + (self._add_rows(batch, later) if later else [])
 
     def _score_prompts(self, rows: Sequence[_Row]) -> None:
         """New rows that ask for their prompt's log-probabilities get them (a forward of their own, `logprobs.py`),
