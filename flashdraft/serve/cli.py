@@ -82,9 +82,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "it; running rows that outgrow it are preempted and recomputed later; one that cannot fit "
                         "alone is a 400 (default: no bound beyond --max-batch-size)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep prompts' full pages (the target's K/V and the features the drafter reads) so a later "
-                        "prompt that starts with the same tokens computes only the rest (vLLM's flag; fast target "
-                        "path, not with --exact; default on)")
+                   help="keep the full pages of prompts and answers (the target's K/V and the features the drafter "
+                        "reads) so a later prompt that starts with the same tokens (a shared system prompt, a "
+                        "conversation's next turn) computes only the rest (vLLM's flag; fast target path, not with "
+                        "--exact; default on)")
     p.add_argument("--prefix-cache-memory", type=memory_budget_arg, default=("GiB", 1.0),
                    help="memory the prefix cache may take as pages come, beside --kv-cache-memory: GiB or a "
                         "percentage, as there (default 1 GiB); least recently used pages leave first")
