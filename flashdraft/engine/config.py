@@ -58,9 +58,9 @@ class EngineConfig:
     # own (eager fast path, not exact, no trees; 0 = always apart). Longer prompts are prefilled apart: a long
     # prompt is compute-bound anyway, and riding it would stall every running row's cycle for it
     mixed_prefill_tokens: int = 512
-    # automatic prefix caching (`prefix_cache.py`): up to this many positions of prompts' full pages (the target's
-    # K/V and the features the drafter reads) kept, so a later prompt that starts with the same tokens computes only
-    # the rest; least recently used pages leave first. Fast path outside exact mode; 0 = off
+    # automatic prefix caching (`prefix_cache.py`): up to this many positions of the full pages of prompts and
+    # answers (the target's K/V and the features the drafter reads) kept, so a later prompt that starts with the same
+    # tokens computes only the rest; least recently used pages leave first. Fast path outside exact mode; 0 = off
     prefix_cache_tokens: int = 0
     # with trees: a prompt-lookup branch in every drafting row's tree, the continuation of the latest earlier match
     # of the context's last n <= lookup_ngram tokens (0 = none)

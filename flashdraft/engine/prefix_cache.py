@@ -1,5 +1,5 @@
-"""Automatic prefix caching: what the target computed for prompts' full pages, reused by later prompts that begin
-with the same tokens (a shared system prompt, few-shot examples, the earlier turns of a conversation).
+"""Automatic prefix caching: what the target computed for the full pages of prompts and answers, reused by later
+prompts that begin with the same tokens (a shared system prompt, few-shot examples, a conversation's earlier turns).
 
 Design:
 - The unit is one page of a prompt (`kv_page_size` positions, the paged caches' page): the target's K/V of every
@@ -13,8 +13,10 @@ Design:
   own pages (one indexed copy per layer's K and V). Rows own their pages exactly as without the cache, so growth,
   compaction, merges, preemption and compiled steps know nothing of it; the price is the copy (far below the
   forward it replaces) and the store's memory, bounded by `max_pages`.
-- A prompt's pages go in after the forward that computed them; least recently used pages leave first, a chain's
-  last pages before its first (a hit touches a chain from its end back to its start), so what stays is reachable.
+- A prompt's pages go in after the forward that computed them (`insert`), an answer's as decoding fills them
+  (`extend`, after the prompt's chain); least recently used pages leave first, a chain's last pages before its
+  first (every hit, insert and extension touches its chain from its end back to its start), so what stays is
+  reachable.
 
 What this module does not know about: rows, batches, requests, or when caching is exact (the engine uses it on
 the fast path outside exact mode, where a prefill is computed in chunks of any size anyway); it maps token
