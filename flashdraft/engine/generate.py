@@ -88,6 +88,10 @@ NOISE_AHEAD, NOISE_AHEAD_VALUES = 16, 1 << 17
 PENDING_CONTEXT_LIMIT = 256
 # timed cycles of each verify width per row bucket in `warmup`: the first of a size is not kept, the rest settle it
 PROFILE_CYCLES = 1 + SETTLED
+# a row's features for the prefix cache's next page of its answer are views of the cycles' kept features (which its
+# pending drafter context holds too); past this many they are gathered into one copy, so a row holds the features of
+# at most this many cycles, not of every cycle until its page fills (64 cycles at one-token steps)
+PAGE_TAIL_VIEWS = 4
 CONTEXT_PROFILE_LENGTHS = (16, 64, 256)  # pending context per row timed in `warmup` (the last: PENDING_CONTEXT_LIMIT)
 
 
@@ -973,7 +977,8 @@ class SpecEngine:
         size = self.prefix_cache.page_size
         for i, (r, prompt, end) in enumerate(zip(rows, prompts, ends)):
             r.prefix_end, r.prefix_pages = end, len(prompt) // size
-            r.page_tail = [features[i][r.prefix_pages * size:]] if features is not None else []
+            # a copy: a view would hold the prefill's whole features until the row's first output page fills
+            r.page_tail = [features[i][r.prefix_pages * size:].clone()] if features is not None else []
         return features
 
     def _cache_output_pages(self, batch: Batch, kept: list[torch.Tensor] | None) -> None:
@@ -986,6 +991,8 @@ class SpecEngine:
                 continue
             if kept is not None:
                 r.page_tail.append(kept[i])
+                if len(r.page_tail) > PAGE_TAIL_VIEWS:  # views hold their cycles' features: gather them now
+                    r.page_tail = [torch.cat(r.page_tail)]
             full = min(r.n_cached, len(r.prompt) + len(r.output)) // size
             if full <= r.prefix_pages:
                 continue
