@@ -2,9 +2,9 @@
 prompts that begin with the same tokens (a shared system prompt, few-shot examples, a conversation's earlier turns).
 
 Design:
-- The unit is one page of a prompt (`kv_page_size` positions, the paged caches' page): the target's K/V of every
-  layer at those positions and, when the drafter reads them, the tapped layers' features there (the drafter's
-  context for those positions is then built from them as from a prefill's).
+- The unit is one page of a prompt or answer (`kv_page_size` positions, the paged caches' page): the target's K/V
+  of every layer at those positions and, when the drafter reads them, the tapped layers' features there (the
+  drafter's context for those positions is then built from them as from a prefill's).
 - A page's key is (the id of the page before it, its tokens): a hit on page j means pages 0 .. j match token for
   token (exact keys, no hash to collide). A prompt's match is its longest chain of cached pages that leaves at
   least its last token to compute: that token's logits give the first output token. A salt (vLLM's `cache_salt`)
@@ -69,8 +69,8 @@ def _root(salt: str | None):
 
 
 class PrefixCache:
-    """Full prompt pages by their tokens (see the module docstring). `queries` / `hits`: prompt tokens looked up
-    and found (vLLM's prefix-cache counters)."""
+    """Full pages of prompts and answers by their tokens (see the module docstring). `queries` / `hits`: prompt
+    tokens looked up and found (vLLM's prefix-cache counters)."""
 
     def __init__(self, page_size: int, max_pages: int):
         if max_pages < 1:
