@@ -810,13 +810,14 @@ class SpecEngine:
         (batch-invariant prefill runs each prompt alone), and the prompts hold at most `mixed_prefill_tokens` tokens
         in all."""
         return (bool(batch.rows) and self.ragged and not self.exact and not self.tree_budget
-                and sum(map(self._uncached_tokens, rows)) <= self.config.mixed_prefill_tokens)
+                and sum(map(self.tokens_to_compute, rows)) <= self.config.mixed_prefill_tokens)
 
-    def _uncached_tokens(self, row) -> int:
-        """Tokens of a request's prompt a prefill would compute now (those after its prefix cache hit)."""
-        cached = (self.prefix_cache.cached_tokens(row.prompt, row.params.cache_salt)
+    def tokens_to_compute(self, request) -> int:
+        """Tokens of a request's prompt (anything with `prompt` and `params`) a prefill would compute now: those
+        after what the prefix cache holds of it."""
+        cached = (self.prefix_cache.cached_tokens(request.prompt, request.params.cache_salt)
                   if self.prefix_cache is not None else 0)
-        return len(row.prompt) - cached
+        return len(request.prompt) - cached
 
     def cancel(self, batch: "Batch", request_id) -> bool:
         """Drop a request from the batch now (e.g. its client went away), freeing its cache rows."""

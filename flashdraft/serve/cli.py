@@ -277,8 +277,8 @@ def run_serve(args) -> int:
         buckets = engine.warmup(args.max_batch_size)
         log.info("warmed up for batch buckets %s in %.0f s", buckets, time.perf_counter() - start)
     if engine.prefix_cache is not None:
-        log.info("prefix cache: up to %d positions of prompts, in pages of %d", engine.config.prefix_cache_tokens,
-                 engine.prefix_cache.page_size)
+        log.info("prefix cache: up to %d positions of prompts and answers, in pages of %d",
+                 engine.config.prefix_cache_tokens, engine.prefix_cache.page_size)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
     log.info("serving %r (%s) on http://%s:%d", name, mode, args.host, args.port)
     uvicorn_server(app, args.drain_timeout, host=args.host, port=args.port, log_level=args.log_level).run()

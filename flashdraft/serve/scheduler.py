@@ -209,9 +209,7 @@ class Scheduler:
     def _prefill_work(self, req: Request) -> int:
         """Tokens a prefill of the request computes (`--max-prefill-tokens` counts these): a new request's prompt
         after what the prefix cache holds of it."""
-        if req.preempted is None and self.engine.prefix_cache is not None:
-            return len(req.prompt) - self.engine.prefix_cache.cached_tokens(req.prompt, req.params.cache_salt)
-        return self._tokens_to_prefill(req)
+        return self.engine.tokens_to_compute(req) if req.preempted is None else self._tokens_to_prefill(req)
 
     def _fits(self, admit: list[Request], candidate: Request) -> bool:
         """Whether the batch (running rows + those admitted this iteration + candidate) fits the budget with one
