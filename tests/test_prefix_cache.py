@@ -12,6 +12,7 @@ decoding without a cache; the ride-along rule counting only uncached tokens; the
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -359,3 +360,25 @@ def test_the_prefill_budget_counts_only_the_tokens_left_to_compute(target):
         admitted.append(len(sched._running))
     loop.close()
     assert admitted == [1, 6]  # 33 + 33 > 40 tokens; 6 x (33 - 28) = 30 <= 40
+
+
+def test_a_kv_budget_given_as_a_percentage_leaves_room_for_the_prefix_cache(tmp_path):
+    import argparse
+
+    from flashdraft.memory import GiB
+    from flashdraft.serve.cli import add_serve_parser, build_engine, kv_cache_bytes
+    from tiny import save_text_pair
+
+    parser = argparse.ArgumentParser(prog="flashdraft")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    save_text_pair(tmp_path, max_positions=512)
+    pair = ["serve", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "drafter"), "--device", "cpu",
+            "--dtype", "float32", "--chat-template", "{{ messages }}", "--prefix-cache-memory", "0.5"]
+    args = parser.parse_args([*pair, "--kv-cache-memory", "2"])
+    engine, _ = build_engine(args)
+    assert kv_cache_bytes(args, engine) == 2 * GiB  # GiB: the KV caches' own, the prefix cache beside them
+    args = parser.parse_args([*pair, "--kv-cache-memory", "100%"])
+    uncached = SimpleNamespace(target=engine.target, prefix_cache=None)
+    gap = kv_cache_bytes(args, uncached) - kv_cache_bytes(args, engine)
+    assert abs(gap - GiB // 2) < 16 * 1024**2  # the store's half GiB comes out of it (RSS moves a little between)
+    assert kv_cache_bytes(parser.parse_args(pair), engine) is None

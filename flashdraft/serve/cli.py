@@ -87,8 +87,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "conversation's next turn) computes only the rest (vLLM's flag; fast target path, not with "
                         "--exact; default on)")
     p.add_argument("--prefix-cache-memory", type=memory_budget_arg, default=("GiB", 1.0),
-                   help="memory the prefix cache may take as pages come, beside --kv-cache-memory: GiB or a "
-                        "percentage, as there (default 1 GiB); least recently used pages leave first")
+                   help="memory the prefix cache may take as pages come: GiB or a percentage of the device's memory "
+                        "(default 1 GiB); beside a --kv-cache-memory in GiB, out of one given as a percentage (of "
+                        "the whole server's memory); least recently used pages leave first")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; without either the "
                         "server is open; an empty key is an error)")
@@ -211,6 +212,20 @@ def prefix_cache_tokens(args, model, drafter) -> int:
     return budget // per_position
 
 
+def kv_cache_bytes(args, engine) -> int | None:
+    """`--kv-cache-memory` in bytes (None: no budget). A percentage is of the device's memory for the whole server,
+    so the prefix cache's store, which grows after this is read, comes out of it."""
+    if not args.kv_cache_memory:
+        return None
+    budget = resolve_memory_budget(args.kv_cache_memory, engine.target.device)
+    if args.kv_cache_memory[0] == "percent" and engine.prefix_cache is not None:
+        budget -= resolve_memory_budget(args.prefix_cache_memory, engine.target.device, "--prefix-cache-memory")
+        if budget <= 0:
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory[1]:g}% leaves nothing for the KV cache beside "
+                             "--prefix-cache-memory; raise the one or lower the other")
+    return budget
+
+
 def open_cycle_trace(path: str | None):
     """The `--cycle-trace` file, opened for appending (line-buffered: a line per cycle as it ends), or None."""
     if path is None:
@@ -263,8 +278,7 @@ def run_serve(args) -> int:
                          max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                          max_prompt_bytes=args.max_prompt_bytes, tool_call_parser=args.tool_call_parser,
                          scheduling_policy=args.scheduling_policy,
-                         kv_cache_bytes=args.kv_cache_memory and resolve_memory_budget(args.kv_cache_memory,
-                                                                                       engine.target.device))
+                         kv_cache_bytes=kv_cache_bytes(args, engine))
     app = create_app(engine, config)
     log = logging.getLogger("flashdraft.serve")
     if api_key is None and not _is_loopback(args.host):
