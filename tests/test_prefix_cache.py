@@ -1,12 +1,14 @@
-"""Automatic prefix caching (`engine/prefix_cache.py`): prompts that start with pages an earlier prompt computed take
-the target's K/V and the drafter's features for them from the cache and compute only the rest.
+"""Automatic prefix caching (`engine/prefix_cache.py`): prompts that start with pages an earlier prompt or answer
+computed take the target's K/V and the drafter's features for them from the cache and compute only the rest.
 
-Covered: the store's keys (a chain of pages, token for token), its least-recently-used eviction (a chain's end
-before its start) within its bound; a hit's K/V and pending drafter features equal to what a prefill without the
-cache computes; greedy output equal to the target's own `generate` for prompts sharing prefixes, added apart, riding
-a running batch's cycle, preempted and resumed, with DFlash and plain decoding; seeded sampling equal to plain
-decoding without a cache; the ride-along rule counting only uncached tokens; the served usage's
-`prompt_tokens_details.cached_tokens` and the Prometheus counters; the flags' validation.
+Covered: the store's keys (a chain of pages, token for token; salts apart), its least-recently-used eviction (a
+chain's end before its start) within its bound; a hit's K/V and pending drafter features equal to what a prefill
+without the cache computes, for a shared start and for a conversation's next turn (answers' pages); greedy output
+equal to the target's own `generate` for prompts sharing prefixes, added apart, riding a running batch's cycle,
+admitted together, preempted and resumed, over a conversation's turns, with DFlash and plain decoding; seeded
+sampling equal to plain decoding without a cache; the ride-along and prefill budgets counting only uncached tokens;
+the served usage's `prompt_tokens_details.cached_tokens`, the Prometheus counters and `cache_salt`; the flags and a
+percentage KV budget.
 """
 
 from __future__ import annotations
