@@ -44,7 +44,8 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _COUNTERS = {"spec_decode_num_drafts": "drafts", "spec_decode_num_draft_tokens": "draft_tokens",
              "spec_decode_num_accepted_tokens": "accepted", "spec_decode_num_accepted_tokens_per_pos": "per_pos",
              "spec_decode_num_one_token_steps": "one_token_steps", "spec_decode_num_lookup_steps": "lookup_steps",
-             "spec_decode_num_lookup_accepted_tokens": "lookup_accepted", "process_cpu_seconds": "cpu_s"}
+             "spec_decode_num_lookup_accepted_tokens": "lookup_accepted", "process_cpu_seconds": "cpu_s",
+             "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits"}
 
 
 def free_port() -> int:
@@ -88,8 +89,8 @@ def local_server(args: list[str], log, name: str = "flashdraft serve", cwd=None,
 
 
 def parse_spec_metrics(text: str) -> dict | None:
-    """The spec-decode counters (and the process's CPU seconds) in a Prometheus exposition text, summed over label
-    sets; None if absent."""
+    """The spec-decode counters (and the process's CPU seconds, the prefix cache's prompt tokens looked up and found)
+    in a Prometheus exposition text, summed over label sets; None if absent."""
     out: dict = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

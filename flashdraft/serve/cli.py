@@ -205,11 +205,15 @@ def prefix_cache_tokens(args, model, drafter) -> int:
     if not args.enable_prefix_caching or args.exact:  # exact mode computes each prompt whole
         return 0
     budget = resolve_memory_budget(args.prefix_cache_memory, model.device, "--prefix-cache-memory")
-    per_position = kv_bytes_per_position(model.config, model.dtype)
+    return budget // prefix_position_bytes(model.config, model.dtype, drafter)
+
+
+def prefix_position_bytes(config, dtype, drafter) -> int:
+    """Bytes of one position in the prefix cache's store: the target's K/V and, with a drafter, its tapped features."""
+    per_position = kv_bytes_per_position(config, dtype)
     if drafter is not None:
-        hidden = model.config.get_text_config().hidden_size
-        per_position += len(drafter.target_layer_ids) * hidden * model.dtype.itemsize
-    return budget // per_position
+        per_position += len(drafter.target_layer_ids) * config.get_text_config().hidden_size * dtype.itemsize
+    return per_position
 
 
 def kv_cache_bytes(args, engine) -> int | None:
@@ -218,8 +222,9 @@ def kv_cache_bytes(args, engine) -> int | None:
     if not args.kv_cache_memory:
         return None
     budget = resolve_memory_budget(args.kv_cache_memory, engine.target.device)
-    if args.kv_cache_memory[0] == "percent" and engine.prefix_cache is not None:
-        budget -= resolve_memory_budget(args.prefix_cache_memory, engine.target.device, "--prefix-cache-memory")
+    if args.kv_cache_memory[0] == "percent" and engine.prefix_cache is not None:  # the store's own bound
+        budget -= engine.config.prefix_cache_tokens * prefix_position_bytes(engine.target.config, engine.target.dtype,
+                                                                            engine.drafter)
         if budget <= 0:
             raise ValueError(f"--kv-cache-memory {args.kv_cache_memory[1]:g}% leaves nothing for the KV cache beside "
                              "--prefix-cache-memory; raise the one or lower the other")

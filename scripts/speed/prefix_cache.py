@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from flashdraft.bench.datasets import Prompt, load_prompts, source_contexts
-from flashdraft.bench.server import run_servers
+from flashdraft.bench.server import parse_spec_metrics, run_servers
 from flashdraft.loading import DEFAULT_TARGET, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,13 +50,8 @@ def requests(context: str, held_out: list[Prompt], tag: str) -> list[Prompt]:
 
 def prefix_counters(url: str) -> tuple[float, float]:
     """(prompt tokens looked up, found) so far, from the server's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            if line.startswith(name + "{"):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values.get("prefix_cache_queries_total", 0.0), values.get("prefix_cache_hits_total", 0.0)
+    counters = parse_spec_metrics(httpx.get(f"{url}/metrics", timeout=30).text) or {}
+    return counters.get("prefix_queries", 0.0), counters.get("prefix_hits", 0.0)
 
 
 def cell(urls: dict, context: str, held_out: list[Prompt], concurrency: int, temperature: float, max_tokens: int,
