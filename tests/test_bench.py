@@ -449,6 +449,10 @@ class DFlashDraftModel:
         return self
 
 
+class DFlash2DraftModel(DFlashDraftModel):
+    pass
+
+
 def dflash_generate(model, target, input_ids, max_new_tokens, stop_token_ids, temperature=0.0, top_p=1.0,
                     top_k=0, block_size=None, return_stats=False):
     start = _cuda_time()
@@ -473,7 +477,7 @@ def fake_zlab(tmp_path, monkeypatch):
     """Our python as the 'side environment', with the stand-in `dflash` package on its path."""
     package = tmp_path / "fake_zlab" / "dflash"
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text("from dflash.model import DFlashDraftModel\n")
+    (package / "__init__.py").write_text("from dflash.model import DFlash2DraftModel, DFlashDraftModel\n")
     (package / "model.py").write_text(FAKE_DFLASH_MODEL)
     (package.parent / "dflash-0.1.0.dist-info").mkdir()
     (package.parent / "dflash-0.1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: dflash\n"
@@ -529,6 +533,42 @@ def test_bench_runs_the_peer_beside_ours(pair, tmp_path, fake_zlab):
     res = json.loads((tmp_path / "none" / "results.json").read_text())
     assert code == 0 and [m["name"] for m in res["methods"]] == ["ar"]
     assert any(n.startswith("zlab skipped: no side environment") for n in res["notes"])
+
+
+def test_a_dflash2_drafter_meets_their_dflash2_class_and_transformers_is_skipped(pair, tmp_path, fake_zlab):
+    """A DFlash2 checkpoint is loaded by their package's DFlash2 class (their DFlash-1 class would drop its
+    convolutions and selector); transformers' DFlash, which reads DFlash-1 only, is skipped with a note, and so is
+    their loop for convolutions longer than their two taps (it fails on a block shorter than the kernel)."""
+    from flashdraft.bench.zlab import ZlabMethod
+    from flashdraft.engine import SamplingParams
+    from flashdraft.model.dflash2 import DFlash2DraftModel, make_dflash2_config
+
+    tok = load_tokenizer()
+    config = Qwen3Config.from_pretrained(pair / "target")
+    for kernel in (2, 3):
+        torch.manual_seed(0)
+        DFlash2DraftModel(make_dflash2_config(config, num_layers=1, block_size=4, mask_token_id=tok.mask_token_id,
+                                              conv_kernel_size=kernel, conv_group_size=8)
+                          ).save_pretrained(tmp_path / f"d2_k{kernel}")
+    greedy = SamplingParams(max_new_tokens=4)
+    for drafter, cls in ((tmp_path / "d2_k2", "DFlash2DraftModel"), (pair / "drafter", "DFlashDraftModel")):
+        method = ZlabMethod(fake_zlab, str(pair / "target"), str(drafter), greedy, "float64", threads=1)
+        try:
+            assert method.describe()["zlab"]["draft_class"] == cls
+        finally:
+            method.close()
+    for kernel, ran in ((2, ["ar", "dflash", "zlab"]), (3, ["ar", "dflash"])):
+        out = tmp_path / f"out_k{kernel}"
+        args = _args(pair, out, "--methods", "dflash,hf-dflash,zlab", "--zlab-python", fake_zlab, "--num-prompts",
+                     "1", "--max-new-tokens", "4", "--no-plots")
+        args[args.index("--draft") + 1] = str(tmp_path / f"d2_k{kernel}")
+        assert main(args) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert [m["name"] for m in res["methods"]] == ran and res["losslessness"]["passed"]
+        notes = " | ".join(res["notes"])
+        assert "hf-dflash skipped: transformers' DFlash cannot run this drafter: DFlash2's" in notes
+        assert ("zlab skipped: z-lab's dflash_generate stops with an error on DFlash2 drafters whose "
+                "conv_kernel_size (3) exceeds 2" in notes) == (kernel == 3)
 
 
 def test_a_side_environment_without_their_package_is_a_one_line_error(pair, tmp_path, capsys):

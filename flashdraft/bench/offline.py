@@ -85,12 +85,16 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
                 raise ValueError(f"method {name} needs a drafter (--draft)")
             methods.append(EngineMethod(name, target, drafter, tokenizer, params, engine_variants[name]))
         elif name == "hf-dflash":
-            from flashdraft.model.hf_export import transformers_dflash_available
+            from flashdraft.model.hf_export import transformers_dflash_available, unsupported_by_transformers_assistant
 
             if drafter is None:
                 raise ValueError("method hf-dflash needs a drafter (--draft)")
             if not transformers_dflash_available():
                 notes.append("hf-dflash skipped: this transformers has no built-in DFlash")
+                continue
+            reasons = unsupported_by_transformers_assistant(drafter)
+            if reasons:
+                notes.append("hf-dflash skipped: transformers' DFlash cannot run this drafter: " + "; ".join(reasons))
                 continue
             if cfg.engine.block_size not in (None, drafter.block_size):
                 notes.append(f"hf-dflash runs the drafter's own block size {drafter.block_size} "
@@ -127,6 +131,13 @@ def _zlab_method(target, drafter, params: SamplingParams, cfg: BenchConfig):
     if python is None:
         return ("zlab skipped: no side environment with z-lab's package (bash scripts/speed/setup_zlab_env.sh, or "
                 "--zlab-python / $FLASHDRAFT_ZLAB_PYTHON)")
+    kernel = max((layer.attention_conv.kernel_size for layer in drafter.layers if hasattr(layer, "attention_conv")),
+                 default=0)
+    if kernel > 2:
+        # their convolution pads a block shorter than its kernel to the kernel's length and fails on the shapes
+        return (f"zlab skipped: z-lab's dflash_generate stops with an error on DFlash2 drafters whose conv_kernel_size "
+                f"({kernel}) exceeds 2, at any block shorter than the kernel (the last before max_new_tokens); "
+                "their published checkpoints use 2")
     paths = (cfg.target, cfg.draft) if cfg.target is not None else default_pair_paths()
     # their loop cannot mix dtypes: target and drafter in the target's; their process gets as many threads as ours
     dtype = str(target.dtype).removeprefix("torch.")

@@ -8,7 +8,9 @@ file, not imported).
     <side venv>/bin/python flashdraft/bench/zlab_runner.py --target T --draft D --threads 2 < requests.jsonl
 
 Loading mirrors `dflash.benchmark.load_transformers_models` (AutoModelForCausalLM + `dflash.DFlashDraftModel
-.from_pretrained`, attn_implementation="sdpa"), except that it takes the device (`--device`, CPU by default) and
+.from_pretrained`, attn_implementation="sdpa"; `dflash.DFlash2DraftModel` for a checkpoint whose config declares
+that architecture, as their package reads it: DFlashDraftModel would load it without its convolutions and
+selector and draft something else), except that it takes the device (`--device`, CPU by default) and
 the dtype (`--dtype`, fp32 by default: their loader hard-codes bf16 and cuda:0). Generation is their
 `dflash.model.dflash_generate`, unmodified; the only patch, on CPU, is `dflash.model._cuda_time` ->
 `time.perf_counter` (it calls `torch.cuda.synchronize()`, which a CPU build refuses) so that `return_stats=True` hands back their acceptance
@@ -47,7 +49,6 @@ def main(argv=None) -> int:
 
     import dflash
     import dflash.model as zmodel
-    from dflash import DFlashDraftModel
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
             "threads": torch.get_num_threads()}
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(args.target, attn_implementation="sdpa", dtype=dtype)
-    draft = DFlashDraftModel.from_pretrained(args.draft, attn_implementation="sdpa", dtype=dtype)
+    draft = _draft_class(dflash, args.draft).from_pretrained(args.draft, attn_implementation="sdpa", dtype=dtype)
     target, draft = target.to(args.device).eval(), draft.to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     info.update(target_dtype=str(target.dtype), draft_dtype=str(draft.dtype), draft_class=type(draft).__qualname__,
@@ -105,6 +106,14 @@ def main(argv=None) -> int:
             acceptance.append(acc)
         _reply({"outputs": outputs, "seconds": seconds, "ttft": ttft, "acceptance_lengths": acceptance})
     return 0
+
+
+def _draft_class(dflash, path):
+    """Their drafter class for the checkpoint at `path` (a folder or a hub id): by its config's architectures."""
+    from transformers import PretrainedConfig
+
+    raw, _ = PretrainedConfig.get_config_dict(path)
+    return dflash.DFlash2DraftModel if "DFlash2DraftModel" in (raw.get("architectures") or []) else dflash.DFlashDraftModel
 
 
 def _version(name):

@@ -35,6 +35,8 @@ def unsupported_by_transformers_assistant(drafter: DFlashDraftModel) -> list[str
     """What transformers' `MuseGlimmerAssistantModel` cannot represent in `drafter` (empty: it maps exactly)."""
     attns = [layer.self_attn for layer in drafter.layers]
     reasons = []
+    if getattr(drafter, "candidate_selector", None) is not None:
+        reasons.append("DFlash2's convolutions and candidate selector (it reads DFlash-1 drafters only)")
     if any(a.is_causal for a in attns):
         reasons.append("causal layers (is_causal / dflash_config.causal / sliding layers without is_causal: false): "
                        "its attention is always bidirectional")
