@@ -113,7 +113,8 @@ def _draft_class(dflash, path):
     from transformers import PretrainedConfig
 
     raw, _ = PretrainedConfig.get_config_dict(path)
-    return dflash.DFlash2DraftModel if "DFlash2DraftModel" in (raw.get("architectures") or []) else dflash.DFlashDraftModel
+    dflash2 = "DFlash2DraftModel" in (raw.get("architectures") or [])
+    return dflash.DFlash2DraftModel if dflash2 else dflash.DFlashDraftModel
 
 
 def _version(name):
