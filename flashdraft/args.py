@@ -220,6 +220,11 @@ def add_device_args(p) -> None:
                    help="adaptive = each row verifies the number of drafts that maximises the batch's tokens per "
                         "second under its measured acceptance and the measured step costs (down to one-token steps; "
                         "default); fixed = every row verifies the whole block every cycle")
+    p.add_argument("--speculative-disable-by-batch-size", dest="disable_by_batch_size", type=int_at_least(0),
+                   default=0, metavar="N",
+                   help="batches of more than N requests decode one token per step, as plain decoding (no drafts, "
+                        "no lookups, no probes; vLLM's disable_by_batch_size); the draft policy decides below it. "
+                        "0 = no limit (default)")
     p.add_argument("--no-confidence-trim", dest="confidence_trim", action="store_false",
                    help="adaptive policy: verify the width planned before the draft, not the width the drafter's "
                         "calibrated confidence in each draft pays for (eager fast path)")
@@ -306,6 +311,7 @@ def engine_config(args, plain: bool = False):
                           noise_thread=auto_on_off(args, "noise_thread"),
                           cudnn_attention=getattr(args, "cudnn_attention", False),
                           draft_policy=getattr(args, "draft_policy", "adaptive"),
+                          disable_by_batch_size=getattr(args, "disable_by_batch_size", 0),
                           exact=getattr(args, "exact", False), sampler=getattr(args, "sampler", "gumbel"),
                           tree_budget=getattr(args, "tree_budget", 0), lookup_ngram=getattr(args, "lookup_ngram", 0),
                           lookup_splice=getattr(args, "lookup_splice", EngineConfig.lookup_splice),

@@ -112,6 +112,47 @@ def test_the_cycle_trace_accounts_for_every_committed_token():
         assert 1 + sum(lengths) >= 30 > 1 + sum(lengths[:-1])
 
 
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_batches_above_disable_by_batch_size_take_one_token_steps(policy):
+    """vLLM's disable_by_batch_size: a cycle of more rows than the limit verifies one token per row (no drafts,
+    no lookup continuations, the policy not asked: decision "capped"); at or below it the policy decides (fixed:
+    the whole block). Outputs stay the target's own greedy ones whatever the load did."""
+    target = make_target("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [7, 3], [2, 8, 1, 5]]
+    lengths = [6, 30, 12, 30]  # rows leave one by one: the batch falls from 4 rows to 1
+    refs = [p + greedy_reference(target, p, n) for p, n in zip(prompts, lengths)]
+    engine = SpecEngine(target, block_size=8, proposer=OracleProposer(refs), draft_policy=policy,
+                        disable_by_batch_size=2)
+    records = []
+    engine.cycle_trace = records.append
+    results = engine.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    assert [r.token_ids for r in results] == [greedy_reference(target, p, n) for p, n in zip(prompts, lengths)]
+    above = [r for r in records if len(r["requests"]) > 2]
+    below = [r for r in records if len(r["requests"]) <= 2]
+    assert above and below
+    assert all(r["decision"] == "capped" and r["widths"] == [1] * len(r["requests"]) and not r["lookups"]
+               for r in above)
+    assert all(r["decision"] != "capped" for r in below) and any(max(r["widths"]) > 1 for r in below)
+    if policy == "fixed":
+        assert all(r["widths"] == [8] * len(r["requests"]) for r in below)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpecEngine(target, block_size=8, proposer=OracleProposer(refs), disable_by_batch_size=-1)
+
+
+def test_the_disable_by_batch_size_flag_reaches_the_engine(capsys):
+    from flashdraft.args import engine_config
+    from flashdraft.cli import build_parser
+
+    for command in (["serve"], ["bench"], ["demo"], ["generate", "--prompt", "x"]):
+        args = build_parser().parse_args([*command, "--speculative-disable-by-batch-size", "8"])
+        assert engine_config(args).disable_by_batch_size == 8
+        assert engine_config(args, plain=True).disable_by_batch_size == 8  # plain decoding never drafts anyway
+    assert engine_config(build_parser().parse_args(["serve"])).disable_by_batch_size == 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-disable-by-batch-size", "-1"])
+    assert "must be an integer >= 0" in capsys.readouterr().err
+
+
 def test_block_size_one_is_plain_decoding():
     target = make_target("qwen2")
     engine = SpecEngine(target, make_drafter(target), block_size=1)

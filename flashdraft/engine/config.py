@@ -36,6 +36,10 @@ class EngineConfig:
     # committed tokens per second under measured acceptance and costs (1 = a one-token step, no draft);
     # "fixed" = the whole block, every row, every cycle
     draft_policy: str = "adaptive"
+    # batches of more than this many rows take one-token steps only (no drafts, no prompt-lookup continuations, no
+    # probes), as plain decoding would: vLLM's `disable_by_batch_size`, a load above which a serving engineer knows
+    # drafting does not pay on their hardware. The adaptive policy still decides below it. 0 = no limit
+    disable_by_batch_size: int = 0
     # batch-invariant target forward: speculative output bit-identical to plain decoding (eager, fast path)
     exact: bool = False
     # the lean static-cache target path (None: when the architecture has one; False: transformers' own forward)
@@ -103,6 +107,9 @@ class EngineConfig:
             raise ValueError(f"mixed_prefill_tokens must be an integer >= 0, got {self.mixed_prefill_tokens!r}")
         if not integer(self.prefix_cache_tokens) or self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be an integer >= 0, got {self.prefix_cache_tokens!r}")
+        if not integer(self.disable_by_batch_size) or self.disable_by_batch_size < 0:
+            raise ValueError(f"disable_by_batch_size must be an integer >= 0 (0: no limit), "
+                             f"got {self.disable_by_batch_size!r}")
         if not integer(self.lookup_ngram) or not 0 <= self.lookup_ngram <= 16:
             raise ValueError(f"lookup_ngram must be an integer in [0, 16], got {self.lookup_ngram!r}")
         if not integer(self.lookup_splice) or not 0 <= self.lookup_splice <= MAX_NGRAM:

@@ -1060,7 +1060,9 @@ class SpecEngine:
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
         batch.grow()  # every row's caches take pages for the positions its block (or tree) may reach
-        widths = ([forced_width] * len(rows) if forced_width is not None
+        limit = self.config.disable_by_batch_size
+        capped = forced_width is None and 0 < limit < len(rows)  # a load drafting is off at: one-token steps
+        widths = ([forced_width] * len(rows) if forced_width is not None else [1] * len(rows) if capped
                   else batch.policy.widths([r.acceptance for r in rows], [r.pending.length for r in rows]))
         drafting = [i for i, w in enumerate(widths) if w > 1]
         trees = bool(self.tree_budget and drafting) and not _reads_logits(rows) and (
@@ -1068,7 +1070,8 @@ class SpecEngine:
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
         # rows at one-token steps that verify a prompt-lookup continuation instead: {row: continuation}
-        copies, searched = ({}, ()) if trees or forced_width is not None else self._lookup_copies(batch, widths)
+        copies, searched = (({}, ()) if trees or forced_width is not None or capped
+                            else self._lookup_copies(batch, widths))
         verified = [1 + len(copies[i]) if i in copies else w for i, w in enumerate(widths)] if copies else widths
         # sampled rows' counter-based noise at the output positions their draft and verify cover (a Future where
         # no sampled row drafts: it is made on another core while the target runs, `_noise_soon`)
@@ -1125,7 +1128,8 @@ class SpecEngine:
                                               [accepted[i] if i in copies else 0 for i in rows_searched], search_s)
             if self.cycle_trace is not None:
                 self._trace(rows, widths, accepted, len(joining), trees, timing,
-                            getattr(batch.policy, "decision", None), [verified[i] for i in copies])
+                            "capped" if capped else getattr(batch.policy, "decision", None),
+                            [verified[i] for i in copies])
         elif profile and not trees:
             self.costs.record(timing)
         self._drop_finished(batch)
@@ -1135,7 +1139,7 @@ class SpecEngine:
         """One cycle's record for `cycle_trace`: per row its request id, the policy's width (1: a one-token step)
         and drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees,
         how the draft policy decided (`AdaptiveWidth.decision`: e.g. "held" while the goodput check holds the load
-        at one-token steps), the tokens verified by each one-token step that verified a lookup continuation
+        at one-token steps; "capped": more rows than `disable_by_batch_size`, the policy not asked), the tokens verified by each one-token step that verified a lookup continuation
         (`lookup_steps`, in row order), and its time in ms (the draft's and the pending context write's apart)."""
         self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
                           "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
