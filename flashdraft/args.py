@@ -16,10 +16,76 @@ from flashdraft.loading import DefaultPairMissing
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with errors on one line (`prog: error: ...`) instead of the usage block plus the error."""
+    """argparse, with errors on one line (`prog: error: ...`) instead of the usage block plus the error, and
+    `--speculative-config` merged into the flags it stands for once a command's flags are all read."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        config = getattr(namespace, "speculative_config", None)
+        if config is not None:
+            try:
+                merge_speculative_config(namespace, config)
+            except ValueError as exc:
+                self.error(str(exc))
+        return namespace, extras
+
+
+# vLLM's --speculative-config keys we read, with their types (method: "dflash" only, DFlash-1 or DFlash2 by checkpoint)
+SPECULATIVE_CONFIG_KEYS = {"method": str, "model": str, "num_speculative_tokens": int, "disable_by_batch_size": int}
+
+
+def speculative_config_arg(value: str) -> dict:
+    """vLLM's `--speculative-config` JSON, e.g. '{"method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16",
+    "num_speculative_tokens": 15}': checked here, merged into --draft / --block-size /
+    --speculative-disable-by-batch-size once every flag is read (`merge_speculative_config`)."""
+    import json
+
+    try:
+        config = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    unknown = sorted(set(config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"keys flashdraft does not read: {', '.join(unknown)} (it reads "
+                                         f"{', '.join(SPECULATIVE_CONFIG_KEYS)})")
+    for key, kind in SPECULATIVE_CONFIG_KEYS.items():
+        if key in config and (not isinstance(config[key], kind) or isinstance(config[key], bool)):
+            raise argparse.ArgumentTypeError(f"{key} must be {'a string' if kind is str else 'an integer'}, "
+                                             f"got {config[key]!r}")
+    if str(config.get("method", "dflash")).lower() != "dflash":
+        raise argparse.ArgumentTypeError(f"method {config['method']!r}: flashdraft drafts with DFlash drafters only "
+                                         "(method \"dflash\", DFlash-1 or DFlash2 checkpoints)")
+    if config.get("num_speculative_tokens", 1) < 1:
+        raise argparse.ArgumentTypeError(f"num_speculative_tokens must be >= 1, got {config['num_speculative_tokens']}")
+    if config.get("disable_by_batch_size", 1) < 1:
+        raise argparse.ArgumentTypeError(f"disable_by_batch_size must be >= 1, got {config['disable_by_batch_size']}")
+    return config
+
+
+def merge_speculative_config(args, config: dict) -> None:
+    """`--speculative-config`'s keys into the flags they stand for (model -> --draft, num_speculative_tokens k ->
+    --block-size k + 1, disable_by_batch_size -> --speculative-disable-by-batch-size); a flag given as well must
+    say the same (ValueError otherwise)."""
+    if getattr(args, "no_draft", False):
+        raise ValueError("--no-draft and --speculative-config contradict each other")
+    k = config.get("num_speculative_tokens")
+    merged = (("draft", "--draft", None, "model", config.get("model")),
+              ("block_size", "--block-size", None, f"num_speculative_tokens {k}, i.e. block size",
+               None if k is None else k + 1),
+              ("disable_by_batch_size", "--speculative-disable-by-batch-size", 0, "disable_by_batch_size",
+               config.get("disable_by_batch_size")))
+    for name, flag, unset, key, value in merged:
+        if value is None:
+            continue
+        given = getattr(args, name, unset)
+        if given not in (unset, value):
+            raise ValueError(f"{flag} {given} and --speculative-config's {key} {value} differ")
+        setattr(args, name, value)
 
 
 # ---- argument types: every range check of the shared flags lives here -------------------------------------------
@@ -180,6 +246,10 @@ def add_model_args(p, threads_help: str = "torch CPU threads (default: torch's c
     p.add_argument("--target", default=None, help="target model directory or hub id (default: the shipped pair; "
                                                   "with --target, pass --draft too)")
     p.add_argument("--draft", default=None, help="DFlash drafter directory or hub id (default: the shipped pair)")
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help="vLLM's speculative config: {\"method\": \"dflash\", \"model\": DRAFTER, "
+                        "\"num_speculative_tokens\": K, \"disable_by_batch_size\": N} (each key optional) for "
+                        "--draft, --block-size K + 1 and --speculative-disable-by-batch-size N")
     add_device_args(p)
     p.add_argument("--block-size", type=block_size_arg, default=None, help="draft block size (default: the drafter's)")
     p.add_argument("--threads", type=positive_int, default=None, help=threads_help)

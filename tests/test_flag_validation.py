@@ -186,3 +186,38 @@ def test_regenerate_function_refuses_zero_sizes(tmp_path, kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         regenerate(model, [[1, 2, 3]], tmp_path / "r", progress=False, **kw)
     assert not list((tmp_path / "r").glob("shard-*"))
+
+
+def test_vllm_speculative_config_stands_for_our_flags(capsys):
+    """vLLM's `--speculative-config` JSON: its model, num_speculative_tokens and disable_by_batch_size become
+    --draft, --block-size k + 1 and --speculative-disable-by-batch-size; a flag given as well must agree; anything
+    else (another method, keys we do not read, wrong types, with --no-draft) is one line and exit 2."""
+    from flashdraft.args import engine_config
+    from flashdraft.cli import build_parser
+
+    spec = {"method": "dflash", "model": "org/drafter", "num_speculative_tokens": 15, "disable_by_batch_size": 8}
+    for command in (["serve"], ["demo"], ["generate", "--prompt", "x"]):
+        args = build_parser().parse_args([*command, "--speculative-config", json.dumps(spec)])
+        assert (args.draft, args.block_size, args.disable_by_batch_size) == ("org/drafter", 16, 8)
+        assert engine_config(args).block_size == 16 and engine_config(args).disable_by_batch_size == 8
+    agreeing = ["serve", "--draft", "org/drafter", "--block-size", "16", "--speculative-config", json.dumps(spec)]
+    assert build_parser().parse_args(agreeing).block_size == 16
+    assert build_parser().parse_args(["serve", "--speculative-config", '{"model": "m"}']).block_size is None
+    refused = {'{"method": "ngram"}': "flashdraft drafts with DFlash drafters only",
+               '{"model": "m", "prompt_lookup_max": 4}': "keys flashdraft does not read: prompt_lookup_max",
+               "{method: dflash}": "not JSON", "[1]": "expected a JSON object",
+               '{"num_speculative_tokens": "15"}': "num_speculative_tokens must be an integer",
+               '{"num_speculative_tokens": 0}': "num_speculative_tokens must be >= 1",
+               '{"disable_by_batch_size": true}': "disable_by_batch_size must be an integer"}
+    for value, message in refused.items():
+        assert main(["serve", "--speculative-config", value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (value, err)
+    conflicts = {("--draft", "other"): "--draft other and --speculative-config's model org/drafter differ",
+                 ("--block-size", "8"): "--block-size 8 and --speculative-config's num_speculative_tokens 15",
+                 ("--speculative-disable-by-batch-size", "4"): "disable_by_batch_size 8 differ",
+                 ("--no-draft",): "--no-draft and --speculative-config contradict each other"}
+    for flags, message in conflicts.items():
+        assert main(["serve", *flags, "--speculative-config", json.dumps(spec)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (flags, err)
