@@ -108,7 +108,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cycle-trace", default=None, metavar="PATH",
                    help="append one JSON line per decode cycle to PATH: the requests in the batch, each one's verify "
                         "width (1: a one-token step) and drafts accepted, requests that joined, how the draft policy "
-                        "decided (plan / held / kept / probe / refresh / unmeasured), the tokens each lookup step "
+                        "decided (plan / held / kept / probe / refresh / unmeasured; capped: above "
+                        "--speculative-disable-by-batch-size), the tokens each lookup step "
                         "verified, the cycle's ms (default: off)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the Jinja template /v1/chat/completions formats messages with: a file, or the template "
