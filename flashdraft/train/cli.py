@@ -211,6 +211,7 @@ def run_train(args) -> int:
     from flashdraft.train.trainer import NonFiniteLoss, Trainer
 
     trainer = Trainer(config_from_args(args))
+    result = None
     try:
         result = trainer.train()
     except NonFiniteLoss as exc:  # a failed run, not a usage error: one line, exit 1
@@ -218,7 +219,7 @@ def run_train(args) -> int:
             print(f"flashdraft train: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     finally:
-        trainer.close()
+        trainer.close(finished=result is not None)
     if trainer.rank == 0:
         print(json.dumps({"steps": result.steps, "final_dir": result.final_dir, "log": result.log_path,
                           "tau_start": (result.eval_start or {}).get("tau"), "tau_end": (result.eval_end or {}).get("tau"),

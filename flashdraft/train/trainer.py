@@ -480,10 +480,14 @@ class Trainer:
         if self._owns_process_group:
             dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo")
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         """Tear down the process group this trainer started. Left to interpreter exit, gloo's threads can abort
-        a rank that already finished (SIGABRT, 'terminate called without an active exception')."""
+        a rank that already finished (SIGABRT, 'terminate called without an active exception'); so can one rank
+        tearing down while another still talks to it, hence the barrier first after a run every rank `finished`
+        (not after an error, which the other ranks may never reach)."""
         if getattr(self, "_owns_process_group", False) and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
             self._owns_process_group = False
 
