@@ -4,11 +4,13 @@ so that the comparison is of the step alone and low in noise.
 
     python scripts/dflash2/profile_draft.py --threads 1 [--compile] [--iters 200] [--profile] [--temperature 1]
         [--confidence] [--selector-top-k 8192 [--walk-candidates K]] [--selector-rank R]
+        [--dflash1 DIR --dflash2 DIR]     # two trained checkpoints, e.g. issue 16's pair's final drafters
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds
 torch.profiler's table of operators (self CPU time) for each. The DFlash2 drafter is `draft_latency.dflash2_like`
-(the shipped DFlash-1 weights, identity convolutions, a random selector). `--temperature` > 0 drafts through the
+(the shipped DFlash-1 weights, identity convolutions, a random selector) unless `--dflash1` / `--dflash2` name
+checkpoints to time instead (the shipped drafter stands for a DFlash-1 not given). `--temperature` > 0 drafts through the
 gumbel race (the engine's default sampler) with uniform noise. `--confidence`: both drafters also report their
 confidence in each draft, as they do under the default policy's confidence trim (eager only).
 
@@ -68,15 +70,21 @@ def main(argv=None) -> int:
     ap.add_argument("--walk-candidates", type=int, default=None,
                     help="a whole-vocabulary selector walks among each position's K likeliest winners (default: "
                          "the engine's, 16; 0 = every token)")
+    ap.add_argument("--dflash1", default=None, metavar="DIR", help="a DFlash-1 checkpoint (default: the shipped)")
+    ap.add_argument("--dflash2", default=None, metavar="DIR",
+                    help="a DFlash2 checkpoint (default: the shipped drafter grown into one, `dflash2_like`)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.dflash2 and (args.selector_top_k or args.selector_rank):
+        ap.error("--selector-top-k / --selector-rank shape the stand-in DFlash2; a --dflash2 checkpoint has its own")
     torch.set_num_threads(args.threads)
     from flashdraft import SpecEngine
     from flashdraft.loading import load_pair
 
-    target, tokenizer, dflash1 = load_pair()
-    drafters = {"dflash": dflash1, "dflash2": dflash2_like(dflash1, selector_top_k=args.selector_top_k,
-                                                          selector_rank=args.selector_rank)}
+    target, tokenizer, dflash1 = load_pair(None, args.dflash1) if args.dflash1 else load_pair()
+    dflash2 = (load_pair(None, args.dflash2)[2] if args.dflash2 else
+               dflash2_like(dflash1, selector_top_k=args.selector_top_k, selector_rank=args.selector_rank))
+    drafters = {"dflash": dflash1, "dflash2": dflash2}
     steps = {}
     for name, drafter in drafters.items():
         # the engine's own proposer (packed read-out as the engine decides)
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     ms = {name: statistics.median(v) for name, v in rounds.items()}
     out = {"threads": args.threads, "compile": args.compile, "temperature": args.temperature,
            "selector_top_k": args.selector_top_k, "selector_rank": args.selector_rank,
-           "walk_candidates": args.walk_candidates,
+           "walk_candidates": args.walk_candidates, "dflash1": args.dflash1, "dflash2": args.dflash2,
            "confidence": args.confidence, "ms_per_step": ms,
            "rounds_ms": rounds, "ratio": ms["dflash2"] / ms["dflash"],
            "round_ratios": [b / a for a, b in zip(rounds["dflash"], rounds["dflash2"])]}
