@@ -1139,8 +1139,9 @@ class SpecEngine:
         """One cycle's record for `cycle_trace`: per row its request id, the policy's width (1: a one-token step)
         and drafts accepted; requests that joined in it (their prefill is in its time), whether it verified trees,
         how the draft policy decided (`AdaptiveWidth.decision`: e.g. "held" while the goodput check holds the load
-        at one-token steps; "capped": more rows than `disable_by_batch_size`, the policy not asked), the tokens verified by each one-token step that verified a lookup continuation
-        (`lookup_steps`, in row order), and its time in ms (the draft's and the pending context write's apart)."""
+        at one-token steps; "capped": more rows than `disable_by_batch_size`, the policy not asked), the tokens
+        verified by each one-token step that verified a lookup continuation (`lookup_steps`, in row order), and its
+        time in ms (the draft's and the pending context write's apart)."""
         self.cycle_trace({"time": time.time(), "requests": [r.index for r in rows], "widths": list(widths),
                           "accepted": [int(a) for a in accepted], "joined": joined, "trees": trees,
                           "lookups": lookups,
