@@ -7,11 +7,10 @@ so that the comparison is of the step alone and low in noise.
         [--dflash1 DIR --dflash2 DIR]     # two trained checkpoints, e.g. issue 16's pair's final drafters
 
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
-median over rounds; `--profile` adds
-torch.profiler's table of operators (self CPU time) for each. The DFlash2 drafter is `draft_latency.dflash2_like`
-(the shipped DFlash-1 weights, identity convolutions, a random selector) unless `--dflash1` / `--dflash2` name
-checkpoints to time instead (the shipped drafter stands for a DFlash-1 not given). `--temperature` > 0 drafts through the
-gumbel race (the engine's default sampler) with uniform noise. `--confidence`: both drafters also report their
+median over rounds; `--profile` adds torch.profiler's table of operators (self CPU time) for each. The DFlash2
+drafter is `draft_latency.dflash2_like` (the shipped DFlash-1 weights, identity convolutions, a random selector)
+unless `--dflash1` / `--dflash2` name checkpoints to time instead (the shipped drafter stands for a DFlash-1 not
+given). `--temperature` > 0 drafts through the gumbel race (the engine's default sampler) with uniform noise. `--confidence`: both drafters also report their
 confidence in each draft, as they do under the default policy's confidence trim (eager only).
 
 What this script does not know about: the engine's bookkeeping around a draft (`draft_latency.py` measures the
