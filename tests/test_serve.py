@@ -1032,6 +1032,15 @@ def test_skip_special_tokens_reaches_the_text(server, reference):
     texts = [c.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0, logit_bias={str(mask): 100},
                                   extra_body={"skip_special_tokens": skip}).choices[0].text for skip in (True, False)]
     assert texts == ["", "<|mask|>" * 6]
+    # vLLM's spaces_between_special_tokens: its fast-tokenizer detokenizer, like transformers 5's decode, ignores it
+    for spaces in (True, False):
+        text = c.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0, logit_bias={str(mask): 100},
+                                    extra_body={"skip_special_tokens": False,
+                                                "spaces_between_special_tokens": spaces}).choices[0].text
+        assert text == tok.decode([mask] * 6, skip_special_tokens=False) == "<|mask|>" * 6
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "spaces_between_special_tokens": "no"})
+    assert resp.status_code == 400 and "spaces_between_special_tokens" in resp.text, resp.text
 
 
 def test_tokens_as_token_ids_in_log_probabilities(server, reference):

@@ -248,6 +248,9 @@ class _SamplingFields(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities name tokens "token_id:<id>"
     skip_special_tokens: bool = True  # vLLM's: false keeps special tokens' text in the output
+    # vLLM's; accepted, and what it asks is what every tokenizer here does: transformers 5 decodes special tokens'
+    # text one way whatever it says (its decode ignores the option), as vLLM's detokenizer does for fast tokenizers
+    spaces_between_special_tokens: bool = True
     # vLLM's: keep each prompt's last k tokens (a conversation's, as the template renders it); -1: max_model_len
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=MAX_TOKEN_ID)
     # vLLM's: the prefix cache's namespace; prompts share cached pages only with requests of the same salt
