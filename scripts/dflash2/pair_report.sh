@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What issue 16 asks beside tau, for a finished `same_budget_pair.sh` run: the draft step of the two drafters
-# (eager and compiled, calls interleaved) and the demo end to end with each (batch 1, T = 0 twice alternating,
-# T = 1 once), into $OUT/report/. Waits for the pair's comparison (compare_T1.md) when WAIT=1.
+# (eager and compiled, calls interleaved) and the demo end to end with each (batch 1, T = 0 twice alternating, once
+# compiled, T = 1 once; the shipped drafter once beside them), into $OUT/report/. Waits for the pair's comparison (compare_T1.md) when WAIT=1.
 # Env: PY, OUT (default runs/same_budget_4000), WAIT (default 0), THREADS (default 1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -40,6 +40,9 @@ for run in 1 2; do
     demo "d1_T0_$run" "$D1"
     demo "d2_T0_$run" "$D2"
 done
+demo shipped_T0 flashdraft/assets/default_pair/drafter
+demo d1_T0_compiled "$D1" --compile
+demo d2_T0_compiled "$D2" --compile
 demo d1_T1 "$D1" --temperature 1
 demo d2_T1 "$D2" --temperature 1
 echo "wrote $REPORT"

@@ -10,6 +10,8 @@
 # Every step is skipped when its output exists, and training resumes from its newest checkpoint: a stopped run
 # continues where it was. On the 2-core CPU: ~20 min of data, ~0.95 s (DFlash-1) and ~1.5 s (DFlash2) per step.
 # Env: PY, STEPS (default 4000), OUT (default runs/same_budget_<STEPS>), NICE (default 10), ONLY (d1 or d2: one arm),
+# CONV_KERNEL (DFlash2's convolution taps; default ours, 4; z-lab's package drafts only with 2: docs/checkpoints.md),
+# D1 (a finished DFlash-1 arm's directory to compare with, e.g. another OUT's d1, when ONLY=d2),
 # DEVICE (default cpu; cuda trains on a GPU: `STAGES=train_pair bash scripts/gpu/session_check.sh`), EVAL (default 1;
 # 0 trains only, e.g. on a device machine whose checkpoints are evaluated here).
 set -euo pipefail
@@ -45,6 +47,7 @@ COMMON=(--target "$TARGET" --data "$MIX" --init-from flashdraft/assets/default_p
         --num-draft-layers 2 --target-layer-ids 0,1,2,3 --max-steps "$STEPS" --batch-size 4 --max-length 2048
         --num-anchors 32 --start-anchors 8 --lr 1.5e-4 --seed 0 --distill-weight 1.0 --save-every 250 --device "$DEVICE")
 D2=(--arch dflash2 --selector-top-k 8192 --selector-rank 128 --selector-lr 1.5e-3 --selector-distill-weight 1.0)
+[ -n "${CONV_KERNEL:-}" ] && D2+=(--conv-kernel-size "$CONV_KERNEL")
 
 for arm in d1 d2; do
     [ -n "${ONLY:-}" ] && [ "$ONLY" != "$arm" ] && continue
@@ -65,10 +68,11 @@ for arm in d1 d2; do
         --threads 2 --num 32 --temperature 1 --lengths prompt,256,1024 --label "$arm" --out "$run/tau_T1"
 done
 
-if [ -f "$OUT/d1/tau_T0/results.json" ] && [ -f "$OUT/d2/tau_T0/results.json" ]; then
+D1="${D1:-$OUT/d1}"
+if [ -f "$D1/tau_T0/results.json" ] && [ -f "$OUT/d2/tau_T0/results.json" ]; then
     for t in T0 T1; do
         echo "== T = ${t#T}: DFlash2 against DFlash-1, $STEPS steps each"
-        "$PY" scripts/dflash2/compare_tau.py "DFlash-1=$OUT/d1/tau_$t/results.json" "DFlash2=$OUT/d2/tau_$t/results.json" \
+        "$PY" scripts/dflash2/compare_tau.py "DFlash-1=$D1/tau_$t/results.json" "DFlash2=$OUT/d2/tau_$t/results.json" \
             | tee "$OUT/compare_$t.md"
     done
 fi
