@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What issue 16 asks beside tau, for a finished `same_budget_pair.sh` run: the draft step of the two drafters
 # (eager and compiled, calls interleaved) and the demo end to end with each (batch 1, T = 0 twice alternating, once
-# compiled, T = 1 once; the shipped drafter once beside them), into $OUT/report/. Waits for the pair's comparison (compare_T1.md) when WAIT=1.
+# compiled, T = 1 once; the shipped drafter once beside them), into $OUT/report/. WAIT=1 waits for the pair's
+# comparison (compare_T1.md) first.
 # Env: PY, OUT (default runs/same_budget_4000), WAIT (default 0), THREADS (default 1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
