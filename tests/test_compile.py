@@ -132,6 +132,19 @@ def test_compile_needs_the_fast_path():
         SpecEngine(target, make_drafter(target), compile=True)
 
 
+def test_compiled_mixture_of_experts_target_is_lossless_and_eager_experts_are_refused():
+    """A Qwen3-MoE target's expert layers run inside the compiled verify through transformers' grouped_mm experts;
+    its 'eager' experts (a loop over the experts a batch routes to) cannot be traced, and say so up front."""
+    target = make_target("qwen3_moe", dtype=torch.float32)
+    with pytest.raises(ValueError, match="'eager' experts implementation"):
+        SpecEngine(target, make_drafter(target, block_size=4, dtype=torch.float32), compile=True)
+    target.set_experts_implementation("grouped_mm")
+    expected = [greedy_reference(target, p, 12) for p in PROMPTS[:2]]
+    engine = SpecEngine(target, block_size=4, compile=True,
+                        proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], seed=2))
+    assert [r.token_ids for r in engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12))] == expected
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graphs)")
 def test_cuda_graphs_lossless_while_rows_come_and_go_in_place():
     """On CUDA the steps replay CUDA graphs: rows leaving within a bucket keep the page table's address (the

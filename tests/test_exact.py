@@ -9,7 +9,7 @@ CPU's MKL and attention kernels do round differently per row count.
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.model.cpu_linear import native_bf16_cpu
@@ -20,12 +20,16 @@ from tiny import OracleProposer, make_drafter
 VOCAB = 512
 
 
-def _target(dtype):
+def _target(dtype, moe: bool = False):
+    """Qwen3, or with `moe` Qwen3-MoE (8 experts, 2 a token, transformers' default experts implementation)."""
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=5,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(cfg).to(dtype).eval()
+    shape = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=5,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                 bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if moe:
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+                                                  **shape)).to(dtype).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**shape)).to(dtype).eval()
 
 
 def _prompts(n, seed=0):
@@ -51,11 +55,12 @@ def _block_then_steps(fast, prompt, block):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pack", [False, True], ids=["mkl", "packed"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @torch.inference_mode()
-def test_exact_block_logits_equal_one_token_steps_bit_for_bit(dtype, pack):
+def test_exact_block_logits_equal_one_token_steps_bit_for_bit(dtype, pack, moe):
     if pack and dtype == torch.bfloat16 and not native_bf16_cpu():
         pytest.skip("this CPU's oneDNN has no bf16 path to pack for")
-    target = TargetModel(_target(dtype))
+    target = TargetModel(_target(dtype, moe))
     target.set_layer_ids([0, 2])
     prompt, block = _prompts(1)[0], _prompts(1, seed=1)[0][:16]
     together, alone = _block_then_steps(FastTarget(target, pack_weights=pack, exact=True), prompt, block)

@@ -1,6 +1,6 @@
 """Greedy losslessness: the engine's output equals the target's own greedy decoding, token for token.
 
-200 randomized cases over 6 architectures, block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64,
+200 randomized cases over 9 architectures (3 of them mixtures of experts), block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64,
 with and without an EOS stop id, each with either the DFlash drafter or an oracle drafter that makes the engine
 accept full, partial and empty blocks, each through both target paths (the lean static-cache fast path where the
 architecture has one, and the generic transformers path). Every other case runs again in float32 on the fast
@@ -17,7 +17,7 @@ from flashdraft import SamplingParams, SpecEngine
 from tiny import ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2")
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe")
 _targets: dict = {}
 _drafters: dict = {}
 
@@ -60,6 +60,7 @@ def test_greedy_equals_target(i):
             engine = SpecEngine(target, block_size=block_size, proposer=proposer, fast_path=fast_path)
         else:
             engine = SpecEngine(target, _drafter(arch, block_size), fast_path=fast_path)
+        assert (engine.fast is not None) == (fast_path is None and arch in FAST_ARCHS)
         results = engine.generate(prompts, params)
         for row, (res, exp) in enumerate(zip(results, expected)):
             assert res.token_ids == exp, (

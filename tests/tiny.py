@@ -18,12 +18,18 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 import pytest
@@ -41,6 +47,9 @@ MASK_ID = VOCAB - 1
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
                pad_token_id=None, tie_word_embeddings=False)
+# mixture-of-experts targets: 4 experts, 2 per token, one dense layer among sparse ones where the family allows it;
+# eager experts (transformers' default grouped_mm has no float64 kernel)
+_EXPERTS = dict(num_experts_per_tok=2, experts_implementation="eager")
 
 ARCHITECTURES = {
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(head_dim=8, **_COMMON)),
@@ -49,6 +58,13 @@ ARCHITECTURES = {
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON)),
     "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**{k: v for k, v in _COMMON.items()})),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(head_dim=8, **_COMMON)),
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(head_dim=8, num_experts=4, moe_intermediate_size=32,
+                                                               mlp_only_layers=[1], **_EXPERTS, **_COMMON)),
+    "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(num_local_experts=4, sliding_window=None, **_EXPERTS,
+                                                          **_COMMON)),
+    "qwen2_moe": (Qwen2MoeForCausalLM, lambda: Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32,
+                                                              shared_expert_intermediate_size=48, mlp_only_layers=[2],
+                                                              **_EXPERTS, **_COMMON)),
 }
 
 

@@ -20,8 +20,9 @@ Before a cycle each row's caches take pages (`EngineConfig.kv_page_size` positio
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
-Llama / Mistral / Qwen2 / Qwen3 targets run through `FastTarget` (lean forward, paged per-row cache); any other
-transformers decoder that accepts `position_ids` and a 2D attention mask runs through transformers itself.
+Llama / Mistral / Qwen2 / Qwen3 targets and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) run through
+`FastTarget` (lean forward, paged per-row cache); any other transformers decoder that accepts `position_ids` and a
+2D attention mask runs through transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
 paged caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a
@@ -68,7 +69,8 @@ from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, S
 from flashdraft.engine.verify import SamplingParams, accept_chosen, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
-from flashdraft.model.fast_target import FastTarget, fast_path_unsupported, packable_weights
+from flashdraft.model.fast_target import (FastTarget, fast_path_unsupported, packable_weights,
+                                         untraceable_experts)
 from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
 from flashdraft.model.target import TargetModel, validate_pair
 
@@ -481,7 +483,8 @@ class SpecEngine:
         self.block_step = None  # the compiled target block forward
         if compile:
             why_not = compile_unavailable(self.target.device) or (
-                f"compile=True needs the fast target path, and {reason}" if self.fast is None else None)
+                f"compile=True needs the fast target path, and {reason}" if self.fast is None else None
+            ) or untraceable_experts(self.target.model)
             if why_not:
                 raise ValueError(why_not)
             self.block_step = compile_step(self.fast.forward, self.target.device)

@@ -1,10 +1,13 @@
-"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3) with a static KV cache.
+"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts
+kin Mixtral, Qwen2-MoE, Qwen3-MoE) with a paged KV cache.
 
 transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
 every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
 arithmetic over the model's OWN parameters (nothing is copied): embedding, pre-norm layers with grouped-query
 attention (+ q/k RMSNorm for Qwen3, q/k/v bias for Qwen2), RoPE from the model's own rotary module (so rope
-scaling variants match), SiLU-gated MLP, final norm, lm_head.
+scaling variants match), SiLU-gated MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own sparse
+block (its router, its experts through the experts implementation the model was loaded with, Qwen2-MoE's shared
+expert): the fast path replaces the attention and cache plumbing, not the expert dispatch.
 
 The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
 table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
@@ -22,8 +25,9 @@ block. Speculative output is then bit-identical to plain decoding in exact mode,
 (BENCHMARKS.md, 'Exactness').
 
 What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
-fused projections, sliding windows shorter than the context, MoE): `fast_path_unsupported` names the reason and
-the engine keeps the generic transformers path for them.
+fused projections, sliding windows shorter than the context, latent attention): `fast_path_unsupported` names the
+reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
+(only attention projections and dense MLPs are).
 """
 
 from __future__ import annotations
@@ -37,7 +41,18 @@ from flashdraft.model.greedy_readout import ScreenedArgmax
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel
 
-FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+# the mixture-of-experts blocks `FastTarget` calls as they are: [..., tokens, H] -> the same shape, routing per token
+SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+
+
+def is_sparse(mlp) -> bool:
+    """Whether a layer's MLP is a mixture-of-experts block (`SPARSE_BLOCKS`), run through its own forward."""
+    return type(mlp).__name__ in SPARSE_BLOCKS
+
+
+def _dense(mlp) -> bool:
+    return all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 def fast_path_unsupported(model) -> str | None:
@@ -51,9 +66,9 @@ def fast_path_unsupported(model) -> str | None:
         return "unexpected module layout"
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return "sliding-window attention"
-    if model_type == "mistral" and getattr(config, "sliding_window", None):
-        if config.sliding_window < config.max_position_embeddings:
-            return "sliding-window attention"
+    if (model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None)
+            and config.sliding_window < config.max_position_embeddings):
+        return "sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
         return "logit soft-capping"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -61,18 +76,30 @@ def fast_path_unsupported(model) -> str | None:
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "fused attention projections"
-    if not all(isinstance(getattr(inner.layers[0].mlp, p, None), torch.nn.Linear)
-               for p in ("gate_proj", "up_proj", "down_proj")):
-        return "fused or non-linear MLP projections"
+    for layer in inner.layers:
+        if not (_dense(layer.mlp) or is_sparse(layer.mlp)):
+            return f"MLP {type(layer.mlp).__name__}: neither SiLU-gated linear projections nor a known sparse block"
+    return None
+
+
+def untraceable_experts(model) -> str | None:
+    """Why compiled steps cannot run this model's expert layers, or None: transformers' "eager" experts loop over the
+    experts a batch routes to (a data-dependent loop torch.compile cannot trace without breaking the graph);
+    "grouped_mm", transformers' default where it dispatches, traces."""
+    implementation = getattr(model.config, "_experts_implementation", None)
+    if implementation == "eager" and any(is_sparse(layer.mlp) for layer in model.model.layers):
+        return ("compile=True cannot trace the 'eager' experts implementation this model was loaded with: load it "
+                "with experts_implementation=\"grouped_mm\" or run without compile")
     return None
 
 
 def packable_weights(model) -> list[torch.Tensor]:
-    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the MLPs."""
+    """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the dense MLPs."""
     return [model.get_output_embeddings().weight] + [
         getattr(module, p).weight for layer in model.model.layers
         for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))) for p in names]
+                              (layer.mlp, () if is_sparse(layer.mlp) else ("gate_proj", "up_proj", "down_proj")))
+        for p in names]
 
 
 
@@ -100,7 +127,7 @@ class FastTarget:
         self.lm_head = target.model.get_output_embeddings()
         # CPU: the lm_head, the fused q/k/v and gate/up projections and the down projections (the widest GEMMs
         # of a verify) through oneDNN on packed copies; o_proj alone is as fast through MKL
-        self.packed_layers = None  # per layer: (q/k/v, gate/up, down)
+        self.packed_layers = None  # per layer: (q/k/v, gate/up, down); (q/k/v, None, None) for a sparse layer
         if pack_weights is None:
             pack_weights = pack_by_default(packable_weights(target.model))
         elif pack_weights:
@@ -109,7 +136,8 @@ class FastTarget:
             self.lm_head = packed_linear(self.lm_head)
             self.packed_layers = [
                 (packed_concat([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                 packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))
+                 *((None, None) if is_sparse(layer.mlp) else
+                   (packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))))
                 for layer in self.layers]
         self.exact = exact
         # greedy verifies read their argmax through a bf16 copy of an fp32 lm_head (`greedy_readout.py`), certified
@@ -335,8 +363,10 @@ class FastTarget:
         return qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
     def _mlp(self, i: int, h: torch.Tensor, project) -> torch.Tensor:
+        mlp = self.layers[i].mlp
+        if is_sparse(mlp):  # the block wants [batch, tokens, H]; exact mode routes each token alone
+            return mlp(h) if project is _call else project(lambda row: mlp(row[None])[0], h)
         if self.packed_layers is None:
-            mlp = self.layers[i].mlp
             if project is _call:
                 return mlp(h)
             return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
