@@ -29,7 +29,7 @@ else
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 ALL="trace_bf16 trace_bf16_cudnn trace_bf16_1thread trace_fp32 profile_c32 profile_c32_cudnn noise_152k
-     cuda_graphs flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_cudnn concurrency_t1
+     cuda_graphs moe_cuda flex_training demo_fp32 demo_bf16 shapes_eager concurrency concurrency_cudnn concurrency_t1
      concurrency_trim shapes_compiled divergence_bf16 cycle_ops"
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
@@ -55,6 +55,8 @@ run_stage() {
         --shapes 1x1,16x1,32x1,1x16,4x16,16x16 ;;
     cuda_graphs) stage $1 200 python3 -m pytest -q -p no:cacheprovider \
         tests/test_compile.py::test_cuda_graphs_lossless_while_rows_come_and_go_in_place ;;
+    moe_cuda) stage $1 200 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
+        tests/test_compile.py::test_compiled_mixture_of_experts_target_is_lossless_and_eager_experts_are_refused ;;
     flex_training) stage $1 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_train_cli.py::test_flex_training_on_gpu_matches_sdpa ;;
     demo_fp32) stage $1 60 python3 -m flashdraft.cli demo --device cuda --dtype float32 --json "$WORK/$1.json" ;;
