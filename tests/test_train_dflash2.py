@@ -104,6 +104,55 @@ def test_the_selectors_soft_labels_are_the_targets_distribution_over_its_candida
     assert selector.successor_codebook.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("top_k", [4, 64])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("distill", [0.0, 0.5, 1.0])
+def test_selector_loss_reads_the_marginal_losss_logits_and_teacher_as_if_computed_again(top_k, temperature, distill):
+    """The trainer hands the selector's loss the marginal loss's logits and teacher log-probabilities
+    (`marginal=`) instead of computing them again: the same loss and gradients as computing them, and the marginal
+    loss without its hard-label term at distillation weight 1 (it is multiplied by 0) as with it."""
+    from flashdraft.train.loss import dflash_loss
+
+    block_ids = torch.tensor([[7, MASK, MASK, MASK, 9, MASK, MASK, MASK]])
+    labels = torch.tensor([[0, 11, 12, 13, 0, 21, 22, 23]])
+    offset = torch.arange(4).repeat(2)[None]
+    target = tiny_target().double()
+    torch.manual_seed(1)
+    drafter = DFlash2DraftModel(make_dflash2_config(target.config, num_layers=2, block_size=4, mask_token_id=MASK,
+                                                    selector_rank=4, selector_top_k=top_k, conv_kernel_size=3,
+                                                    conv_group_size=8)).double()
+    weights = torch.tensor([[0.0, 1.0, 0.5, 0.25, 0.0, 1.0, 0.5, 0.25]], dtype=torch.float64)
+    read_out = torch.nn.Linear(32, 64, bias=False).double()
+    teacher = 3 * torch.randn(1, 8, 64, dtype=torch.float64)
+    results = []
+    for shared in (False, True):
+        drafter.zero_grad()
+        read_out.zero_grad()
+        hidden = torch.randn(1, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2),
+                             requires_grad=True)
+        out = dflash_loss(hidden, read_out, labels, weights, offset, 4, normaliser=2.0, teacher_logits=teacher,
+                          distill_weight=distill, temperature=temperature, keep=True)
+        assert (out.logits is not None) and ((out.teacher_log_probs is not None) == (distill > 0))
+        picked = selector_loss(drafter, hidden, read_out, block_ids, labels, weights, offset, normaliser=2.0,
+                               teacher_logits=teacher, distill_weight=distill, temperature=temperature,
+                               marginal=out if shared else None)
+        (out.loss + picked.loss).backward()
+        results.append((out.loss.detach(), picked.loss.detach(), picked.hits, hidden.grad.clone(),
+                        drafter.candidate_selector.successor_codebook.weight.grad.clone(), read_out.weight.grad.clone()))
+    for computed, shared in zip(*results):
+        torch.testing.assert_close(shared, computed)
+    if distill:  # the marginal loss is the stated mix of its two terms
+        import torch.nn.functional as F
+        picked = weights[0] > 0
+        hidden = torch.randn(1, 8, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        logits = read_out(hidden[0, picked]).detach()
+        ce = F.cross_entropy(logits, labels[0, picked], reduction="none")
+        kl = F.kl_div(F.log_softmax(logits / temperature, -1), F.log_softmax(teacher[0, picked] / temperature, -1),
+                      log_target=True, reduction="none").sum(-1) * temperature ** 2
+        want = (((1 - distill) * ce + distill * kl) * weights[0, picked]).sum() / 2.0
+        torch.testing.assert_close(results[0][0], want.float())
+
+
 def _examples():
     g = torch.Generator().manual_seed(0)
     examples = []

@@ -58,19 +58,31 @@ class LossOutput:
     weight_sum: torch.Tensor  # detached sum(w)
     correct: torch.Tensor  # [B] argmax hits per block position (detached, float)
     count: torch.Tensor  # [B] labelled slots per block position
+    # with `keep`: the labelled slots' logits and the teacher's log-probabilities at `temperature` [M, V] (detached)
+    # where the loss ran as one chunk, for the DFlash2 selector's loss (`selector.py`) to read instead of computing
+    # them again (None where chunked under checkpointing, or without a teacher)
+    logits: torch.Tensor | None = None
+    teacher_log_probs: torch.Tensor | None = None
 
 
 def _chunk_loss(hidden, labels, weights, teacher, logits_fn, distill_weight, temperature):
+    """(sum of weighted per-slot losses, argmax hits, the logits, the teacher's log-probabilities or None)."""
     logits = logits_fn(hidden).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    per_slot = ce
-    if teacher is not None and distill_weight > 0:
-        log_p_draft = F.log_softmax(logits / temperature, dim=-1)
-        log_p_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
-        kl = (log_p_teacher.exp() * (log_p_teacher - log_p_draft)).sum(-1) * (temperature**2)
-        per_slot = (1.0 - distill_weight) * ce + distill_weight * kl
-    hits = (logits.argmax(-1) == labels).float()
-    return (per_slot * weights).sum(), hits
+    if teacher is None or distill_weight <= 0:
+        return (F.cross_entropy(logits, labels, reduction="none") * weights).sum(), _hits(logits, labels), logits, None
+    # one log-softmax of the draft serves both terms at temperature 1 (cross_entropy computes the same one)
+    log_p_draft = F.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
+    log_p_teacher = F.log_softmax(teacher.float() if temperature == 1 else teacher.float() / temperature, dim=-1)
+    per_slot = (log_p_teacher.exp() * (log_p_teacher - log_p_draft)).sum(-1) * (temperature**2)
+    if distill_weight < 1:  # the hard-label term; at weight 1 it is multiplied by 0, so not computed
+        ce = (F.nll_loss(log_p_draft, labels, reduction="none") if temperature == 1
+              else F.cross_entropy(logits, labels, reduction="none"))
+        per_slot = (1.0 - distill_weight) * ce + distill_weight * per_slot
+    return (per_slot * weights).sum(), _hits(logits, labels), logits, log_p_teacher
+
+
+def _hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return (logits.argmax(-1) == labels).float()
 
 
 def dflash_loss(
@@ -85,8 +97,10 @@ def dflash_loss(
     distill_weight: float = 0.0,
     temperature: float = 1.0,
     chunk_size: int = 4096,
+    keep: bool = False,
 ) -> LossOutput:
-    """hidden [b, Q, H]; labels/weights/block_offset [b, Q]; teacher_logits [b, Q, V] or None.
+    """hidden [b, Q, H]; labels/weights/block_offset [b, Q]; teacher_logits [b, Q, V] or None; `keep`: return the
+    logits and teacher log-probabilities (`LossOutput.logits`).
 
     `logits_fn(hidden_rows [M, H]) -> [M, V]` (the drafter's read-out through the target lm_head).
     """
@@ -103,13 +117,17 @@ def dflash_loss(
     hits_all = []
     m = h.shape[0]
     chunk = max(1, int(chunk_size))
+    kept = (None, None)
     for start in range(0, m, chunk):
         args = (h[start:start + chunk], y[start:start + chunk], w[start:start + chunk],
                 None if t is None else t[start:start + chunk])
         if torch.is_grad_enabled() and m > chunk:
-            part, hits = checkpoint(_chunk_loss, *args, logits_fn, distill_weight, temperature, use_reentrant=False)
+            part, hits, *_ = checkpoint(_chunk_loss, *args, logits_fn, distill_weight, temperature,
+                                        use_reentrant=False)
         else:
-            part, hits = _chunk_loss(*args, logits_fn, distill_weight, temperature)
+            part, hits, logits, log_teacher = _chunk_loss(*args, logits_fn, distill_weight, temperature)
+            if keep and m <= chunk:
+                kept = (logits.detach(), None if log_teacher is None else log_teacher.detach())
         total = total + part
         hits_all.append(hits.detach())
     if m == 0:
@@ -117,7 +135,7 @@ def dflash_loss(
     hits = torch.cat(hits_all) if hits_all else hidden.new_zeros(0)
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, k, hits.float())
     count = torch.zeros(block_size, device=hidden.device).index_add_(0, k, torch.ones_like(hits, dtype=torch.float32))
-    return LossOutput(total / normaliser, total.detach(), weight_sum, correct, count)
+    return LossOutput(total / normaliser, total.detach(), weight_sum, correct, count, *kept)
 
 
 def gather_teacher_logits(target_logits: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

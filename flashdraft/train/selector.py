@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from flashdraft.train.loss import LossOutput
+
 
 @dataclass
 class SelectorLoss:
@@ -39,17 +41,25 @@ def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor, block_offset:
     return torch.where(block_offset == 1, block_ids.roll(1, dims=1), labels.roll(1, dims=1))
 
 
-def _chunk(selector, hidden, logits_fn, previous, labels, weights, teacher, distill_weight, temperature):
-    with torch.no_grad():
-        logits = logits_fn(hidden)
+def _chunk(selector, hidden, logits_fn, previous, labels, weights, teacher, distill_weight, temperature,
+           logits=None, log_teacher=None):
+    """`logits` (the marginal's) and `log_teacher` (log-softmax of the teacher at `temperature`), where the marginal
+    loss already computed them, else computed here from `logits_fn` and `teacher`."""
+    if logits is None:
+        with torch.no_grad():
+            logits = logits_fn(hidden)
     scores, target, present, candidates = selector.teacher_forced(hidden, logits, previous, labels)
-    per_slot = F.cross_entropy(scores.float(), target, reduction="none") * present
-    if teacher is not None and distill_weight > 0:
-        teacher = teacher if candidates is None else teacher.gather(-1, candidates)  # renormalised over them below
-        log_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
-        log_selector = F.log_softmax(scores.float() / temperature, dim=-1)
-        kl = (log_teacher.exp() * (log_teacher - log_selector)).sum(-1) * temperature ** 2
-        per_slot = (1.0 - distill_weight) * per_slot + distill_weight * kl
+    distilling = (teacher is not None or log_teacher is not None) and distill_weight > 0
+    if not distilling or distill_weight < 1:  # the hard-label term; at distillation weight 1 it is multiplied by 0
+        per_slot = F.cross_entropy(scores.float(), target, reduction="none") * present
+    if distilling:
+        if log_teacher is None:
+            log_teacher = F.log_softmax(teacher.float() if temperature == 1 else teacher.float() / temperature, -1)
+        if candidates is not None:  # renormalised over them (log-softmax is shift-invariant: the same as of the
+            log_teacher = F.log_softmax(log_teacher.gather(-1, candidates), dim=-1)  # gathered teacher logits)
+        scaled = scores.float() if temperature == 1 else scores.float() / temperature
+        kl = (log_teacher.exp() * (log_teacher - F.log_softmax(scaled, dim=-1))).sum(-1) * temperature ** 2
+        per_slot = kl if distill_weight >= 1 else (1.0 - distill_weight) * per_slot + distill_weight * kl
     hits = (scores.argmax(-1) == target) & present
     return (per_slot * weights).sum(), hits.float().sum()
 
@@ -57,15 +67,19 @@ def _chunk(selector, hidden, logits_fn, previous, labels, weights, teacher, dist
 def selector_loss(drafter, hidden: torch.Tensor, logits_fn, block_ids: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor, block_offset: torch.Tensor, normaliser: float | torch.Tensor,
                   chunk_size: int = 4096, teacher_logits: torch.Tensor | None = None, distill_weight: float = 0.0,
-                  temperature: float = 1.0) -> SelectorLoss:
+                  temperature: float = 1.0, marginal: LossOutput | None = None) -> SelectorLoss:
     """hidden [b, Q, H] (the drafter's, before the read-out); block_ids / labels / weights / block_offset [b, Q] as
     `build_blocks` and `slot_weights` give them; `logits_fn(hidden_rows) -> [M, V]` the marginal read-out;
     `teacher_logits` [b, Q, V] the target's logits for each slot's token (given the true prefix) with
-    `distill_weight` > 0: the soft-label term, KL(target || selector) over the candidates at `temperature`."""
+    `distill_weight` > 0: the soft-label term, KL(target || selector) over the candidates at `temperature`.
+    `marginal`: the marginal loss's output for the same slots and teacher (`loss.dflash_loss`), whose logits and
+    teacher log-probabilities are used where it kept them."""
     selected = weights > 0
     previous = previous_tokens(block_ids, labels, block_offset)[selected]
     h, y, w = hidden[selected], labels[selected], weights[selected].float()
     t = teacher_logits[selected] if teacher_logits is not None and distill_weight > 0 else None
+    shared_logits = marginal.logits if marginal is not None else None
+    shared_teacher = marginal.teacher_log_probs if marginal is not None and t is not None else None
     total = hidden.new_zeros((), dtype=torch.float32)
     hits = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, h.shape[0], chunk_size):
@@ -75,7 +89,9 @@ def selector_loss(drafter, hidden: torch.Tensor, logits_fn, block_ids: torch.Ten
         if torch.is_grad_enabled() and h.shape[0] > chunk_size:
             loss, hit = checkpoint(_chunk, *part, use_reentrant=False)
         else:
-            loss, hit = _chunk(*part)
+            end = start + chunk_size
+            loss, hit = _chunk(*part, None if shared_logits is None else shared_logits[start:end],
+                               None if shared_teacher is None else shared_teacher[start:end])
         total, hits = total + loss, hits + hit.detach()
     if h.shape[0] == 0:
         total = hidden.sum() * 0.0

@@ -585,13 +585,15 @@ class Trainer:
                     hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head), blk.labels.to(dev),
                     m.weights.to(dev), blk.block_offset.to(dev), cfg.block_size, normaliser=normaliser,
                     teacher_logits=teacher, distill_weight=cfg.distill_weight, temperature=cfg.distill_temperature,
-                    chunk_size=cfg.loss_chunk_size)
+                    chunk_size=cfg.loss_chunk_size, keep=isinstance(self.drafter, DFlash2DraftModel))
                 loss = out.loss
                 if isinstance(self.drafter, DFlash2DraftModel):  # the candidate selector's own loss (selector.py)
                     picked = selector_loss(
                         self.drafter, hidden, lambda h: self.drafter.compute_logits(h, self.target.lm_head),
                         blk.block_ids.to(dev), blk.labels.to(dev), m.weights.to(dev), blk.block_offset.to(dev),
-                        normaliser, cfg.loss_chunk_size, teacher, cfg.selector_distill_weight, cfg.distill_temperature)
+                        normaliser, cfg.loss_chunk_size, teacher, cfg.selector_distill_weight, cfg.distill_temperature,
+                        marginal=out)
+                    out.logits = out.teacher_log_probs = None  # [slots x vocabulary] each: not kept past their use
                     loss = loss + picked.loss
                     selector_stats += torch.stack([picked.hits, picked.count]).double()
             loss.backward()
