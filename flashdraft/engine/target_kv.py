@@ -18,8 +18,8 @@
   longest keep masked holes; the cache is cropped to the longest kept prefix (no copies).
 - `PagedTargetKV`, the fast path (Llama / Mistral / Qwen2 / Qwen3 and their MoE kin through `FastTarget`): a
   paged per-row cache (`slots.PagedKV`) with one slot per position, so keeping the accepted prefix is a no-op and
-  rows never hold holes; each row owns pages for its own positions only. For compiled steps it holds a bucketed row count
-  (`RowBuckets`; padding rows own no pages) and pads its inputs and unpads its outputs itself.
+  rows never hold holes; each row owns pages for its own positions only. For compiled steps it holds a bucketed
+  row count (`RowBuckets`; padding rows own no pages) and pads its inputs and unpads its outputs itself.
 
 What this module does not know about: drafting, acceptance, stop conditions.
 """
