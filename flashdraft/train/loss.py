@@ -71,14 +71,25 @@ def _chunk_loss(hidden, labels, weights, teacher, logits_fn, distill_weight, tem
     if teacher is None or distill_weight <= 0:
         return (F.cross_entropy(logits, labels, reduction="none") * weights).sum(), _hits(logits, labels), logits, None
     # one log-softmax of the draft serves both terms at temperature 1 (cross_entropy computes the same one)
-    log_p_draft = F.log_softmax(logits if temperature == 1 else logits / temperature, dim=-1)
-    log_p_teacher = F.log_softmax(teacher.float() if temperature == 1 else teacher.float() / temperature, dim=-1)
-    per_slot = (log_p_teacher.exp() * (log_p_teacher - log_p_draft)).sum(-1) * (temperature**2)
+    log_p_draft = F.log_softmax(at_temperature(logits, temperature), dim=-1)
+    log_p_teacher = F.log_softmax(at_temperature(teacher.float(), temperature), dim=-1)
+    per_slot = kl_divergence(log_p_teacher, log_p_draft, temperature)
     if distill_weight < 1:  # the hard-label term; at weight 1 it is multiplied by 0, so not computed
         ce = (F.nll_loss(log_p_draft, labels, reduction="none") if temperature == 1
               else F.cross_entropy(logits, labels, reduction="none"))
         per_slot = (1.0 - distill_weight) * ce + distill_weight * per_slot
     return (per_slot * weights).sum(), _hits(logits, labels), logits, log_p_teacher
+
+
+def at_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature (the logits themselves at 1: no division, no copy)."""
+    return logits if temperature == 1 else logits / temperature
+
+
+def kl_divergence(log_teacher: torch.Tensor, log_student: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per row KL(teacher || student) from log-probabilities at `temperature`, scaled by temperature^2 (Hinton's
+    correction, so the gradient's size does not depend on it)."""
+    return (log_teacher.exp() * (log_teacher - log_student)).sum(-1) * (temperature**2)
 
 
 def _hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

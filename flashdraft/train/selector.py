@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from flashdraft.train.loss import LossOutput
+from flashdraft.train.loss import LossOutput, at_temperature, kl_divergence
 
 
 @dataclass
@@ -54,11 +54,11 @@ def _chunk(selector, hidden, logits_fn, previous, labels, weights, teacher, dist
         per_slot = F.cross_entropy(scores.float(), target, reduction="none") * present
     if distilling:
         if log_teacher is None:
-            log_teacher = F.log_softmax(teacher.float() if temperature == 1 else teacher.float() / temperature, -1)
+            log_teacher = F.log_softmax(at_temperature(teacher.float(), temperature), dim=-1)
         if candidates is not None:  # renormalised over them (log-softmax is shift-invariant: the same as of the
             log_teacher = F.log_softmax(log_teacher.gather(-1, candidates), dim=-1)  # gathered teacher logits)
-        scaled = scores.float() if temperature == 1 else scores.float() / temperature
-        kl = (log_teacher.exp() * (log_teacher - F.log_softmax(scaled, dim=-1))).sum(-1) * temperature ** 2
+        kl = kl_divergence(log_teacher, F.log_softmax(at_temperature(scores.float(), temperature), dim=-1),
+                           temperature)
         per_slot = kl if distill_weight >= 1 else (1.0 - distill_weight) * per_slot + distill_weight * kl
     hits = (scores.argmax(-1) == target) & present
     return (per_slot * weights).sum(), hits.float().sum()
