@@ -25,7 +25,8 @@ import torch
 from flashdraft.engine import SamplingParams, SpecEngine
 from flashdraft.engine.policy import DRAFT_POLICIES
 from flashdraft.loading import load_pair
-from flashdraft.model.hf_export import to_transformers_assistant, transformers_dflash_available
+from flashdraft.model.hf_export import (to_transformers_assistant, transformers_dflash_available,
+                                        unsupported_by_transformers_assistant)
 
 
 def main(argv=None) -> int:
@@ -68,7 +69,10 @@ def main(argv=None) -> int:
                                                        draft_policy=args.draft_policy)
         engines["plain decoding (compiled)"] = SpecEngine(target, None, compile=True)
     assistant = None  # transformers' DFlash runs the drafter in the target's dtype (it cannot mix them)
-    if transformers_dflash_available() and block == drafter.block_size:
+    unsupported = unsupported_by_transformers_assistant(drafter)  # it reads DFlash-1 drafters only
+    if unsupported:
+        print("transformers DFlash skipped: " + "; ".join(unsupported), file=sys.stderr)
+    elif transformers_dflash_available() and block == drafter.block_size:
         assistant = to_transformers_assistant(drafter, dtype=target.dtype)
 
     acceptance = {name: [] for name in engines}  # acceptance lengths of the timed runs
