@@ -2,9 +2,9 @@
 
 `load_target` loads any transformers causal LM (local directory or hub id) with its tokenizer; `load_pair` adds
 the drafter and validates the pair. With no paths, the default pair shipped in `flashdraft/assets/default_pair`
-(a small Python-code model and its DFlash2 drafter, trained by this project's own pipeline) is used, so everything
-runs offline on a fresh machine; `DFLASH1_DRAFTER` is the same target's DFlash-1 drafter, for the readers that take
-DFlash-1 only (transformers' DFlash, vLLM, SGLang).
+(a small Python-code model and its DFlash drafter, trained by this project's own pipeline) is used, so everything
+runs offline on a fresh machine; `DFLASH2_DRAFTER` is a DFlash2 drafter for the same target (higher tau, a costlier
+draft step on CPU; its model card).
 
 What this module does not know about: quantisation and device maps (pass a preloaded model to SpecEngine instead).
 """
@@ -23,7 +23,7 @@ from flashdraft.model.cpu_linear import native_bf16_cpu
 DEFAULT_PAIR_DIR = Path(__file__).parent / "assets" / "default_pair"
 DEFAULT_TARGET = DEFAULT_PAIR_DIR / "target"
 DEFAULT_DRAFTER = DEFAULT_PAIR_DIR / "drafter"
-DFLASH1_DRAFTER = DEFAULT_PAIR_DIR / "drafter_dflash1"
+DFLASH2_DRAFTER = DEFAULT_PAIR_DIR / "drafter_dflash2"
 
 
 class DefaultPairMissing(FileNotFoundError):

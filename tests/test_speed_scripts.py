@@ -80,20 +80,20 @@ def test_gpu_shapes_projection_from_known_step_times(tmp_path, monkeypatch, caps
     assert "| eager | 2 | 4.00 | 9.00 | 7.00 | 4.00 | 1.50x |" in table
 
 
-@pytest.mark.parametrize("drafter", ["default", "dflash1"])
+@pytest.mark.parametrize("drafter", ["default", "dflash2"])
 def test_bench_speed_smoke(tmp_path, drafter):
     """Every method (ours, plain, transformers generate, and transformers' DFlash where it can run the drafter: the
-    DFlash-1 one, not the default DFlash2) gives the same greedy tokens; ours drafts every cycle (`--draft-policy
-    fixed`: whether the adaptive policy drafts on two short prompts is the machine's timing)."""
-    from flashdraft.loading import DFLASH1_DRAFTER
+    default DFlash-1 one, not the shipped DFlash2 one) gives the same greedy tokens; ours drafts every cycle
+    (`--draft-policy fixed`: whether the adaptive policy drafts on two short prompts is the machine's timing)."""
+    from flashdraft.loading import DFLASH2_DRAFTER
 
     out = tmp_path / "speed.json"
-    draft = ["--draft", str(DFLASH1_DRAFTER)] if drafter == "dflash1" else []
+    draft = ["--draft", str(DFLASH2_DRAFTER)] if drafter == "dflash2" else []
     assert bench_speed.main(["--num-prompts", "2", "--max-new-tokens", "24", "--draft-policy", "fixed",
                              *draft, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["identical"].values()) == {2} and report["tau"] > 1
-    assert ("transformers DFlash" in report["identical"]) == (drafter == "dflash1")
+    assert ("transformers DFlash" in report["identical"]) == (drafter == "default")
 
 
 def min_plain_runs_seen(monkeypatch) -> list[int]:

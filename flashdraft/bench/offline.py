@@ -21,7 +21,7 @@ from flashdraft.bench.methods import (ALL_METHODS, DRAFTER_METHODS, EngineMethod
 from flashdraft.bench.metrics import acceptance_summary, prompt_distribution, timing_summary
 from flashdraft.bench.reference import TARGET_GENERATE, first_difference, target_greedy_generate
 from flashdraft.engine import EngineConfig, SamplingParams
-from flashdraft.loading import DEFAULT_PAIR_DIR, DFLASH1_DRAFTER
+from flashdraft.loading import DEFAULT_PAIR_DIR
 
 DEFAULT_ASSISTANT = DEFAULT_PAIR_DIR / "assistant"
 
@@ -94,10 +94,7 @@ def build_methods(names: list[str], target, tokenizer, drafter, params: Sampling
                 continue
             reasons = unsupported_by_transformers_assistant(drafter)
             if reasons:
-                shipped = f" (the default target's DFlash-1 drafter it runs: --draft {DFLASH1_DRAFTER})" \
-                    if cfg.target is None else ""
-                notes.append("hf-dflash skipped: transformers' DFlash cannot run this drafter: " + "; ".join(reasons)
-                             + shipped)
+                notes.append("hf-dflash skipped: transformers' DFlash cannot run this drafter: " + "; ".join(reasons))
                 continue
             if cfg.engine.block_size not in (None, drafter.block_size):
                 notes.append(f"hf-dflash runs the drafter's own block size {drafter.block_size} "

@@ -22,12 +22,11 @@
 #   8. more        3,000 more steps with 10,500 coverage contexts (of a 16,000-context cut; ~6 min more
 #                  regeneration) beside the same function starts and sampled answers, lr 1.5e-4, seed 3 (~55 min):
 #                  +3 % / +2 % greedy tau pooled, +2 % / +1 % at T = 1 (BENCHMARKS.md, issue 17)
-#   9. export      stage 8 (reference format, bf16) -> drafter_dflash1/, the DFlash-1 drafter (what transformers'
-#                  DFlash, vLLM and SGLang read), model card kept
+#   9. export      the fine-tuned drafter (reference format, bf16) into the package assets, model card kept
 #  10. DFlash2     from stage 8, 4,000 steps as a DFlash2 drafter (2-tap convolutions, a selector over every token)
 #                  on 12,750 answers (greedy to function starts and coverage contexts, sampled at T = 1), soft labels
-#                  (scripts/dflash2/same_budget_pair.sh, its DFlash2 arm; ~2 h on 2 cores) -> drafter/ (bf16), the
-#                  default: +9 % / +8 % greedy tau over stage 8, +45 % at T = 1 (BENCHMARKS.md, issue 17)
+#                  (scripts/dflash2/same_budget_pair.sh, its DFlash2 arm; ~2 h on 2 cores) -> drafter_dflash2/ (bf16):
+#                  greedy tau +9 % / +8 %, +47 % at T = 1, slower end to end on CPU (BENCHMARKS.md, issue 17)
 # Needs the target built first (build_target.sh). Each step is skipped when its outputs exist, unless --force.
 # Usage: scripts/default_pair/build_drafter.sh [--force] [extra `flashdraft train` flags...]   (PY=python to choose)
 set -euo pipefail
@@ -43,7 +42,7 @@ TARGET=flashdraft/assets/default_pair/target
 REGEN=data/default_pair/regen_mix
 RUN=runs/default_drafter
 OUT=flashdraft/assets/default_pair/drafter
-OUT_DFLASH1=flashdraft/assets/default_pair/drafter_dflash1
+OUT_DFLASH2=flashdraft/assets/default_pair/drafter_dflash2
 
 echo "== [1/10] prompts"
 "$PY" scripts/default_pair/prompts.py --train 4000 --heldout 64
@@ -97,10 +96,10 @@ print("exported", sys.argv[2])
 PY
 }
 
-echo "== [9/10] export the DFlash-1 drafter"
-export_bf16 runs/stage8_drafter/final "$OUT_DFLASH1"
+echo "== [9/10] export"
+export_bf16 runs/stage8_drafter/final "$OUT"
 
 echo "== [10/10] DFlash2 from stage 8, 4,000 steps; export"
-INIT="$OUT_DFLASH1" ONLY=d2 CONV_KERNEL=2 STEPS=4000 OUT=runs/stage10_dflash2 EVAL=0 NICE=0 PY="$PY" \
+INIT="$OUT" ONLY=d2 CONV_KERNEL=2 STEPS=4000 OUT=runs/stage10_dflash2 EVAL=0 NICE=0 PY="$PY" \
     bash scripts/dflash2/same_budget_pair.sh
-export_bf16 runs/stage10_dflash2/d2/final "$OUT"
+export_bf16 runs/stage10_dflash2/d2/final "$OUT_DFLASH2"

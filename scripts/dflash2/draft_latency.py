@@ -3,8 +3,8 @@ the engine's own draft phase per cycle (`CycleProfiler`, drafter forward + read-
 
     python scripts/dflash2/draft_latency.py --threads 1 [--compile] [--prompts 8] [--max-new-tokens 128]
 
-The DFlash-1 drafter is the shipped DFlash-1 one (`drafter_dflash1`); the DFlash2 drafter has the same layers with its
-weights copied in, plus convolutions (the identity) and a selector (random) (`--selector-rank` / `--selector-top-k` /
+The DFlash-1 drafter is the shipped one; the DFlash2 drafter has the same layers with the shipped weights copied
+in, plus convolutions (the identity) and a selector (random) (`--selector-rank` / `--selector-top-k` /
 `--conv-kernel-size` / `--conv-group-size`, default ours): latency does not depend on the values, and with weights
 this close both draft similar blocks, so the two runs see similar cycles (compare the taus printed). The two
 drafters alternate prompt by prompt (a shared machine's load hits both alike), for several rounds; the median over
@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from flashdraft import SamplingParams, SpecEngine
     from flashdraft.demo import load_heldout_prompts
-    from flashdraft.loading import DFLASH1_DRAFTER, load_pair
+    from flashdraft.loading import load_pair
 
-    target, tokenizer, dflash1 = load_pair(None, DFLASH1_DRAFTER)
+    target, tokenizer, dflash1 = load_pair()
     dflash2 = dflash2_like(dflash1, selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
                            conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in load_heldout_prompts(args.prompts)]

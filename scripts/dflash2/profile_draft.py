@@ -9,7 +9,7 @@ so that the comparison is of the step alone and low in noise.
 Prints the median ms per step of each drafter (calls interleaved one by one) and their ratio, per round and the
 median over rounds; `--profile` adds torch.profiler's table of operators (self CPU time) for each. The DFlash2
 drafter is `draft_latency.dflash2_like` (the shipped DFlash-1 weights, identity convolutions, a random selector)
-unless `--dflash1` / `--dflash2` name checkpoints to time instead (the shipped DFlash-1 drafter stands for one not
+unless `--dflash1` / `--dflash2` name checkpoints to time instead (the shipped drafter stands for a DFlash-1 not
 given). `--temperature` > 0 drafts through the gumbel race (the engine's default sampler) with uniform noise. `--confidence`: both drafters also report their
 confidence in each draft, as they do under the default policy's confidence trim (eager only).
 
@@ -69,8 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--walk-candidates", type=int, default=None,
                     help="a whole-vocabulary selector walks among each position's K likeliest winners (default: "
                          "the engine's, 16; 0 = every token)")
-    ap.add_argument("--dflash1", default=None, metavar="DIR",
-                    help="a DFlash-1 checkpoint (default: the shipped DFlash-1 drafter)")
+    ap.add_argument("--dflash1", default=None, metavar="DIR", help="a DFlash-1 checkpoint (default: the shipped)")
     ap.add_argument("--dflash2", default=None, metavar="DIR",
                     help="a DFlash2 checkpoint (default: the shipped drafter grown into one, `dflash2_like`)")
     ap.add_argument("--json", default=None)
@@ -79,9 +78,9 @@ def main(argv=None) -> int:
         ap.error("--selector-top-k / --selector-rank shape the stand-in DFlash2; a --dflash2 checkpoint has its own")
     torch.set_num_threads(args.threads)
     from flashdraft import SpecEngine
-    from flashdraft.loading import DFLASH1_DRAFTER, load_pair
+    from flashdraft.loading import load_pair
 
-    target, tokenizer, dflash1 = load_pair(None, args.dflash1 or DFLASH1_DRAFTER)
+    target, tokenizer, dflash1 = load_pair(None, args.dflash1) if args.dflash1 else load_pair()
     dflash2 = (load_pair(None, args.dflash2)[2] if args.dflash2 else
                dflash2_like(dflash1, selector_top_k=args.selector_top_k, selector_rank=args.selector_rank))
     drafters = {"dflash": dflash1, "dflash2": dflash2}

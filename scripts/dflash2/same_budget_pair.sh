@@ -4,7 +4,7 @@
 #   1. data      the mixture of BENCHMARKS.md 'DFlash2 against DFlash-1 at 2,000 steps' (12,750 answers of the
 #                shipped target: 4,000 greedy to function starts, 4,750 greedy to coverage contexts, 4,000 sampled at
 #                T = 1 with seed 0), regenerated where missing -> data/default_pair/regen_mixcov (links)
-#   2. train     both from the shipped DFlash-1 drafter (stage 8, `INIT`), same flags, same seed (so the same
+#   2. train     both from the shipped drafter (stage 8, `INIT`), same flags, same seed (so the same
 #                batches), STEPS each; DFlash2 adds its convolutions and a selector over every token (rank 128,
 #                its own lr, soft labels)
 #   3. evaluate  scripts/drafter/eval_tau.py at T = 0 and T = 1 on each, pooled by scripts/dflash2/compare_tau.py
@@ -13,7 +13,7 @@
 # Env: PY, STEPS (default 4000), OUT (default runs/same_budget_<STEPS>), NICE (default 10), ONLY (d1 or d2: one arm),
 # CONV_KERNEL (DFlash2's convolution taps; default ours, 4; z-lab's package drafts only with 2: docs/checkpoints.md),
 # D1 (a finished DFlash-1 arm's directory to compare with, e.g. another OUT's d1, when ONLY=d2),
-# INIT (default flashdraft/assets/default_pair/drafter_dflash1: the weights both arms start from),
+# INIT (default flashdraft/assets/default_pair/drafter: the weights both arms start from),
 # DEVICE (default cpu; cuda trains on a GPU: `STAGES=train_pair bash scripts/gpu/session_check.sh`), EVAL (default 1;
 # 0 trains only, e.g. on a device machine whose checkpoints are evaluated here).
 set -euo pipefail
@@ -45,7 +45,7 @@ for part in mix cov t1_s0; do
     for f in "$DATA/regen_$part"/shard-*.jsonl; do ln -sf "../regen_$part/$(basename "$f")" "$MIX/$part-$(basename "$f")"; done
 done
 
-COMMON=(--target "$TARGET" --data "$MIX" --init-from "${INIT:-flashdraft/assets/default_pair/drafter_dflash1}" --block-size 16
+COMMON=(--target "$TARGET" --data "$MIX" --init-from "${INIT:-flashdraft/assets/default_pair/drafter}" --block-size 16
         --num-draft-layers 2 --target-layer-ids 0,1,2,3 --max-steps "$STEPS" --batch-size 4 --max-length 2048
         --num-anchors 32 --start-anchors 8 --lr 1.5e-4 --seed 0 --distill-weight 1.0 --save-every 250 --device "$DEVICE")
 D2=(--arch dflash2 --selector-top-k 8192 --selector-rank 128 --selector-lr 1.5e-3 --selector-distill-weight 1.0)
