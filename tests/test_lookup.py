@@ -5,8 +5,8 @@ that it engages where the target repeats itself, and that the output stays the t
   alphabet (many repeats), fed in chunks as a row's output grows; `splice`.
 - The engine on the shipped pair, out-of-domain prompts (the target loops on several): greedy output equals the
   target's own `generate(do_sample=False)` with the splice on, splices happen, and the batch accepts more drafts
-  than with the drafter's chain alone (the default drafter and the shipped DFlash2 one); with a 1-token minimum (splices nearly every cycle) seeded temperature-1
-  output is plain decoding's with the same seed.
+  than with the drafter's chain alone (the default drafter and the shipped DFlash2 one); with a 1-token minimum
+  (splices nearly every cycle) seeded temperature-1 output is plain decoding's with the same seed.
 - One-token steps that verify the continuation (`lookup_steps`): with every row held at one-token steps, greedy
   output equals the target's own `generate` and needs fewer cycles than without; sampled rows take them too and
   keep plain decoding's seeded text;

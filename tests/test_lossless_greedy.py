@@ -1,10 +1,10 @@
 """Greedy losslessness: the engine's output equals the target's own greedy decoding, token for token.
 
 200 randomized cases over 9 architectures (3 of them mixtures of experts), block sizes {2, 4, 8, 16}, batch sizes
-{1, 3}, prompt lengths 1..64, with and without an EOS stop id, each with either the DFlash drafter or an oracle drafter that makes the engine
-accept full, partial and empty blocks, each through both target paths (the lean static-cache fast path where the
-architecture has one, and the generic transformers path). Every other case runs again in float32 on the fast
-path with its projections through oneDNN on packed weights (the CPU default). Each row is compared with
+{1, 3}, prompt lengths 1..64, with and without an EOS stop id, each with either the DFlash drafter or an oracle
+drafter that makes the engine accept full, partial and empty blocks, each through both target paths (the lean
+static-cache fast path where the architecture has one, and the generic transformers path). Every other case runs
+again in float32 on the fast path with its projections through oneDNN on packed weights (the CPU default). Each row is compared with
 `target.generate(do_sample=False)` on that row alone.
 """
 

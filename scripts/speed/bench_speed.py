@@ -69,11 +69,12 @@ def main(argv=None) -> int:
                                                        draft_policy=args.draft_policy)
         engines["plain decoding (compiled)"] = SpecEngine(target, None, compile=True)
     assistant = None  # transformers' DFlash runs the drafter in the target's dtype (it cannot mix them)
-    unsupported = unsupported_by_transformers_assistant(drafter)  # it reads DFlash-1 drafters only
-    if unsupported:
-        print("transformers DFlash skipped: " + "; ".join(unsupported), file=sys.stderr)
-    elif transformers_dflash_available() and block == drafter.block_size:
-        assistant = to_transformers_assistant(drafter, dtype=target.dtype)
+    if transformers_dflash_available() and block == drafter.block_size:
+        unsupported = unsupported_by_transformers_assistant(drafter)  # it reads DFlash-1 drafters only
+        if unsupported:
+            print("transformers DFlash skipped: " + "; ".join(unsupported), file=sys.stderr)
+        else:
+            assistant = to_transformers_assistant(drafter, dtype=target.dtype)
 
     acceptance = {name: [] for name in engines}  # acceptance lengths of the timed runs
 
