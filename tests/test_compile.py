@@ -127,7 +127,7 @@ def test_compiled_continuous_batching_rows_join_and_leave(qwen3):
 
 
 def test_compile_needs_the_fast_path():
-    target = make_target("gemma")
+    target = make_target("olmo2")
     with pytest.raises(ValueError, match="fast target path"):
         SpecEngine(target, make_drafter(target), compile=True)
 

@@ -439,7 +439,7 @@ def test_sample_choice_draws_from_q():
     assert torch.equal(greedy(scores, None), torch.tensor([[[1, 0]]]))
 
 
-@pytest.mark.parametrize("arch,compile", [("qwen3", False), ("phi3", False), ("qwen3", True)],
+@pytest.mark.parametrize("arch,compile", [("qwen3", False), ("olmo2", False), ("qwen3", True)],
                          ids=["fast-path", "generic-path", "compiled"])
 def test_output_is_the_targets_own(arch, compile):
     """Greedy: the target's own `generate`, in a batch and alone. Sampled under the default sampler: a seeded

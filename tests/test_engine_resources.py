@@ -29,7 +29,7 @@ def hook_counts(model) -> list[int]:
 PROMPTS = [[3, 17, 42, 5], [9, 1, 60, 33, 21, 8, 70]]
 
 
-@pytest.mark.parametrize("arch,fast_path", [("gemma", None), ("phi3", None), ("qwen3", False), ("qwen3", None)])
+@pytest.mark.parametrize("arch,fast_path", [("olmo2", None), ("phi3", None), ("qwen3", False), ("qwen3", None)])
 def test_engines_built_and_closed_leave_no_hooks(arch, fast_path):
     target = make_target(arch)
     drafter = make_drafter(target, block_size=4)
@@ -51,7 +51,7 @@ def test_engines_built_and_closed_leave_no_hooks(arch, fast_path):
 
 
 def test_closed_engine_refuses_to_run():
-    target = make_target("gemma")
+    target = make_target("olmo2")
     with SpecEngine(target, make_drafter(target, block_size=4)) as engine:
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4))
     for use in (lambda: engine.generate([PROMPTS[0]]), lambda: list(engine.stream([PROMPTS[0]])),
@@ -66,7 +66,7 @@ def test_closed_engine_refuses_to_run():
 
 
 def test_shared_target_model_gets_its_layer_ids_back():
-    model = make_target("phi3")
+    model = make_target("olmo2")
     drafter = make_drafter(model, block_size=4)
     shared = TargetModel(model, [0])
     assert drafter.target_layer_ids != [0]
@@ -80,7 +80,7 @@ def test_shared_target_model_gets_its_layer_ids_back():
 
 
 def test_repeated_evaluations_and_spec_generate_leave_no_hooks():
-    target = make_target("gemma")
+    target = make_target("olmo2")
     drafter = make_drafter(target, block_size=4)
     before = hook_counts(target)
     for _ in range(3):
@@ -95,7 +95,7 @@ def test_repeated_evaluations_and_spec_generate_leave_no_hooks():
 
 
 def test_dropped_engine_takes_its_hooks_along():
-    target = make_target("gemma")
+    target = make_target("olmo2")
     before = hook_counts(target)
     engine = SpecEngine(target, make_drafter(target, block_size=4))
     assert hook_counts(target) != before

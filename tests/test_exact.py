@@ -110,7 +110,7 @@ def test_exact_speculative_output_is_plain_decoding_bit_for_bit(dtype, drafting)
 def test_exact_refuses_what_it_cannot_honour():
     from tiny import make_target
     with pytest.raises(ValueError, match="exact=True needs the fast target path"):
-        SpecEngine(make_target("phi3"), exact=True)
+        SpecEngine(make_target("olmo2"), exact=True)
     with pytest.raises(ValueError, match="cannot be combined with compile"):
         SpecEngine(make_target("qwen3"), exact=True, compile=True)
 

@@ -1,9 +1,10 @@
 """Greedy losslessness: the engine's output equals the target's own greedy decoding, token for token.
 
-200 randomized cases over 9 architectures (3 of them mixtures of experts), block sizes {2, 4, 8, 16}, batch sizes
-{1, 3}, prompt lengths 1..64, with and without an EOS stop id, each with either the DFlash drafter or an oracle
-drafter that makes the engine accept full, partial and empty blocks, each through both target paths (the lean
-static-cache fast path where the architecture has one, and the generic transformers path). Every other case runs
+200 randomized cases over 12 architectures (3 of them mixtures of experts, 3 with sliding-window layers shorter than
+the contexts), block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64, with and without an EOS stop id,
+each with either the DFlash drafter or an oracle drafter that makes the engine accept full, partial and empty blocks,
+each through both target paths (the lean paged-cache fast path where the architecture has one, and the generic
+transformers path; with sliding windows the generic path at batch 1 only, its documented limit). Every other case runs
 again in float32 on the fast path with its projections through oneDNN on packed weights (the CPU default). Each row is compared with
 `target.generate(do_sample=False)` on that row alone.
 """
@@ -14,10 +15,11 @@ import random
 import pytest
 
 from flashdraft import SamplingParams, SpecEngine
-from tiny import ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
+from tiny import WINDOWED, ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe")
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma", "gemma3", "mistral_window", "qwen3_moe",
+              "mixtral", "qwen2_moe")
 _targets: dict = {}
 _drafters: dict = {}
 
@@ -55,6 +57,8 @@ def test_greedy_equals_target(i):
     expected = [greedy_reference(target, p, max_new, eos) if eos is not None else r for p, r in zip(prompts, free_runs)]
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=() if eos is None else (eos,))
     for fast_path in (None, False):  # the fast path where the architecture has one, and the generic path
+        if fast_path is False and arch in WINDOWED and len(prompts) > 1:
+            continue  # the generic path counts a padded batch's holes against the window (engine/generate.py)
         if use_oracle:
             proposer = OracleProposer([p + e for p, e in zip(prompts, expected)], seed=i)
             engine = SpecEngine(target, block_size=block_size, proposer=proposer, fast_path=fast_path)

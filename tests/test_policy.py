@@ -671,7 +671,7 @@ class UniformWidths(ScriptedWidths):
         return [self.script[self.cycle % len(self.script)]] * len(rows)
 
 
-@pytest.mark.parametrize("arch,fast_path", [("qwen3", None), ("qwen3", False), ("llama", None), ("phi3", None)])
+@pytest.mark.parametrize("arch,fast_path", [("qwen3", None), ("qwen3", False), ("llama", None), ("olmo2", None)])
 def test_mixed_widths_are_lossless(arch, fast_path):
     """Rows verifying different widths in the same cycle (ragged on the fast path, padded on the generic one),
     one-token steps among them: the output is still the target's own greedy output."""

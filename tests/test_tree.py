@@ -54,7 +54,7 @@ from test_preemption import PROMPTS as PREEMPTION_PROMPTS
 from test_preemption import run_with_preemption
 from tiny import VOCAB, OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2")
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma3")
 _targets: dict = {}
 _drafters: dict = {}
 _references: dict = {}
@@ -820,7 +820,7 @@ def test_bad_tree_budgets_raise_with_the_options_name(bad):
         assert EngineConfig(tree_budget=good).tree_budget == good
 
 
-@pytest.mark.parametrize("arch,options", [("gemma", {}), ("phi3", {}), ("qwen3", {"fast_path": False}),
+@pytest.mark.parametrize("arch,options", [("olmo2", {}), ("qwen3", {"fast_path": False}),
                                           ("qwen3", {"exact": True})])
 def test_trees_fall_back_to_the_chain_losslessly(arch, options):
     target = _target(arch)

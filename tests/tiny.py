@@ -1,5 +1,8 @@
 """Tiny randomly initialised targets and drafters, built from configs (no downloads), for CPU tests.
 
+`WINDOWED`: the architectures here with sliding-window layers shorter than the tests' contexts (the generic path is
+exact for them at batch 1 only, `engine/generate.py`).
+
 Models run in float64 so that a block verify and a one-token step round identically enough for argmax: the
 losslessness tests then measure the engine, not floating-point ties.
 """
@@ -12,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -20,6 +25,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -56,8 +63,17 @@ ARCHITECTURES = {
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON)),
     "mistral": (MistralForCausalLM, lambda: MistralConfig(sliding_window=None, **_COMMON)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON)),
-    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**{k: v for k, v in _COMMON.items()})),
+    # fused q/k/v and gate/up, half the head dimensions rotary, a sliding window shorter than the tests' contexts
+    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(partial_rotary_factor=0.5, sliding_window=24, **_COMMON)),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(head_dim=8, **_COMMON)),
+    # sliding and full layers with their own rotary frequencies, norms around attention and MLP
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+        head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"], **_COMMON)),
+    "mistral_window": (MistralForCausalLM, lambda: MistralConfig(sliding_window=20, **_COMMON)),
+    # no fast path (norms after attention and MLP only, q/k norms over all heads): the generic path's representative
+    "olmo2": (Olmo2ForCausalLM, lambda: Olmo2Config(**_COMMON)),
     "qwen3_moe": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(head_dim=8, num_experts=4, moe_intermediate_size=32,
                                                                mlp_only_layers=[1], **_EXPERTS, **_COMMON)),
     "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(num_local_experts=4, sliding_window=None, **_EXPERTS,
@@ -66,6 +82,8 @@ ARCHITECTURES = {
                                                               shared_expert_intermediate_size=48, mlp_only_layers=[2],
                                                               **_EXPERTS, **_COMMON)),
 }
+
+WINDOWED = ("phi3", "gemma3", "mistral_window")
 
 
 def make_target(arch: str = "qwen3", seed: int = 0, dtype=torch.float64):

@@ -278,6 +278,8 @@ def make_draft_config(
     layer_types = layer_types or ["full_attention"] * num_layers
     rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default",
                                                          "rope_theta": getattr(tc, "rope_theta", 1e6)})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): one RoPE, the full layers'
+        rope = dict(rope["full_attention"])
     # a multimodal target's text rope carries M-RoPE sections / a partial rotary factor for ITS layers; the drafter's
     # positions are 1-D and its heads fully rotary (as in z-lab's drafters for such targets)
     for key in ("mrope_section", "mrope_interleaved", "partial_rotary_factor"):

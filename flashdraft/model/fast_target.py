@@ -1,13 +1,17 @@
-"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts
-kin Mixtral, Qwen2-MoE, Qwen3-MoE) with a paged KV cache.
+"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 3 and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with a paged KV cache.
 
 transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
 every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
-arithmetic over the model's OWN parameters (nothing is copied): embedding, pre-norm layers with grouped-query
-attention (+ q/k RMSNorm for Qwen3, q/k/v bias for Qwen2), RoPE from the model's own rotary module (so rope
-scaling variants match), SiLU-gated MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own sparse
-block (its router, its experts through the experts implementation the model was loaded with, Qwen2-MoE's shared
-expert): the fast path replaces the attention and cache plumbing, not the expert dispatch.
+arithmetic over the model's OWN modules and parameters (nothing is copied): embedding (Gemma's scales itself),
+pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2, Phi-3's
+fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary dimensions as
+Phi-4-mini has; Gemma 3's per-layer-type frequencies), sliding-window layers (a key at position k is seen from
+position p only where k > p - window, as transformers masks them; the cache keeps every position), a gated MLP with
+the model's own activation (Phi-3's fused gate/up), Gemma 3's norms after attention and around the MLP, final norm,
+lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts through the experts
+implementation the model was loaded with, Qwen2-MoE's shared expert): the fast path replaces the attention and cache
+plumbing, not the expert dispatch.
 
 The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
 table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
@@ -24,9 +28,9 @@ positions 0..p, the same calls whatever the block or batch; each row's prompt is
 block. Speculative output is then bit-identical to plain decoding in exact mode, in any precision; it costs speed
 (BENCHMARKS.md, 'Exactness').
 
-What this module does not know about: other architectures (Gemma's scaled embedding and (1+w) norms, Phi-3's
-fused projections, sliding windows shorter than the context, latent attention): `fast_path_unsupported` names the
-reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
+What this module does not know about: other architectures (logit soft-capping as Gemma 2 has, latent attention,
+chunked or linear attention layers, rope scaling that changes with the positions of each call: `dynamic`,
+`longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
 (only attention projections and dense MLPs are).
 """
 
@@ -41,7 +45,8 @@ from flashdraft.model.greedy_readout import ScreenedArgmax
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel
 
-FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "mixtral", "qwen2_moe",
+                 "qwen3_moe")
 # the mixture-of-experts blocks `FastTarget` calls as they are: [..., tokens, H] -> the same shape, routing per token
 SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
 
@@ -51,8 +56,40 @@ def is_sparse(mlp) -> bool:
     return type(mlp).__name__ in SPARSE_BLOCKS
 
 
+def gate_up_linears(mlp) -> list:
+    """A gated MLP's input projections: Phi-3's fused gate/up, or the gate and the up projection."""
+    return [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+
+
+def activation(mlp):
+    """A gated MLP's activation module (transformers names it `act_fn`, Phi-3 `activation_fn`)."""
+    return getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+
+
+def qkv_linears(attn) -> list:
+    """The attention's input projections: Phi-3's fused q/k/v, or q, k and v."""
+    return [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
 def _dense(mlp) -> bool:
-    return all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in ("gate_proj", "up_proj", "down_proj"))
+    names = ("gate_up_proj", "down_proj") if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj", "down_proj")
+    return activation(mlp) is not None and all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in names)
+
+
+def layer_windows(config, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers masks it: by `layer_types` where the
+    config has them (Qwen2, Qwen3, Qwen2-MoE, Gemma 3), else `sliding_window` for every layer (Mistral, Mixtral,
+    Phi-3, Qwen3-MoE)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types[:num_layers]]
+    return [window] * num_layers
+
+
+def rope_types(rotary) -> set:
+    kinds = getattr(rotary, "rope_type", "default")
+    return set(kinds.values()) if isinstance(kinds, dict) else {kinds}
 
 
 def fast_path_unsupported(model) -> str | None:
@@ -64,21 +101,22 @@ def fast_path_unsupported(model) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected module layout"
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return "sliding-window attention"
-    if (model_type in ("mistral", "mixtral") and getattr(config, "sliding_window", None)
-            and config.sliding_window < config.max_position_embeddings):
-        return "sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
         return "logit soft-capping"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act}"
-    attn = inner.layers[0].self_attn
-    if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return "fused attention projections"
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        return f"layer types {sorted(kinds)}"
+    moving = rope_types(inner.rotary_emb) & {"dynamic", "longrope"}
+    if moving:  # transformers rescales by the largest position of each call, which batching changes
+        return f"rope type {sorted(moving)[0]!r}"
     for layer in inner.layers:
+        attn = layer.self_attn
+        if not (hasattr(attn, "qkv_proj") or all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj"))) \
+                or not hasattr(attn, "o_proj"):
+            return f"attention projections of {type(attn).__name__}"
         if not (_dense(layer.mlp) or is_sparse(layer.mlp)):
-            return f"MLP {type(layer.mlp).__name__}: neither SiLU-gated linear projections nor a known sparse block"
+            return f"MLP {type(layer.mlp).__name__}: neither gated linear projections nor a known sparse block"
+    return None
     return None
 
 
@@ -96,10 +134,9 @@ def untraceable_experts(model) -> str | None:
 def packable_weights(model) -> list[torch.Tensor]:
     """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the dense MLPs."""
     return [model.get_output_embeddings().weight] + [
-        getattr(module, p).weight for layer in model.model.layers
-        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                              (layer.mlp, () if is_sparse(layer.mlp) else ("gate_proj", "up_proj", "down_proj")))
-        for p in names]
+        linear.weight for layer in model.model.layers
+        for linear in qkv_linears(layer.self_attn) + (
+            [] if is_sparse(layer.mlp) else gate_up_linears(layer.mlp) + [layer.mlp.down_proj])]
 
 
 
@@ -135,9 +172,9 @@ class FastTarget:
         if pack_weights:
             self.lm_head = packed_linear(self.lm_head)
             self.packed_layers = [
-                (packed_concat([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                (packed_concat(qkv_linears(layer.self_attn)),
                  *((None, None) if is_sparse(layer.mlp) else
-                   (packed_concat([layer.mlp.gate_proj, layer.mlp.up_proj]), packed_linear(layer.mlp.down_proj))))
+                   (packed_concat(gate_up_linears(layer.mlp)), packed_linear(layer.mlp.down_proj))))
                 for layer in self.layers]
         self.exact = exact
         # greedy verifies read their argmax through a bf16 copy of an fp32 lm_head (`greedy_readout.py`), certified
@@ -148,6 +185,29 @@ class FastTarget:
         cfg = target.config
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.windows = layer_windows(cfg, len(self.layers))
+        # Gemma 3: rotary frequencies per layer type (local and global layers); None: one set for every layer
+        types = getattr(cfg, "layer_types", None)
+        self.rope_keys = list(types[:len(self.layers)]) if isinstance(getattr(self.rotary, "rope_type", None), dict) else None
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> list:
+        """Per layer (cos, sin) [..., 1, rotary dims] for token-major heads."""
+        if self.rope_keys is None:
+            cos, sin = self.rotary(x, positions)
+            return [(cos[:, :, None], sin[:, :, None])] * len(self.layers)
+        tables = {}
+        for kind in set(self.rope_keys):
+            cos, sin = self.rotary(x, positions, kind)
+            tables[kind] = (cos[:, :, None], sin[:, :, None])
+        return [tables[kind] for kind in self.rope_keys]
+
+    def _masks(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> dict:
+        """The layers' attention masks by window (None: `mask` itself, [b, 1, q, k]): a window's mask also hides
+        the keys at positions k <= p - window from a query at p. key_positions [b or 1, k]."""
+        masks = {None: mask}
+        for window in set(self.windows) - {None}:
+            masks[window] = mask & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
+        return masks
 
     def new_cache(self, batch: int, lengths: int | list[int] = 0, page_size: int = DEFAULT_PAGE_SIZE,
                   max_pages: int | None = None) -> PagedKV:
@@ -182,16 +242,16 @@ class FastTarget:
         b, q = input_ids.shape
         key_len = key_len or kv.capacity
         x = self.embed(input_ids)
-        cos, sin = self.rotary(x, positions)
-        mask = (torch.arange(key_len, device=x.device)[None, None, :] <= positions[:, :, None])[:, None]
+        keys_at = torch.arange(key_len, device=x.device)
+        masks = self._masks((keys_at[None, None, :] <= positions[:, :, None])[:, None], positions, keys_at[None])
         slots, index = kv.slots(positions), kv.page_index(key_len)
 
         def attend(i: int, qs, ks, vs):  # [b, q, heads, D], token-major
             kv.write(i, slots, ks, vs)
             keys, values = kv.read(i, key_len, index)
-            return self._attention(i, qs, keys, values, positions, mask, exact).reshape(b, q, -1)
+            return self._attention(i, qs, keys, values, positions, masks[self.windows[i]], exact).reshape(b, q, -1)
 
-        x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, exact, capture)
+        x, features = self._layers(x, self._rope(x, positions), attend, exact, capture)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         if greedy and self.screened is not None and not exact:
@@ -218,29 +278,31 @@ class FastTarget:
         ids = torch.cat([group[1].reshape(-1) for group in groups])[None]
         positions = torch.cat([group[2].reshape(-1) for group in groups])[None]
         x = self.embed(ids)
-        cos, sin = self.rotary(x, positions)
-        spans = []  # per group: the pool slots it writes, the pages it reads, key length, mask
+        spans = []  # per group: the pool slots it writes, the pages it reads, key length, masks by window
         for rows, _, pos, *tree in groups:
-            if tree:
+            if tree:  # a node's key sits at its scratch slot, at the node's position
                 written, mask = tree
+                keys_at = torch.arange(mask.shape[-1], device=x.device).expand(len(pos), -1).scatter(1, written, pos)
             else:
                 written = pos
-                mask = (torch.arange(int(pos.max()) + 1, device=x.device)[None, None, :] <= pos[:, :, None])[:, None]
+                keys_at = torch.arange(int(pos.max()) + 1, device=x.device)[None]
+                mask = (keys_at[:, None, :] <= pos[:, :, None])[:, None]
             key_len = mask.shape[-1]
-            spans.append((kv.slots(written, rows), kv.page_index(key_len, rows), key_len, mask))
+            spans.append((kv.slots(written, rows), kv.page_index(key_len, rows), key_len,
+                          self._masks(mask, pos, keys_at)))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
             out = []
-            for (rows, _, pos, *_), (slots, index, key_len, mask), q, k, v in zip(
+            for (rows, _, pos, *_), (slots, index, key_len, masks), q, k, v in zip(
                     groups, spans, qs[0].split(sizes), ks[0].split(sizes), vs[0].split(sizes)):
                 g, w = pos.shape
                 kv.write(i, slots, k.view(g, w, *k.shape[1:]), v.view(g, w, *v.shape[1:]))
                 keys, values = kv.read(i, key_len, index)
-                out.append(self._attention(i, q.view(g, w, *q.shape[1:]), keys, values, pos, mask, self.exact)
-                           .reshape(g * w, -1))
+                out.append(self._attention(i, q.view(g, w, *q.shape[1:]), keys, values, pos,
+                                           masks[self.windows[i]], self.exact).reshape(g * w, -1))
             return torch.cat(out)[None]
 
-        x, features = self._layers(x, cos[:, :, None], sin[:, :, None], attend, self.exact, capture)
+        x, features = self._layers(x, self._rope(x, positions), attend, self.exact, capture)
         hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
                   for h, group, last in zip(x[0].split(sizes), groups, last_only)]
         read = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]) if any(last_only) else x[0]
@@ -270,15 +332,16 @@ class FastTarget:
         qs, keys, values = qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         gqa = self.num_heads != self.num_kv_heads
         if exact:
-            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa)
+            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa, self.windows[i])
         else:
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
                                                  enable_gqa=gqa)
         return out.transpose(1, 2)
 
-    def _layers(self, x, cos, sin, attend, exact: bool, capture: bool):
-        """The decoder layers over token-major hidden states x [..., H] (cos/sin [..., 1, D]); `attend` writes the
-        layer's K/V and attends. Returns the final-normed hidden states and the tapped features (or None)."""
+    def _layers(self, x, rope: list, attend, exact: bool, capture: bool):
+        """The decoder layers over token-major hidden states x [..., H] (`rope`: per layer cos/sin [..., 1, D],
+        `_rope`); `attend` writes the layer's K/V and attends. Returns the final-normed hidden states and the tapped
+        features (or None)."""
         project = per_token if exact else _call
         taps = self.target.layer_ids if capture else []
         captured = {}
@@ -293,10 +356,15 @@ class FastTarget:
             vs = vs.view(*shape, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):
                 qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-            qs = qs * cos + rotate_half(qs) * sin
-            ks = ks * cos + rotate_half(ks) * sin
-            x = x + project(attn.o_proj, attend(i, qs, ks, vs))
-            x = x + self._mlp(i, layer.post_attention_layernorm(x), project)
+            cos, sin = rope[i]
+            qs, ks = rotated(qs, cos, sin), rotated(ks, cos, sin)
+            out = project(attn.o_proj, attend(i, qs, ks, vs))
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and around the MLP
+                x = x + layer.post_attention_layernorm(out)
+                x = x + layer.post_feedforward_layernorm(self._mlp(i, layer.pre_feedforward_layernorm(x), project))
+            else:
+                x = x + out
+                x = x + self._mlp(i, layer.post_attention_layernorm(x), project)
             if i in taps and i != last:
                 captured[i] = x
         x = self.norm(x)
@@ -356,10 +424,10 @@ class FastTarget:
 
     def _qkv(self, i: int, h: torch.Tensor, project) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn = self.layers[i].self_attn
-        if self.packed_layers is None:
+        if self.packed_layers is None and not hasattr(attn, "qkv_proj"):
             return project(attn.q_proj, h), project(attn.k_proj, h), project(attn.v_proj, h)
         kv_width = self.num_kv_heads * self.head_dim
-        qkv = project(self.packed_layers[i][0], h)
+        qkv = project(attn.qkv_proj if self.packed_layers is None else self.packed_layers[i][0], h)
         return qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
 
     def _mlp(self, i: int, h: torch.Tensor, project) -> torch.Tensor:
@@ -369,10 +437,13 @@ class FastTarget:
         if self.packed_layers is None:
             if project is _call:
                 return mlp(h)
-            return project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
-        _, gate_up, down = self.packed_layers[i]
-        gate, up = project(gate_up, h).chunk(2, dim=-1)
-        return project(down, F.silu(gate) * up)
+            projections, down = gate_up_linears(mlp), mlp.down_proj
+        else:
+            _, gate_up, down = self.packed_layers[i]
+            projections = [gate_up]
+        gate, up = (project(projections[0], h).chunk(2, dim=-1) if len(projections) == 1 else
+                    [project(linear, h) for linear in projections])
+        return project(down, activation(mlp)(gate) * up)
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -403,13 +474,25 @@ def per_token(linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                      scale: float, gqa: bool) -> torch.Tensor:
-    """Causal attention [b, H, q, D] with each query alone over exactly the keys of its positions 0..p: the same
-    call for a position whether it is decoded alone, verified in a block or prefilled."""
+                      scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
+    """Causal attention [b, H, q, D] with each query alone over exactly the keys of its positions 0..p (p - window
+    + 1..p in a sliding-window layer): the same call for a position whether it is decoded alone, verified in a
+    block or prefilled."""
     out = torch.empty_like(qs)
     for r, row_positions in enumerate(positions.tolist()):
         for j, p in enumerate(row_positions):
+            first = max(0, p - window + 1) if window else 0
             out[r:r + 1, :, j:j + 1] = F.scaled_dot_product_attention(
-                qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, :p + 1], values[r:r + 1, :, :p + 1], scale=scale,
-                enable_gqa=gqa)
+                qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1],
+                scale=scale, enable_gqa=gqa)
     return out
+
+
+def rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on token-major heads [..., heads, D]: the first cos.shape[-1] dimensions rotate, the rest pass (partial
+    rotary embeddings, as transformers' Phi-3 applies them)."""
+    dims = cos.shape[-1]
+    if dims == heads.shape[-1]:
+        return heads * cos + rotate_half(heads) * sin
+    turning = heads[..., :dims]
+    return torch.cat([turning * cos + rotate_half(turning) * sin, heads[..., dims:]], dim=-1)
