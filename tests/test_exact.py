@@ -107,6 +107,18 @@ def test_exact_speculative_output_is_plain_decoding_bit_for_bit(dtype, drafting)
         assert sum(r.stats.num_accepted_tokens for r in spec) > 40  # the blocks really were verified together
 
 
+@pytest.mark.parametrize("arch", ["phi3", "gemma3"])
+def test_exact_mode_attends_within_sliding_windows(arch):
+    """Exact mode attends each query alone over its own keys: in a sliding-window layer only the window's (the tiny
+    targets' windows are shorter than these contexts), as the target's own `generate` does."""
+    from tiny import greedy_reference, make_target
+    model = make_target(arch)
+    prompts = [[(5 * i + 2) % 90 for i in range(n)] for n in (7, 45)]
+    results = SpecEngine(model, make_drafter(model, block_size=8), exact=True).generate(
+        prompts, SamplingParams(max_new_tokens=30))
+    assert [r.token_ids for r in results] == [greedy_reference(model, p, 30) for p in prompts]
+
+
 def test_exact_refuses_what_it_cannot_honour():
     from tiny import make_target
     with pytest.raises(ValueError, match="exact=True needs the fast target path"):

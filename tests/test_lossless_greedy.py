@@ -108,3 +108,25 @@ def test_greedy_equals_target_fp32_packed(i):
     assert engine.fast is not None and engine.fast.packed_layers is not None
     for row, (res, exp) in enumerate(zip(engine.generate(prompts, SamplingParams(max_new_tokens=max_new)), expected)):
         assert res.token_ids == exp, f"case {i} ({arch}, block {block_size}, row {row}): {res.token_ids} != {exp}"
+
+
+def test_fast_path_refuses_what_it_does_not_reproduce():
+    """Where the lean forward would differ from transformers' the engine keeps the generic path, and says why:
+    rope rescaled by each call's largest position (batching changes the call), families it does not know."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    from flashdraft.model.fast_target import fast_path_unsupported
+    from tiny import _COMMON
+
+    longrope = Phi3ForCausalLM(Phi3Config(**{**_COMMON, "max_position_embeddings": 1024},
+                                          original_max_position_embeddings=256,
+                                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                           "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))
+    dynamic = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                                                        "factor": 2.0}))
+    assert fast_path_unsupported(longrope) == "rope type 'longrope'"
+    assert fast_path_unsupported(dynamic) == "rope type 'dynamic'"
+    assert fast_path_unsupported(make_target("olmo2")).startswith("model_type 'olmo2' is not one of")
+    assert SpecEngine(make_target("olmo2")).fast is None
+    for arch in ("phi3", "gemma", "gemma3", "mistral_window"):
+        assert fast_path_unsupported(make_target(arch)) is None

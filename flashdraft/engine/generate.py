@@ -20,9 +20,10 @@ Before a cycle each row's caches take pages (`EngineConfig.kv_page_size` positio
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
-Llama / Mistral / Qwen2 / Qwen3 targets and their mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) run through
-`FastTarget` (lean forward, paged per-row cache); any other transformers decoder that accepts `position_ids` and a
-2D attention mask runs through transformers itself.
+Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma / Gemma 3 targets and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE run through `FastTarget` (lean forward, paged per-row cache; `fast_path_unsupported` says why another
+does not); any other transformers decoder that accepts `position_ids` and a 2D attention mask runs through
+transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).
 `compile=True` compiles the per-cycle draft step and target block forward (fast path only; `compiled.py`); the
 paged caches then hold a power-of-two row count (`batch.RowBuckets`), so requests joining and leaving reuse a

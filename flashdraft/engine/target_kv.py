@@ -16,7 +16,7 @@
 - `DynamicTargetKV`, the generic path for ANY transformers decoder: transformers' DynamicCache, prompts
   left-padded, explicit per-row positions and a per-row slot mask. Rows that accepted fewer tokens than the
   longest keep masked holes; the cache is cropped to the longest kept prefix (no copies).
-- `PagedTargetKV`, the fast path (Llama / Mistral / Qwen2 / Qwen3 and their MoE kin through `FastTarget`): a
+- `PagedTargetKV`, the fast path (the families `FastTarget` knows: Llama, Mistral, Qwen, Phi-3, Gemma, MoE kin): a
   paged per-row cache (`slots.PagedKV`) with one slot per position, so keeping the accepted prefix is a no-op and
   rows never hold holes; each row owns pages for its own positions only. For compiled steps it holds a bucketed
   row count (`RowBuckets`; padding rows own no pages) and pads its inputs and unpads its outputs itself.
