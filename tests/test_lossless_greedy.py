@@ -1,6 +1,6 @@
 """Greedy losslessness: the engine's output equals the target's own greedy decoding, token for token.
 
-200 randomized cases over 12 architectures (3 of them mixtures of experts, 3 with sliding-window layers shorter than
+200 randomized cases over 13 architectures (3 of them mixtures of experts, 4 with sliding-window layers shorter than
 the contexts), block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64, with and without an EOS stop id,
 each with either the DFlash drafter or an oracle drafter that makes the engine accept full, partial and empty blocks,
 each through both target paths (the lean paged-cache fast path where the architecture has one, and the generic
@@ -18,7 +18,7 @@ from flashdraft import SamplingParams, SpecEngine
 from tiny import WINDOWED, ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma", "gemma3", "mistral_window", "qwen3_moe",
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3", "mistral_window", "qwen3_moe",
               "mixtral", "qwen2_moe")
 _targets: dict = {}
 _drafters: dict = {}
@@ -130,3 +130,23 @@ def test_fast_path_refuses_what_it_does_not_reproduce():
     assert SpecEngine(make_target("olmo2")).fast is None
     for arch in ("phi3", "gemma", "gemma3", "mistral_window"):
         assert fast_path_unsupported(make_target(arch)) is None
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHS)
+def test_fast_path_logits_are_transformers_logits(arch):
+    """The lean forward's logits at every position of a prompt, and of a block after it, are transformers' own
+    (float64, up to rounding): soft-capped logits and scores, windows, partial and per-layer RoPE included."""
+    import torch
+
+    from flashdraft.model.fast_target import FastTarget
+    from flashdraft.model.target import TargetModel
+
+    model = make_target(arch)
+    ids = torch.tensor([[(11 * i + 5) % (VOCAB - 1) for i in range(60)]])
+    expected = model(input_ids=ids).logits
+    fast = FastTarget(TargetModel(model), pack_weights=False)
+    kv = fast.new_cache(1, 64)
+    with torch.inference_mode():
+        head, _ = fast.forward(ids[:, :44], torch.arange(44)[None], kv, capture=False, key_len=44)
+        block, _ = fast.forward(ids[:, 44:], torch.arange(44, 60)[None], kv, capture=False, key_len=60)
+    torch.testing.assert_close(torch.cat([head, block], dim=1), expected, rtol=1e-9, atol=1e-9)

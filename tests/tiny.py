@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GemmaConfig,
@@ -66,6 +68,10 @@ ARCHITECTURES = {
     # fused q/k/v and gate/up, half the head dimensions rotary, a sliding window shorter than the tests' contexts
     "phi3": (Phi3ForCausalLM, lambda: Phi3Config(partial_rotary_factor=0.5, sliding_window=24, **_COMMON)),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(head_dim=8, **_COMMON)),
+    # soft-capped attention scores and logits, sliding and full layers, norms around attention and MLP
+    "gemma2": (Gemma2ForCausalLM, lambda: Gemma2Config(head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
+                                                       attn_logit_softcapping=0.3, final_logit_softcapping=3.0,
+                                                       **_COMMON)),
     # sliding and full layers with their own rotary frequencies, norms around attention and MLP
     "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
         head_dim=8, sliding_window=16, query_pre_attn_scalar=8,
@@ -83,7 +89,7 @@ ARCHITECTURES = {
                                                               **_EXPERTS, **_COMMON)),
 }
 
-WINDOWED = ("phi3", "gemma3", "mistral_window")
+WINDOWED = ("phi3", "gemma2", "gemma3", "mistral_window")
 
 
 def make_target(arch: str = "qwen3", seed: int = 0, dtype=torch.float64):

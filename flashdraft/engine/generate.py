@@ -20,7 +20,7 @@ Before a cycle each row's caches take pages (`EngineConfig.kv_page_size` positio
 Block size 1 with `NoProposer` is plain autoregressive decoding through the same code: the baseline every
 speedup is measured against.
 
-Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma / Gemma 3 targets and the mixtures of experts Mixtral, Qwen2-MoE,
+Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 1-3 targets and the mixtures of experts Mixtral, Qwen2-MoE,
 Qwen3-MoE run through `FastTarget` (lean forward, paged per-row cache; `fast_path_unsupported` says why another
 does not); any other transformers decoder that accepts `position_ids` and a 2D attention mask runs through
 transformers itself.
@@ -561,6 +561,8 @@ class SpecEngine:
         why_not = (("it needs the fast target path" if not use_fast else None)
                    or ("exact mode keeps its per-token products" if config.exact else None)
                    or ("compiled steps keep the full read-out" if config.compile else None)
+                   or ("the target soft-caps its logits" if getattr(self.target.config, "final_logit_softcapping", None)
+                       else None)
                    or screening_unavailable(self.target.lm_head))
         if config.screen_greedy is False or (why_not and config.screen_greedy is None):
             return None

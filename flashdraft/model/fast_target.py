@@ -1,4 +1,4 @@
-"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 3 and the
+"""A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3 and the
 mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with a paged KV cache.
 
 transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
@@ -6,9 +6,9 @@ every layer; at small sizes and batch 1 that plumbing costs more than the arithm
 arithmetic over the model's OWN modules and parameters (nothing is copied): embedding (Gemma's scales itself),
 pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2, Phi-3's
 fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary dimensions as
-Phi-4-mini has; Gemma 3's per-layer-type frequencies), sliding-window layers (a key at position k is seen from
+Phi-4-mini has; Gemma 3's per-layer-type frequencies), Gemma 2's soft-capped attention scores and logits, sliding-window layers (a key at position k is seen from
 position p only where k > p - window, as transformers masks them; the cache keeps every position), a gated MLP with
-the model's own activation (Phi-3's fused gate/up), Gemma 3's norms after attention and around the MLP, final norm,
+the model's own activation (Phi-3's fused gate/up), Gemma 2 / 3's norms after attention and around the MLP, final norm,
 lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts through the experts
 implementation the model was loaded with, Qwen2-MoE's shared expert): the fast path replaces the attention and cache
 plumbing, not the expert dispatch.
@@ -28,7 +28,7 @@ positions 0..p, the same calls whatever the block or batch; each row's prompt is
 block. Speculative output is then bit-identical to plain decoding in exact mode, in any precision; it costs speed
 (BENCHMARKS.md, 'Exactness').
 
-What this module does not know about: other architectures (logit soft-capping as Gemma 2 has, latent attention,
+What this module does not know about: other architectures (latent attention,
 chunked or linear attention layers, rope scaling that changes with the positions of each call: `dynamic`,
 `longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
 (only attention projections and dense MLPs are).
@@ -45,8 +45,8 @@ from flashdraft.model.greedy_readout import ScreenedArgmax
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel
 
-FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3_text", "mixtral", "qwen2_moe",
-                 "qwen3_moe")
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
+                 "qwen2_moe", "qwen3_moe")
 # the mixture-of-experts blocks `FastTarget` calls as they are: [..., tokens, H] -> the same shape, routing per token
 SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
 
@@ -101,8 +101,6 @@ def fast_path_unsupported(model) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected module layout"
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        return "logit soft-capping"
     kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     if kinds:
         return f"layer types {sorted(kinds)}"
@@ -176,6 +174,9 @@ class FastTarget:
                  *((None, None) if is_sparse(layer.mlp) else
                    (packed_concat(gate_up_linears(layer.mlp)), packed_linear(layer.mlp.down_proj))))
                 for layer in self.layers]
+        cap = getattr(target.config, "final_logit_softcapping", None)
+        if cap:  # Gemma 2: cap * tanh(logits / cap), as transformers' causal LM applies it
+            self.lm_head = SoftCapped(self.lm_head, cap)
         self.exact = exact
         # greedy verifies read their argmax through a bf16 copy of an fp32 lm_head (`greedy_readout.py`), certified
         # to be the fp32 argmax; None: the full read-out. Exact mode keeps its per-token products
@@ -331,8 +332,11 @@ class FastTarget:
         attn = self.layers[i].self_attn
         qs, keys, values = qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         gqa = self.num_heads != self.num_kv_heads
+        cap = getattr(attn, "attn_logit_softcapping", None)
         if exact:
-            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa, self.windows[i])
+            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa, self.windows[i], cap)
+        elif cap:
+            out = softcapped_attention(qs, keys, values, mask, attn.scaling, cap)
         else:
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
                                                  enable_gqa=gqa)
@@ -474,7 +478,7 @@ def per_token(linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                      scale: float, gqa: bool, window: int | None = None) -> torch.Tensor:
+                      scale: float, gqa: bool, window: int | None = None, cap: float | None = None) -> torch.Tensor:
     """Causal attention [b, H, q, D] with each query alone over exactly the keys of its positions 0..p (p - window
     + 1..p in a sliding-window layer): the same call for a position whether it is decoded alone, verified in a
     block or prefilled."""
@@ -482,10 +486,38 @@ def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     for r, row_positions in enumerate(positions.tolist()):
         for j, p in enumerate(row_positions):
             first = max(0, p - window + 1) if window else 0
-            out[r:r + 1, :, j:j + 1] = F.scaled_dot_product_attention(
-                qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1],
-                scale=scale, enable_gqa=gqa)
+            query, key, value = qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1]
+            out[r:r + 1, :, j:j + 1] = (softcapped_attention(query, key, value, None, scale, cap) if cap else
+                                        F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa))
     return out
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """transformers' logit soft-capping, in its order of operations: tanh(x / cap) * cap."""
+    return torch.tanh(x / cap) * cap
+
+
+class SoftCapped(torch.nn.Module):
+    """A read-out followed by soft-capping of its logits (Gemma 2's `final_logit_softcapping`)."""
+
+    def __init__(self, linear: torch.nn.Module, cap: float):
+        super().__init__()
+        self.linear, self.cap = linear, float(cap)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return soft_cap(self.linear(x), self.cap)
+
+
+def softcapped_attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, cap: float) -> torch.Tensor:
+    """Attention [b, H, q, D] whose scores are soft-capped before the mask, as transformers' Gemma 2 computes it
+    (scaled scores, cap, mask, softmax in float32); SDPA has no soft-capping. keys / values [b, KV heads, k, D]."""
+    groups = qs.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = soft_cap(torch.matmul(qs, keys.transpose(2, 3)) * scale, cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype), values)
 
 
 def rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import argparse, statistics, sys, time
 from pathlib import Path
 
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -26,6 +26,8 @@ FAMILIES = {
     "llama (fast before)": (LlamaForCausalLM, lambda: LlamaConfig(**SHAPE)),
     "phi3 (window 128)": (Phi3ForCausalLM, lambda: Phi3Config(sliding_window=128, **SHAPE)),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**SHAPE)),
+    "gemma2 (window 128, caps)": (Gemma2ForCausalLM, lambda: Gemma2Config(sliding_window=128, query_pre_attn_scalar=64,
+                                                                         **SHAPE)),
     "gemma3 (window 128)": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
         sliding_window=128, query_pre_attn_scalar=64,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"], **SHAPE)),
