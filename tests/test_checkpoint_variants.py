@@ -352,7 +352,9 @@ def test_multimodal_target_pairs_and_is_lossless(tmp_path):
     config, state = base_layout(text)
     d = load(write(tmp_path / "v", config, state))
     prompt = [3, 14, 15, 92, 65, 35]
-    out = SpecEngine(mm, d).generate([prompt], SamplingParams(max_new_tokens=16))[0]
+    engine = SpecEngine(mm, d)
+    assert engine.fast is not None  # the language model inside runs the fast path
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=16))[0]
     ref = mm.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0,
                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
     assert out.token_ids == ref

@@ -150,3 +150,31 @@ def test_fast_path_logits_are_transformers_logits(arch):
         head, _ = fast.forward(ids[:, :44], torch.arange(44)[None], kv, capture=False, key_len=44)
         block, _ = fast.forward(ids[:, 44:], torch.arange(44, 60)[None], kv, capture=False, key_len=60)
     torch.testing.assert_close(torch.cat([head, block], dim=1), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_multimodal_gemma3_runs_its_language_model_on_the_fast_path():
+    """Gemma 3 as users load it (`Gemma3ForConditionalGeneration`): text prompts reach only its language model, which
+    the fast path runs (windows, per-layer RoPE); a batch of two equals the model's own `generate`. M-RoPE text
+    configs (Qwen2-VL's 3-D positions) stay on the generic path."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from flashdraft.model.fast_target import fast_path_unsupported
+
+    text = ARCHITECTURES["gemma3"][1]()
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                        image_token_index=90, boi_token_index=91, eoi_token_index=92))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    model = model.double().eval()
+    prompts = [[(7 * i + 3) % 89 for i in range(n)] for n in (5, 40)]
+    engine = SpecEngine(model, make_drafter(model, block_size=8))
+    assert engine.fast is not None
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=30))
+    assert [r.token_ids for r in results] == [greedy_reference(model, p, 30) for p in prompts]
+    qwen = make_target("qwen3")
+    qwen.config.rope_parameters = {**qwen.config.rope_parameters, "mrope_section": [2, 1, 1]}
+    assert fast_path_unsupported(qwen) == "M-RoPE (3-D positions)"

@@ -11,7 +11,8 @@ position p only where k > p - window, as transformers masks them; the cache keep
 the model's own activation (Phi-3's fused gate/up), Gemma 2 / 3's norms after attention and around the MLP, final norm,
 lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts through the experts
 implementation the model was loaded with, Qwen2-MoE's shared expert): the fast path replaces the attention and cache
-plumbing, not the expert dispatch.
+plumbing, not the expert dispatch. A multimodal model (Gemma 3 as `Gemma3ForConditionalGeneration`, Llava) runs its
+language model here: text prompts never reach its vision tower (`language_model`).
 
 The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
 table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
@@ -28,7 +29,7 @@ positions 0..p, the same calls whatever the block or batch; each row's prompt is
 block. Speculative output is then bit-identical to plain decoding in exact mode, in any precision; it costs speed
 (BENCHMARKS.md, 'Exactness').
 
-What this module does not know about: other architectures (latent attention,
+What this module does not know about: images, other architectures (M-RoPE's 3-D positions, latent attention,
 chunked or linear attention layers, rope scaling that changes with the positions of each call: `dynamic`,
 `longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
 (only attention projections and dense MLPs are).
@@ -43,7 +44,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
 from flashdraft.model.greedy_readout import ScreenedArgmax
 from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
-from flashdraft.model.target import TargetModel
+from flashdraft.model.target import TargetModel, text_config
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
                  "qwen2_moe", "qwen3_moe")
@@ -92,13 +93,23 @@ def rope_types(rotary) -> set:
     return set(kinds.values()) if isinstance(kinds, dict) else {kinds}
 
 
+def language_model(model):
+    """The decoder stack of a causal LM (`model.model`), or of the language model inside a multimodal one
+    (`model.model.language_model`: Gemma 3's, Llava's; text prompts only reach it)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", None) or inner
+
+
 def fast_path_unsupported(model) -> str | None:
     """None if `FastTarget` reproduces this model's forward; otherwise why not."""
-    config = model.config
+    config = text_config(model.config)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAST_FAMILIES:
         return f"model_type {model_type!r} is not one of {FAST_FAMILIES}"
-    inner = getattr(model, "model", None)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and "mrope_section" in rope:
+        return "M-RoPE (3-D positions)"
+    inner = language_model(model)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "unexpected module layout"
     kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
@@ -123,7 +134,7 @@ def untraceable_experts(model) -> str | None:
     experts a batch routes to (a data-dependent loop torch.compile cannot trace without breaking the graph);
     "grouped_mm", transformers' default where it dispatches, traces."""
     implementation = getattr(model.config, "_experts_implementation", None)
-    if implementation == "eager" and any(is_sparse(layer.mlp) for layer in model.model.layers):
+    if implementation == "eager" and any(is_sparse(layer.mlp) for layer in language_model(model).layers):
         return ("compile=True cannot trace the 'eager' experts implementation this model was loaded with: load it "
                 "with experts_implementation=\"grouped_mm\" or run without compile")
     return None
@@ -132,7 +143,7 @@ def untraceable_experts(model) -> str | None:
 def packable_weights(model) -> list[torch.Tensor]:
     """The weights `FastTarget(pack_weights=True)` copies into oneDNN's layout: lm_head, q/k/v and the dense MLPs."""
     return [model.get_output_embeddings().weight] + [
-        linear.weight for layer in model.model.layers
+        linear.weight for layer in language_model(model).layers
         for linear in qkv_linears(layer.self_attn) + (
             [] if is_sparse(layer.mlp) else gate_up_linears(layer.mlp) + [layer.mlp.down_proj])]
 
@@ -154,7 +165,7 @@ class FastTarget:
         if reason:
             raise ValueError(f"no fast path for this model: {reason}")
         self.target = target
-        inner = target.model.model
+        inner = language_model(target.model)
         self.embed = inner.embed_tokens
         self.layers = inner.layers
         self.norm = inner.norm
