@@ -4,9 +4,9 @@
 the contexts), block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64, with and without an EOS stop id,
 each with either the DFlash drafter or an oracle drafter that makes the engine accept full, partial and empty blocks,
 each through both target paths (the lean paged-cache fast path where the architecture has one, and the generic
-transformers path; with sliding windows the generic path at batch 1 only, its documented limit). Every other case runs
-again in float32 on the fast path with its projections through oneDNN on packed weights (the CPU default). Each row is compared with
-`target.generate(do_sample=False)` on that row alone.
+transformers path; with sliding windows the generic path at batch 1 only, its documented limit). Every other case
+runs again in float32 on the fast path with its projections through oneDNN on packed weights (the CPU default). Each
+row is compared with `target.generate(do_sample=False)` on that row alone.
 """
 
 import copy

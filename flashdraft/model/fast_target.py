@@ -6,13 +6,14 @@ every layer; at small sizes and batch 1 that plumbing costs more than the arithm
 arithmetic over the model's OWN modules and parameters (nothing is copied): embedding (Gemma's scales itself),
 pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2, Phi-3's
 fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary dimensions as
-Phi-4-mini has; Gemma 3's per-layer-type frequencies), Gemma 2's soft-capped attention scores and logits, sliding-window layers (a key at position k is seen from
-position p only where k > p - window, as transformers masks them; the cache keeps every position), a gated MLP with
-the model's own activation (Phi-3's fused gate/up), Gemma 2 / 3's norms after attention and around the MLP, final norm,
-lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts through the experts
-implementation the model was loaded with, Qwen2-MoE's shared expert): the fast path replaces the attention and cache
-plumbing, not the expert dispatch. A multimodal model (Gemma 3 as `Gemma3ForConditionalGeneration`, Llava) runs its
-language model here: text prompts never reach its vision tower (`language_model`).
+Phi-4-mini has; Gemma 3's per-layer-type frequencies), Gemma 2's soft-capped attention scores and logits,
+sliding-window layers (a key at position k is seen from position p only where k > p - window, as transformers masks
+them; the cache keeps every position), a gated MLP with the model's own activation (Phi-3's fused gate/up), Gemma 2 /
+3's norms after attention and around the MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own
+sparse block (its router, its experts through the experts implementation the model was loaded with, Qwen2-MoE's
+shared expert): the fast path replaces the attention and cache plumbing, not the expert dispatch. A multimodal model
+(Gemma 3 as `Gemma3ForConditionalGeneration`, Llava) runs its language model here: text prompts never reach its
+vision tower (`language_model`).
 
 The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
 table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
@@ -31,7 +32,8 @@ block. Speculative output is then bit-identical to plain decoding in exact mode,
 
 What this module does not know about: images, other architectures (M-RoPE's 3-D positions, latent attention,
 chunked or linear attention layers, rope scaling that changes with the positions of each call: `dynamic`,
-`longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them. Expert weights are never packed for oneDNN
+`longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them.
+Expert weights are never packed for oneDNN
 (only attention projections and dense MLPs are).
 """
 
@@ -200,7 +202,8 @@ class FastTarget:
         self.windows = layer_windows(cfg, len(self.layers))
         # Gemma 3: rotary frequencies per layer type (local and global layers); None: one set for every layer
         types = getattr(cfg, "layer_types", None)
-        self.rope_keys = list(types[:len(self.layers)]) if isinstance(getattr(self.rotary, "rope_type", None), dict) else None
+        per_type = isinstance(getattr(self.rotary, "rope_type", None), dict)
+        self.rope_keys = list(types[:len(self.layers)]) if per_type else None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> list:
         """Per layer (cos, sin) [..., 1, rotary dims] for token-major heads."""
@@ -374,7 +377,7 @@ class FastTarget:
             cos, sin = rope[i]
             qs, ks = rotated(qs, cos, sin), rotated(ks, cos, sin)
             out = project(attn.o_proj, attend(i, qs, ks, vs))
-            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 3: norms after attention and around the MLP
+            if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma 2 / 3: norms after attention, around the MLP
                 x = x + layer.post_attention_layernorm(out)
                 x = x + layer.post_feedforward_layernorm(self._mlp(i, layer.pre_feedforward_layernorm(x), project))
             else:
@@ -497,7 +500,8 @@ def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     for r, row_positions in enumerate(positions.tolist()):
         for j, p in enumerate(row_positions):
             first = max(0, p - window + 1) if window else 0
-            query, key, value = qs[r:r + 1, :, j:j + 1], keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1]
+            query = qs[r:r + 1, :, j:j + 1]
+            key, value = keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1]
             out[r:r + 1, :, j:j + 1] = (softcapped_attention(query, key, value, None, scale, cap) if cap else
                                         F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa))
     return out
