@@ -197,7 +197,7 @@ def _sampled(seed, temperature=1.0, max_new=24, **kw):
     return SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed, **kw)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "olmo2"])  # fast path and generic path
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "olmo2"])  # fast paths (Gemma 2: capped, windowed), generic
 def test_seeded_output_is_plain_decodings_whatever_the_drafter_block_or_batch(arch):
     target = make_target(arch)
     params = [_sampled(100 + i, temperature=[1.0, 0.7, 1.3, 1.0][i], top_k=[0, 0, 20, 0][i],
