@@ -284,3 +284,11 @@ def test_serve_target_without_draft_is_refused_not_silently_plain():
     add_serve_parser(parser.add_subparsers(dest="command"))
     with pytest.raises(ValueError, match="--target needs --draft"):
         build_engine(parser.parse_args(["serve", "--target", "/nonexistent/model"]))
+
+
+def test_startup_line_names_the_target_path():
+    from flashdraft.serve.cli import target_path
+
+    assert target_path(SpecEngine(make_target("gemma2"))) == "fast target path"
+    assert target_path(SpecEngine(make_target("qwen3"), fast_path=False)) == "generic target path: fast_path=False"
+    assert target_path(SpecEngine(make_target("olmo2"))).startswith("generic target path: model_type 'olmo2'")

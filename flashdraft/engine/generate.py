@@ -441,7 +441,7 @@ class SpecEngine:
         # CUDA: the engine's attention calls without cuDNN's backend unless asked for (`kernels.py`)
         self._attention_scope = attention_scope(self.target.device, config.cudnn_attention)
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured request
-        # the lean static-cache path for Llama/Mistral/Qwen2/Qwen3 (None = use it when the model supports it)
+        # the lean paged-cache path for the families FastTarget knows (None = use it when the model supports it)
         reason = fast_path_unsupported(self.target.model)
         fast_path = config.fast_path
         if fast_path and reason:
