@@ -306,14 +306,15 @@ def _count_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])  # Gemma 2: windows shorter than the contexts, capped logits
 @pytest.mark.parametrize("use_drafter", [True, False], ids=["dflash", "plain"])
-def test_joining_prompts_ride_the_cycle_forward_and_stay_lossless(monkeypatch, use_drafter):
+def test_joining_prompts_ride_the_cycle_forward_and_stay_lossless(monkeypatch, use_drafter, arch):
     """Requests joining a running batch in `step` are prefilled inside the cycle's one target forward (no prefill
     forward of their own), greedy and seeded sampled ones alike, and every output is the one the request gets
     alone: greedy = the target's own greedy decoding, sampled = plain decoding's with the same seed."""
     from flashdraft.model.fast_target import FastTarget
 
-    target = make_target("qwen3")
+    target = make_target(arch)
     prompts = [[(11 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(6)]
     params = [SamplingParams(max_new_tokens=14 + i, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
               for i in range(6)]

@@ -175,6 +175,16 @@ def test_prompts_that_share_prefixes_end_with_the_targets_greedy_output(target, 
         SamplingParams(cache_salt="")
 
 
+def test_hits_in_a_sliding_window_target_end_with_its_greedy_output():
+    """Gemma 2 (windows of 16 shorter than these contexts, capped scores and logits): cached pages hold every
+    position, the windows are masks, so hits stay exact."""
+    windowed = make_target("gemma2")
+    eng = engine(windowed)
+    results = [eng.generate([p], SamplingParams(max_new_tokens=20))[0] for p in PROMPTS]
+    assert [r.token_ids for r in results] == [greedy_reference(windowed, p, 20) for p in PROMPTS]
+    assert [r.stats.cached_tokens for r in results] == [0, 28, 12, 32, 0]
+
+
 @pytest.mark.parametrize("drafter", [True, False], ids=["dflash", "plain"])
 def test_a_conversations_next_turn_finds_the_answer_and_ends_with_the_targets_greedy_output(target, drafter):
     eng = engine(target, drafter)
