@@ -107,7 +107,7 @@ def test_exact_speculative_output_is_plain_decoding_bit_for_bit(dtype, drafting)
         assert sum(r.stats.num_accepted_tokens for r in spec) > 40  # the blocks really were verified together
 
 
-@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3", "gpt_oss"])
 def test_exact_mode_attends_within_sliding_windows(arch):
     """Exact mode attends each query alone over its own keys: in a sliding-window layer only the window's (the tiny
     targets' windows are shorter than these contexts), as the target's own `generate` does."""

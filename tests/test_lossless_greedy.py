@@ -1,6 +1,6 @@
 """Greedy losslessness: the engine's output equals the target's own greedy decoding, token for token.
 
-200 randomized cases over 13 architectures (3 of them mixtures of experts, 4 with sliding-window layers shorter than
+200 randomized cases over 14 architectures (4 of them mixtures of experts, 5 with sliding-window layers shorter than
 the contexts), block sizes {2, 4, 8, 16}, batch sizes {1, 3}, prompt lengths 1..64, with and without an EOS stop id,
 each with either the DFlash drafter or an oracle drafter that makes the engine accept full, partial and empty blocks,
 each through both target paths (the lean paged-cache fast path where the architecture has one, and the generic
@@ -18,8 +18,8 @@ from flashdraft import SamplingParams, SpecEngine
 from tiny import WINDOWED, ARCHITECTURES, VOCAB, OracleProposer, greedy_reference, make_drafter, make_target
 
 NUM_CASES = 200
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3", "mistral_window", "qwen3_moe",
-              "mixtral", "qwen2_moe")
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma", "gemma2", "gemma3", "mistral_window", "gpt_oss",
+              "qwen3_moe", "mixtral", "qwen2_moe")
 _targets: dict = {}
 _drafters: dict = {}
 

@@ -54,7 +54,7 @@ from test_preemption import PROMPTS as PREEMPTION_PROMPTS
 from test_preemption import run_with_preemption
 from tiny import VOCAB, OracleProposer, cache_row, greedy_reference, make_drafter, make_target
 
-FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3")
+FAST_ARCHS = ("qwen3", "llama", "mistral", "qwen2", "phi3", "gemma2", "gemma3", "gpt_oss")
 _targets: dict = {}
 _drafters: dict = {}
 _references: dict = {}

@@ -19,6 +19,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GemmaConfig,
     GemmaForCausalLM,
     LlamaConfig,
@@ -84,12 +86,16 @@ ARCHITECTURES = {
                                                                mlp_only_layers=[1], **_EXPERTS, **_COMMON)),
     "mixtral": (MixtralForCausalLM, lambda: MixtralConfig(num_local_experts=4, sliding_window=None, **_EXPERTS,
                                                           **_COMMON)),
+    # learned attention sinks, q/k/v/o biases, half-size rotary tables, alternating windows, its own experts block
+    "gpt_oss": (GptOssForCausalLM, lambda: GptOssConfig(
+        head_dim=8, num_local_experts=4, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"], **_EXPERTS, **_COMMON)),
     "qwen2_moe": (Qwen2MoeForCausalLM, lambda: Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32,
                                                               shared_expert_intermediate_size=48, mlp_only_layers=[2],
                                                               **_EXPERTS, **_COMMON)),
 }
 
-WINDOWED = ("phi3", "gemma2", "gemma3", "mistral_window")
+WINDOWED = ("phi3", "gemma2", "gemma3", "mistral_window", "gpt_oss")
 
 
 def make_target(arch: str = "qwen3", seed: int = 0, dtype=torch.float64):

@@ -21,7 +21,7 @@ Block size 1 with `NoProposer` is plain autoregressive decoding through the same
 speedup is measured against.
 
 Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 1-3 targets and the mixtures of experts Mixtral, Qwen2-MoE,
-Qwen3-MoE run through `FastTarget` (lean forward, paged per-row cache; `fast_path_unsupported` says why another
+Qwen3-MoE, gpt-oss run through `FastTarget` (lean forward, paged per-row cache; `fast_path_unsupported` says why another
 does not); any other transformers decoder that accepts `position_ids` and a 2D attention mask runs through
 transformers itself.
 On CPU both run their widest projections through oneDNN on packed weight copies (`pack_weights`, `cpu_linear.py`).

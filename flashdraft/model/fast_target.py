@@ -1,17 +1,18 @@
 """A lean forward pass for the common target families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3 and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE) with a paged KV cache.
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) with a paged KV cache.
 
 transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
 every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
 arithmetic over the model's OWN modules and parameters (nothing is copied): embedding (Gemma's scales itself),
 pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2, Phi-3's
 fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary dimensions as
-Phi-4-mini has; Gemma 3's per-layer-type frequencies), Gemma 2's soft-capped attention scores and logits,
+Phi-4-mini has; Gemma 3's per-layer-type frequencies; gpt-oss's half-size tables), Gemma 2's soft-capped attention
+scores and logits, gpt-oss's learned attention sinks,
 sliding-window layers (a key at position k is seen from position p only where k > p - window, as transformers masks
 them; the cache keeps every position), a gated MLP with the model's own activation (Phi-3's fused gate/up), Gemma 2 /
 3's norms after attention and around the MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own
 sparse block (its router, its experts through the experts implementation the model was loaded with, Qwen2-MoE's
-shared expert): the fast path replaces the attention and cache plumbing, not the expert dispatch. A multimodal model
+shared expert, gpt-oss's experts block): the fast path replaces the attention and cache plumbing, not the expert dispatch. A multimodal model
 (Gemma 3 as `Gemma3ForConditionalGeneration`, Llava) runs its language model here: text prompts never reach its
 vision tower (`language_model`).
 
@@ -49,9 +50,10 @@ from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
 from flashdraft.model.target import TargetModel, text_config
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
-                 "qwen2_moe", "qwen3_moe")
-# the mixture-of-experts blocks `FastTarget` calls as they are: [..., tokens, H] -> the same shape, routing per token
-SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+                 "qwen2_moe", "qwen3_moe", "gpt_oss")
+# the mixture-of-experts blocks `FastTarget` calls as they are: [..., tokens, H] -> the same shape (gpt-oss's: and its
+# router's scores, dropped), routing per token
+SPARSE_BLOCKS = ("MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "GptOssMLP")
 
 
 def is_sparse(mlp) -> bool:
@@ -72,6 +74,12 @@ def activation(mlp):
 def qkv_linears(attn) -> list:
     """The attention's input projections: Phi-3's fused q/k/v, or q, k and v."""
     return [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+def sparse_forward(mlp, h: torch.Tensor) -> torch.Tensor:
+    """A sparse block's output for h [..., tokens, H] (gpt-oss's block also returns its router's scores)."""
+    out = mlp(h)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _dense(mlp) -> bool:
@@ -204,11 +212,15 @@ class FastTarget:
         types = getattr(cfg, "layer_types", None)
         per_type = isinstance(getattr(self.rotary, "rope_type", None), dict)
         self.rope_keys = list(types[:len(self.layers)]) if per_type else None
+        # gpt-oss: its rotary tables hold one angle per pair of halves, not the usual duplicated halves
+        self.half_tables = getattr(cfg, "model_type", None) == "gpt_oss"
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> list:
         """Per layer (cos, sin) [..., 1, rotary dims] for token-major heads."""
         if self.rope_keys is None:
             cos, sin = self.rotary(x, positions)
+            if self.half_tables:
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             return [(cos[:, :, None], sin[:, :, None])] * len(self.layers)
         tables = {}
         for kind in set(self.rope_keys):
@@ -346,11 +358,11 @@ class FastTarget:
         attn = self.layers[i].self_attn
         qs, keys, values = qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         gqa = self.num_heads != self.num_kv_heads
-        cap = getattr(attn, "attn_logit_softcapping", None)
+        cap, sinks = getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sinks", None)
         if exact:
-            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa, self.windows[i], cap)
-        elif cap:
-            out = softcapped_attention(qs, keys, values, mask, attn.scaling, cap)
+            out = attend_each_query(qs, keys, values, positions, attn.scaling, gqa, self.windows[i], cap, sinks)
+        elif cap or sinks is not None:
+            out = eager_attention(qs, keys, values, mask, attn.scaling, cap, sinks)
         else:
             out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=attn.scaling,
                                                  enable_gqa=gqa)
@@ -451,7 +463,9 @@ class FastTarget:
     def _mlp(self, i: int, h: torch.Tensor, project) -> torch.Tensor:
         mlp = self.layers[i].mlp
         if is_sparse(mlp):  # the block wants [batch, tokens, H]; exact mode routes each token alone
-            return mlp(h) if project is _call else project(lambda row: mlp(row[None])[0], h)
+            if project is _call:
+                return sparse_forward(mlp, h)
+            return project(lambda row: sparse_forward(mlp, row[None])[0], h)
         if self.packed_layers is None:
             if project is _call:
                 return mlp(h)
@@ -492,7 +506,8 @@ def per_token(linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                      scale: float, gqa: bool, window: int | None = None, cap: float | None = None) -> torch.Tensor:
+                      scale: float, gqa: bool, window: int | None = None, cap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention [b, H, q, D] with each query alone over exactly the keys of its positions 0..p (p - window
     + 1..p in a sliding-window layer): the same call for a position whether it is decoded alone, verified in a
     block or prefilled."""
@@ -502,8 +517,9 @@ def attend_each_query(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             first = max(0, p - window + 1) if window else 0
             query = qs[r:r + 1, :, j:j + 1]
             key, value = keys[r:r + 1, :, first:p + 1], values[r:r + 1, :, first:p + 1]
-            out[r:r + 1, :, j:j + 1] = (softcapped_attention(query, key, value, None, scale, cap) if cap else
-                                        F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa))
+            out[r:r + 1, :, j:j + 1] = (
+                eager_attention(query, key, value, None, scale, cap, sinks) if cap or sinks is not None else
+                F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa))
     return out
 
 
@@ -523,16 +539,23 @@ class SoftCapped(torch.nn.Module):
         return soft_cap(self.linear(x), self.cap)
 
 
-def softcapped_attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                         scale: float, cap: float) -> torch.Tensor:
-    """Attention [b, H, q, D] whose scores are soft-capped before the mask, as transformers' Gemma 2 computes it
-    (scaled scores, cap, mask, softmax in float32); SDPA has no soft-capping. keys / values [b, KV heads, k, D]."""
+def eager_attention(qs: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention [b, H, q, D] as transformers' eager attention computes it where SDPA cannot: Gemma 2's scores
+    soft-capped before the mask (softmax in float32), gpt-oss's learned sink logit per head beside every row of
+    scores (max subtracted, softmax in the scores' dtype, the sink's share dropped). keys / values [b, KV, k, D]."""
     groups = qs.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    scores = soft_cap(torch.matmul(qs, keys.transpose(2, 3)) * scale, cap)
+    scores = torch.matmul(qs, keys.transpose(2, 3)) * scale
+    if cap:
+        scores = soft_cap(scores, cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype), values)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(qs.dtype), values)
+    scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)], dim=-1)
+    scores = scores - scores.amax(dim=-1, keepdim=True)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype), values)
 
 
 def rotated(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

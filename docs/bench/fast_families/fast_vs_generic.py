@@ -5,7 +5,7 @@ the shipped target's shape (hidden 256, 4 layers, 4 heads / 2 KV heads of 64, vo
 greedy continuation with 40 % of the tokens corrupted), every cycle the full block of 8 (`draft_policy="fixed"`),
 so both paths verify the same blocks and roll back the same rejections.
 
-    python docs/bench/fast_families/fast_vs_generic.py [--rounds 3] [--batch 1,4] [--speculative]
+    python docs/bench/fast_families/fast_vs_generic.py [--rounds 3] [--batch 1,4] [--speculative] [--families gpt-oss]
 """
 import argparse, statistics, sys, time
 from pathlib import Path
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                           GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Phi3Config, Phi3ForCausalLM)
+                          GptOssConfig, GptOssForCausalLM, Phi3Config, Phi3ForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
@@ -33,6 +33,11 @@ FAMILIES = {
         sliding_window=128, query_pre_attn_scalar=64,
         layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"], **SHAPE)),
     "mistral (window 128)": (MistralForCausalLM, lambda: MistralConfig(sliding_window=128, **SHAPE)),
+    "gpt-oss (window 128, 8 experts, 2 a token)": (GptOssForCausalLM, lambda: GptOssConfig(
+        sliding_window=128, num_local_experts=8, num_experts_per_tok=2, intermediate_size=384,
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        layer_types=["sliding_attention", "full_attention"] * 2, **{k: v for k, v in SHAPE.items()
+                                                                    if k != "intermediate_size"})),
 }
 
 
@@ -41,12 +46,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--speculative", action="store_true")
+    ap.add_argument("--families", default=None, help="comma-separated name prefixes (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     params = SamplingParams(max_new_tokens=64)
     print("| family | batch | fast path tok/s | generic path tok/s | fast / generic | same tokens |")
     print("|---|---|---|---|---|---|")
     for name, (cls, config) in FAMILIES.items():
+        if args.families and not any(name.startswith(f) for f in args.families.split(",")):
+            continue
         torch.manual_seed(0)
         model = cls(config()).float().eval()
         for batch in map(int, args.batch.split(",")):
