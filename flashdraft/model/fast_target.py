@@ -4,17 +4,17 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) with a paged KV cach
 transformers' generic forward builds masks, dispatches attention implementations and threads many kwargs through
 every layer; at small sizes and batch 1 that plumbing costs more than the arithmetic. `FastTarget` runs the same
 arithmetic over the model's OWN modules and parameters (nothing is copied): embedding (Gemma's scales itself),
-pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2, Phi-3's
-fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary dimensions as
-Phi-4-mini has; Gemma 3's per-layer-type frequencies; gpt-oss's half-size tables), Gemma 2's soft-capped attention
-scores and logits, gpt-oss's learned attention sinks,
-sliding-window layers (a key at position k is seen from position p only where k > p - window, as transformers masks
-them; the cache keeps every position), a gated MLP with the model's own activation (Phi-3's fused gate/up), Gemma 2 /
-3's norms after attention and around the MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own
-sparse block (its router, its experts through the experts implementation the model was loaded with, Qwen2-MoE's
-shared expert, gpt-oss's experts block): the fast path replaces the attention and cache plumbing, not the expert dispatch. A multimodal model
-(Gemma 3 as `Gemma3ForConditionalGeneration`, Llava) runs its language model here: text prompts never reach its
-vision tower (`language_model`).
+pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 3, q/k/v bias for Qwen2 and gpt-oss,
+Phi-3's fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary
+dimensions as Phi-4-mini has; Gemma 3's per-layer-type frequencies; gpt-oss's half-size tables), Gemma 2's
+soft-capped attention scores and logits, gpt-oss's learned attention sinks, sliding-window layers (a key at position
+k is seen from position p only where k > p - window, as transformers masks them; the cache keeps every position), a
+gated MLP with the model's own activation (Phi-3's fused gate/up), Gemma 2 / 3's norms after attention and around the
+MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts
+through the experts implementation the model was loaded with, Qwen2-MoE's shared expert, gpt-oss's experts block):
+the fast path replaces the attention and cache plumbing, not the expert dispatch. A multimodal model (Gemma 3 as
+`Gemma3ForConditionalGeneration`, Llava) runs its language model here: text prompts never reach its vision tower
+(`language_model`).
 
 The KV cache is paged per row (`slots.PagedKV`): position p of row r has one slot, found through the row's page
 table. Writing a block scatters its K/V to the slots of its positions; a query at position p attends to
