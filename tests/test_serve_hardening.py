@@ -411,9 +411,10 @@ def test_no_api_key_beyond_loopback_warns(monkeypatch, caplog, pair):
         assert cli.run_serve(parser.parse_args(["serve", "--host", "0.0.0.0", "--port", "8123"])) == 0
     assert ran["port"] == 8123 and "no API key" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="flashdraft.serve"):
+    with caplog.at_level(logging.INFO, logger="flashdraft.serve"):
         assert cli.run_serve(parser.parse_args(["serve", "--host", "127.0.0.1"])) == 0
     assert "no API key" not in caplog.text
+    assert "target path" in caplog.text  # the start-up line says which forward the target runs
 
 
 # ---- finding 6: shutdown -------------------------------------------------------------------------------------------

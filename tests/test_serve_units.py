@@ -287,8 +287,6 @@ def test_serve_target_without_draft_is_refused_not_silently_plain():
 
 
 def test_startup_line_names_the_target_path():
-    from flashdraft.serve.cli import target_path
-
-    assert target_path(SpecEngine(make_target("gemma2"))) == "fast target path"
-    assert target_path(SpecEngine(make_target("qwen3"), fast_path=False)) == "generic target path: fast_path=False"
-    assert target_path(SpecEngine(make_target("olmo2"))).startswith("generic target path: model_type 'olmo2'")
+    assert SpecEngine(make_target("gemma2")).target_path == "fast target path"
+    assert SpecEngine(make_target("qwen3"), fast_path=False).target_path == "generic target path: fast_path=False"
+    assert SpecEngine(make_target("olmo2")).target_path.startswith("generic target path: model_type 'olmo2'")

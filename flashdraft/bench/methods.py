@@ -98,7 +98,8 @@ class EngineMethod(Method):
         self.device = self.engine.target.device
 
     def describe(self) -> dict:
-        return {**super().describe(), "engine": asdict(self.engine.config)}  # which configuration ran
+        # which configuration ran, and which target forward
+        return {**super().describe(), "engine": asdict(self.engine.config), "target_path": self.engine.target_path}
 
     def warmup(self) -> None:
         self.engine.warmup(1)  # as `flashdraft serve` does: every width's kernels run and the policy's costs are timed

@@ -579,6 +579,13 @@ class SpecEngine:
         return ScreenedArgmax(self.target.lm_head, low=shared, full=self.fast.lm_head)  # (packed where it pays)
 
     @property
+    def target_path(self) -> str:
+        """Which forward the target runs: "fast target path", or the generic one and why (`fast_path_unsupported`)."""
+        if self.fast is not None:
+            return "fast target path"
+        return f"generic target path: {fast_path_unsupported(self.target.model) or 'fast_path=False'}"
+
+    @property
     def scratch_slots(self) -> int:
         """Cache slots past a row's committed tokens that one cycle may write: its block, or its tree's nodes."""
         if not self.tree_budget:

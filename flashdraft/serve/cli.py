@@ -144,15 +144,6 @@ def check_api_key(key: str | None) -> str | None:
     return key
 
 
-def target_path(engine) -> str:
-    """Which forward the target runs, for the start-up line: the fast path, or the generic one and why."""
-    if engine.fast is not None:
-        return "fast target path"
-    from flashdraft.model.fast_target import fast_path_unsupported
-
-    return f"generic target path: {fast_path_unsupported(engine.target.model) or 'fast_path=False'}"
-
-
 def _is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return True
@@ -309,7 +300,7 @@ def run_serve(args) -> int:
         log.info("prefix cache: up to %d positions of prompts and answers, in pages of %d",
                  engine.config.prefix_cache_tokens, engine.prefix_cache.page_size)
     mode = f"DFlash block {engine.block_size}" if engine.block_size > 1 else "plain decoding"
-    log.info("serving %r (%s, %s) on http://%s:%d", name, mode, target_path(engine), args.host, args.port)
+    log.info("serving %r (%s, %s) on http://%s:%d", name, mode, engine.target_path, args.host, args.port)
     uvicorn_server(app, args.drain_timeout, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
