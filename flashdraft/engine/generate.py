@@ -70,7 +70,7 @@ from flashdraft.engine.tree import (AUTO_TREE_SIZES, TREE_CANDIDATES, RowTree, S
 from flashdraft.engine.verify import SamplingParams, accept_chosen, sample_tokens, verify, verify_tree
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
-from flashdraft.model.fast_target import (FastTarget, fast_path_unsupported, packable_weights,
+from flashdraft.model.fast_target import (FastTarget, SoftCapped, fast_path_unsupported, packable_weights,
                                          untraceable_experts)
 from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
 from flashdraft.model.target import TargetModel, validate_pair
@@ -561,8 +561,7 @@ class SpecEngine:
         why_not = (("it needs the fast target path" if not use_fast else None)
                    or ("exact mode keeps its per-token products" if config.exact else None)
                    or ("compiled steps keep the full read-out" if config.compile else None)
-                   or ("the target soft-caps its logits" if getattr(self.target.config, "final_logit_softcapping", None)
-                       else None)
+                   or ("the target soft-caps its logits" if isinstance(self.fast.lm_head, SoftCapped) else None)
                    or screening_unavailable(self.target.lm_head))
         if config.screen_greedy is False or (why_not and config.screen_greedy is None):
             return None

@@ -230,7 +230,7 @@ class FastTarget:
 
     def _masks(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> dict:
         """The layers' attention masks by window (None: `mask` itself, [b, 1, q, k]): a window's mask also hides
-        the keys at positions k <= p - window from a query at p. key_positions [b or 1, k]."""
+        the keys at positions k <= p - window from a query at p. key_positions [b or 1, k] (None without windows)."""
         masks = {None: mask}
         for window in set(self.windows) - {None}:
             masks[window] = mask & (key_positions[:, None, None, :] > query_positions[:, None, :, None] - window)
@@ -307,9 +307,10 @@ class FastTarget:
         x = self.embed(ids)
         spans = []  # per group: the pool slots it writes, the pages it reads, key length, masks by window
         for rows, _, pos, *tree in groups:
-            if tree:  # a node's key sits at its scratch slot, at the node's position
+            if tree:  # a node's key sits at its scratch slot, at the node's position (needed by windows only)
                 written, mask = tree
-                keys_at = torch.arange(mask.shape[-1], device=x.device).expand(len(pos), -1).scatter(1, written, pos)
+                keys_at = (torch.arange(mask.shape[-1], device=x.device).expand(len(pos), -1).scatter(1, written, pos)
+                           if any(self.windows) else None)
             else:
                 written = pos
                 keys_at = torch.arange(int(pos.max()) + 1, device=x.device)[None]
