@@ -8,7 +8,8 @@
   table to the slots of their positions, so rolling back rejected tokens is nothing (they sit past the row's
   length, are masked, and are overwritten). Page 0 is the trash page: table entries a row does not own point to it,
   so padding rows (compiled row buckets) and invalid writes land there and nobody reads them.
-  Reading (`read`) gathers a row's pages into one dense [rows, length, ...] tensor per layer for SDPA (a view
+  Reading (`read`) gathers a row's pages (from a page on, where a sliding-window layer's queries see no earlier
+  position) into one dense [rows, length, ...] tensor per layer for SDPA (a view
   without a copy for a single row whose pages are consecutive, the usual batch-1 case): a transient the size of
   the keys attended, the price of a paged layout without a paged-attention kernel. The table's width grows in
   chunks of `TABLE_POSITIONS` and is a dynamic dimension, as is the pool's page count, so compiled steps keep one
@@ -54,12 +55,13 @@ class DenseKV:
     def batch(self) -> int:
         return self.keys[0].shape[0]
 
-    def page_index(self, length: int | None = None, rows=None):
+    def page_index(self, length: int | None = None, rows=None, first_page: int = 0):
         return None
 
-    def read(self, layer: int, length: int | None = None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, length: int | None = None, index=None,
+             start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         length = length or self.capacity
-        return self.keys[layer][:, :length], self.values[layer][:, :length]
+        return self.keys[layer][:, start:length], self.values[layer][:, start:length]
 
 
 class PagedKV:
@@ -127,10 +129,10 @@ class PagedKV:
         self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots] = keys
         self.values[layer].view(-1, *self.values[layer].shape[2:])[slots] = values
 
-    def page_index(self, length: int | None = None, rows=None):
-        """What `read` takes for positions [0, length) (default: the capacity) of rows `rows` (a tensor; default:
-        all): the first page (an int) for one row whose pages are consecutive, read as a view; otherwise the page
-        ids [b, n] to gather. Computed once, used by every layer."""
+    def page_index(self, length: int | None = None, rows=None, first_page: int = 0):
+        """What `read` takes for positions [first_page x page_size, length) (default length: the capacity) of rows
+        `rows` (a tensor; default: all): the first of those pages (an int) for one row whose pages there are
+        consecutive, read as a view; otherwise the page ids [b, n] to gather. Computed once, used by every layer."""
         length = length or self.capacity
         n = pages_for(length, self.page_size)
         if rows is None:
@@ -138,25 +140,26 @@ class PagedKV:
         else:
             one = int(rows) if rows.numel() == 1 else None
         if one is not None and not torch.compiler.is_compiling():
-            pages = self.pages[one]
-            if len(pages) >= n and pages[:n] == list(range(pages[0], pages[0] + n)):
+            pages = self.pages[one][first_page:n]
+            if 0 < len(pages) == n - first_page and pages == list(range(pages[0], pages[0] + len(pages))):
                 return pages[0]
-        return (self.table if rows is None else self.table[rows])[:, :n]
+        return (self.table if rows is None else self.table[rows])[:, first_page:n]
 
-    def read(self, layer: int, length: int | None = None, index=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [b, length, kv_heads, head_dim] of positions [0, length) at `index` (`page_index`;
-        default: every row's)."""
+    def read(self, layer: int, length: int | None = None, index=None,
+             start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [b, length - start, kv_heads, head_dim] of positions [start, length) at `index`
+        (`page_index` for the page holding `start`, a page boundary; default: every row's)."""
         length = length or self.capacity
-        index = self.page_index(length) if index is None else index
+        index = self.page_index(length, first_page=start // self.page_size) if index is None else index
         keys, values = self.keys[layer], self.values[layer]
         if isinstance(index, int):  # consecutive pages: a view, no copy
-            n = pages_for(length, self.page_size)
-            return (keys[index:index + n].view(1, -1, *keys.shape[2:])[:, :length],
-                    values[index:index + n].view(1, -1, *values.shape[2:])[:, :length])
+            n = pages_for(length, self.page_size) - start // self.page_size
+            return (keys[index:index + n].view(1, -1, *keys.shape[2:])[:, :length - start],
+                    values[index:index + n].view(1, -1, *values.shape[2:])[:, :length - start])
         # index_select, not keys[index]: the same gather, several times faster on CPU
         shape = (index.shape[0], -1, *keys.shape[2:])
-        return (keys.index_select(0, index.reshape(-1)).view(shape)[:, :length],
-                values.index_select(0, index.reshape(-1)).view(shape)[:, :length])
+        return (keys.index_select(0, index.reshape(-1)).view(shape)[:, :length - start],
+                values.index_select(0, index.reshape(-1)).view(shape)[:, :length - start])
 
     def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
         """Copy every layer's K/V at positions `source` [b, n] to positions `dest` [b, n] of rows `rows` [b] (a
