@@ -112,7 +112,8 @@ def test_greedy_equals_target_fp32_packed(i):
 
 def test_fast_path_refuses_what_it_does_not_reproduce():
     """Where the lean forward would differ from transformers' the engine keeps the generic path, and says why:
-    rope rescaled by each call's largest position (batching changes the call), families it does not know."""
+    `dynamic` rope (rescaled by the largest position seen), families it does not know. LongRoPE runs fast
+    (tests/test_longrope.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
     from flashdraft.model.fast_target import fast_path_unsupported
@@ -124,7 +125,7 @@ def test_fast_path_refuses_what_it_does_not_reproduce():
                                                            "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}))
     dynamic = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
                                                                         "factor": 2.0}))
-    assert fast_path_unsupported(longrope) == "rope type 'longrope'"
+    assert fast_path_unsupported(longrope) is None
     assert fast_path_unsupported(dynamic) == "rope type 'dynamic'"
     assert fast_path_unsupported(make_target("olmo2")).startswith("model_type 'olmo2' is not one of")
     assert SpecEngine(make_target("olmo2")).fast is None

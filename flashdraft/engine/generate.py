@@ -71,7 +71,7 @@ from flashdraft.engine.verify import SamplingParams, accept_chosen, sample_token
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import (FastTarget, SoftCapped, fast_path_unsupported, packable_weights,
-                                         untraceable_experts)
+                                         untraceable_experts, uses_long_rope)
 from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
 from flashdraft.model.target import TargetModel, validate_pair
 
@@ -249,6 +249,7 @@ class _Row:
     prefix_end: object = None
     prefix_pages: int = 0
     page_tail: list[torch.Tensor] = field(default_factory=list)
+    long_rope: bool = False  # a LongRoPE target's cache recomputed with the long frequencies (`_cross_long_rope`)
 
     def cached_noise(self, width: int) -> torch.Tensor | None:
         """The noise of output positions len(output) .. +width that the last window already covered (those past
@@ -447,6 +448,10 @@ class SpecEngine:
         if fast_path and reason:
             raise ValueError(f"fast_path=True but {reason}")
         use_fast = fast_path is not False and reason is None
+        if not use_fast and uses_long_rope(self.target.model):
+            warnings.warn("a LongRoPE target on the generic path: past original_max_position_embeddings its output "
+                          "differs from its own generate (which recomputes the cache there; the fast path does too)",
+                          stacklevel=2)
         # CPU: the target's wide projections and the drafter's read-out through oneDNN on packed weight copies
         # (`cpu_linear.py`; None = when all are packable and the copies stay small; the drafter's read-out is one
         # more copy of the lm_head)
@@ -546,7 +551,9 @@ class SpecEngine:
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_tokens:
             why_not = ("the generic target path" if self.fast is None else
-                       "exact mode computes each prompt whole" if exact else None)
+                       "exact mode computes each prompt whole" if exact else
+                       "LongRoPE computes a prompt with the frequencies its length picks" if self.fast.long_rope
+                       else None)
             if why_not:
                 warnings.warn(f"prefix_cache_tokens={config.prefix_cache_tokens} ignored: {why_not}", stacklevel=2)
             else:
@@ -1069,6 +1076,8 @@ class SpecEngine:
         row verifies that width and nothing is learnt from the cycle but, with `profile`, its costs. `joining`: new
         rows whose prompts the target forward prefills beside the blocks (`step`); they join after the commit,
         and the cycle's time, which includes their prefill, is not learnt from."""
+        if self.fast is not None and self.fast.long_rope is not None and forced_width is None:
+            self._cross_long_rope(batch)
         rows, prof, started = batch.rows, self.profiler, time.perf_counter()
         prof.start()
         batch.grow()  # every row's caches take pages for the positions its block (or tree) may reach
@@ -1076,8 +1085,13 @@ class SpecEngine:
         capped = forced_width is None and 0 < limit < len(rows)  # a load drafting is off at: one-token steps
         widths = ([forced_width] * len(rows) if forced_width is not None else [1] * len(rows) if capped
                   else batch.policy.widths([r.acceptance for r in rows], [r.pending.length for r in rows]))
+        short_of = self._long_rope_room(rows)  # LongRoPE: rows whose verify must end before the original length
+        if short_of and not self.ragged:  # one width for every row (compiled steps draft every row or none)
+            short_of = dict.fromkeys(range(len(rows)), min(short_of.values()))
+        if short_of:
+            widths = [min(w, short_of.get(i, w)) for i, w in enumerate(widths)]
         drafting = [i for i, w in enumerate(widths) if w > 1]
-        trees = bool(self.tree_budget and drafting) and not _reads_logits(rows) and (
+        trees = bool(self.tree_budget and drafting) and not _reads_logits(rows) and not short_of and (
             self.tree_budget != "auto" or forced_width is not None or self.tree_shape.use_trees(len(rows)))
         # positions the drafter fills: trees grow from a whole block's candidates
         draft_width = max(widths) if self.drafts_to_width and not trees else self.block_size
@@ -1085,6 +1099,8 @@ class SpecEngine:
         copies, searched = (({}, ()) if trees or forced_width is not None or capped
                             else self._lookup_copies(batch, widths))
         verified = [1 + len(copies[i]) if i in copies else w for i, w in enumerate(widths)] if copies else widths
+        if short_of and copies:
+            verified = [min(v, short_of.get(i, v)) for i, v in enumerate(verified)]
         # sampled rows' counter-based noise at the output positions their draft and verify cover (a Future where
         # no sampled row drafts: it is made on another core while the target runs, `_noise_soon`)
         noise = self._noise_soon(rows, [draft_width if w > 1 else v for w, v in zip(widths, verified)], widths, trees)
@@ -1160,6 +1176,33 @@ class SpecEngine:
                           "decision": decision, "ms": round(1000 * timing.total_s, 3),
                           "draft_ms": round(1000 * timing.draft_s, 3),
                           "context_ms": round(1000 * timing.context_s, 3)})
+
+    def _long_rope_room(self, rows: list[_Row]) -> dict[int, int]:
+        """LongRoPE targets (`fast_target.LongRope`): {row: the widest verify it may run} for rows whose cache holds
+        the short frequencies. Their block's positions stay below `original_max_position_embeddings` (the logits
+        there come from the short set; past it, from a cache recomputed with the long one: `_cross_long_rope`)."""
+        if self.fast is None or self.fast.long_rope is None:
+            return {}
+        original = self.fast.long_rope.original
+        return {i: original - r.n_cached for i, r in enumerate(rows)
+                if not r.long_rope and r.n_cached < original < r.n_cached + self.block_size}
+
+    def _cross_long_rope(self, batch: "Batch") -> None:
+        """Rows of a LongRoPE target whose next token is the first past `original_max_position_embeddings`: their
+        cache is recomputed with the long frequencies, as the model's own `generate` recomputes it at that step
+        (Phi-3's `prepare_inputs_for_generation`), by taking them out and prefilling them again (`preempt` /
+        `resume`: the sequence, with its pending token, is then longer than the original length)."""
+        original = self.fast.long_rope.original
+        crossing = [r for r in batch.rows if not r.long_rope and r.n_cached >= original]
+        for r in batch.rows:
+            if r.n_cached > original:  # prefilled past the original length: long from the start
+                r.long_rope = True
+        crossing = [r for r in crossing if not r.long_rope]
+        if crossing:
+            parked = [self.preempt(batch, r.index) for r in crossing]
+            self.resume(batch, parked)
+            for r in crossing:
+                r.long_rope = True
 
     def _clock(self) -> float:
         """Now, after the device's queued work (the policy's cost model times the draft apart)."""

@@ -284,6 +284,10 @@ def make_draft_config(
     # positions are 1-D and its heads fully rotary (as in z-lab's drafters for such targets)
     for key in ("mrope_section", "mrope_interleaved", "partial_rotary_factor"):
         rope.pop(key, None)
+    if rope.get("rope_type") == "longrope" and len(rope.get("short_factor") or ()) != head_dim // 2:
+        # LongRoPE's factors are per rotary frequency of the TARGET's heads (Phi-4-mini rotates 3/4 of them): for
+        # the drafter's fully rotary heads, RoPE at the target's base
+        rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     config = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=tc.hidden_size,

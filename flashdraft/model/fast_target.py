@@ -32,17 +32,25 @@ positions 0..p, the same calls whatever the block or batch; each row's prompt is
 block. Speculative output is then bit-identical to plain decoding in exact mode, in any precision; it costs speed
 (BENCHMARKS.md, 'Exactness').
 
+LongRoPE (Phi-3.5, Phi-4-mini) runs here with each position's frequency set as the model's own `generate` gives it
+(`LongRope`); the engine recomputes a row's cache where its sequence outgrows the original length, as `generate`
+does.
+
 What this module does not know about: images, other architectures (M-RoPE's 3-D positions, latent attention,
-chunked or linear attention layers, rope scaling that changes with the positions of each call: `dynamic`,
-`longrope`): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them.
+chunked or linear attention layers, `dynamic` rope scaling, which grows with the largest position a model has
+seen): `fast_path_unsupported` names the reason and the engine keeps the generic transformers path for them.
 Expert weights are never packed for oneDNN
 (only attention projections and dense MLPs are).
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 import torch.nn.functional as F
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
@@ -104,6 +112,11 @@ def rope_types(rotary) -> set:
     return set(kinds.values()) if isinstance(kinds, dict) else {kinds}
 
 
+def uses_long_rope(model) -> bool:
+    """Whether a causal LM's rotary embedding is LongRoPE (`LongRope`)."""
+    return "longrope" in rope_types(getattr(language_model(model), "rotary_emb", None))
+
+
 def language_model(model):
     """The decoder stack of a causal LM (`model.model`), or of the language model inside a multimodal one
     (`model.model.language_model`: Gemma 3's, Llava's; text prompts only reach it)."""
@@ -126,9 +139,11 @@ def fast_path_unsupported(model) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
     if kinds:
         return f"layer types {sorted(kinds)}"
-    moving = rope_types(inner.rotary_emb) & {"dynamic", "longrope"}
-    if moving:  # transformers rescales by the largest position of each call, which batching changes
-        return f"rope type {sorted(moving)[0]!r}"
+    kinds = rope_types(inner.rotary_emb)
+    if "dynamic" in kinds:  # transformers rescales by the largest position of each call, and keeps the largest seen
+        return "rope type 'dynamic'"
+    if "longrope" in kinds and isinstance(getattr(inner.rotary_emb, "rope_type", None), dict):
+        return "rope type 'longrope' per layer type"
     for layer in inner.layers:
         attn = layer.self_attn
         if not (hasattr(attn, "qkv_proj") or all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj"))) \
@@ -165,6 +180,43 @@ def resolved(offsets):
     while another thread is still making them (`SpecEngine._noise_soon`), and the read-out, after the layers, is
     the first to need them."""
     return offsets() if callable(offsets) else offsets
+
+
+class LongRope:
+    """LongRoPE tables (Phi-3.5, Phi-4-mini, Phi-3-*-128k) as the model's own `generate` applies them.
+
+    transformers computes each call with one of two frequency sets: the long factors where the sequence (the call's
+    largest position + 1) is longer than `original_max_position_embeddings`, else the short ones; and Phi-3's
+    `generate` recomputes the whole cache with the long set at the step the sequence first outgrows that length.
+    So the logits for position q come from every position under the set of a sequence q + 1 long. Here each
+    position's set is the one of max(q + 1, floor): a decoded token's own (floor 0), a prefilled sequence's length
+    for every position of it (floor n, or n + 1 for a resumed row whose next token is pending). The engine keeps a
+    row's verify short of the original length until its cache is recomputed long (`SpecEngine._cross_long_rope`).
+    Both tables come from the model's own rotary forward (undecorated, on a copy holding each frequency set), so they
+    are its values bit for bit."""
+
+    def __init__(self, rotary, config):
+        rope = config.rope_parameters
+        self.original = int(rope.get("original_max_position_embeddings")
+                            or getattr(config, "original_max_position_embeddings"))
+        self.forward = inspect.unwrap(type(rotary).forward)
+        device = rotary.original_inv_freq.device
+        long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=self.original + 1)
+        self.short, self.long = (self._holding(rotary, f) for f in (rotary.original_inv_freq, long_freq))
+
+    @staticmethod
+    def _holding(rotary, inv_freq: torch.Tensor):
+        """A shallow copy of `rotary` whose frequencies are `inv_freq` (the model's module is left alone)."""
+        module = copy.copy(rotary)
+        module._buffers = {**rotary._buffers, "inv_freq": inv_freq.to(rotary.inv_freq.device)}
+        return module
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, floors: torch.Tensor | None = None):
+        """(cos, sin) [b, q, D] for positions [b, q]; `floors` [b, q] (None: 0): see the class docstring."""
+        short, long = self.forward(self.short, x, positions), self.forward(self.long, x, positions)
+        span = positions + 1 if floors is None else torch.maximum(positions + 1, floors)
+        use_long = (span > self.original)[..., None]
+        return torch.where(use_long, long[0], short[0]), torch.where(use_long, long[1], short[1])
 
 
 class FastTarget:
@@ -215,9 +267,15 @@ class FastTarget:
         self.rope_keys = list(types[:len(self.layers)]) if per_type else None
         # gpt-oss: its rotary tables hold one angle per pair of halves, not the usual duplicated halves
         self.half_tables = getattr(cfg, "model_type", None) == "gpt_oss"
+        # LongRoPE: each position's frequency set as the model's own generate picks it (`LongRope`)
+        self.long_rope = LongRope(self.rotary, text_config(cfg)) if uses_long_rope(target.model) else None
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> list:
-        """Per layer (cos, sin) [..., 1, rotary dims] for token-major heads."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, floors: torch.Tensor | None = None) -> list:
+        """Per layer (cos, sin) [..., 1, rotary dims] for token-major heads. `floors` [b, q]: the sequence lengths
+        prefilled positions belong to (None: none is); only LongRoPE reads them (`LongRope`)."""
+        if self.long_rope is not None:
+            cos, sin = self.long_rope(x, positions, floors)
+            return [(cos[:, :, None], sin[:, :, None])] * len(self.layers)
         if self.rope_keys is None:
             cos, sin = self.rotary(x, positions)
             if self.half_tables:
@@ -273,6 +331,7 @@ class FastTarget:
         exact: bool | None = None,
         greedy: bool = False,
         offsets: torch.Tensor | None = None,
+        sequence_lengths: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [b, q, V] (or [b, 1, V] at `logit_index` [b] per row) and tapped features [b, q, n_taps*H];
         with `greedy` and a screened read-out (`screened`), the token ids [b, q] of the logits' argmax in their
@@ -282,6 +341,7 @@ class FastTarget:
         Queries attend to positions [0, key_len) (all the cache addresses when None: static shapes for compiled
         steps); the caller guarantees every row owns pages for its positions and they are < key_len. `exact`
         overrides the instance's mode for this call (`prefill` runs each row's prompt as an ordinary block).
+        `sequence_lengths` [b]: where this call prefills sequences, their lengths (`LongRope` reads them).
         """
         exact = self.exact if exact is None else exact
         b, q = input_ids.shape
@@ -300,7 +360,8 @@ class FastTarget:
             keys, values = kv.read(i, key_len, index[window], starts[window])
             return self._attention(i, qs, keys, values, positions, masks[window], exact).reshape(b, q, -1)
 
-        x, features = self._layers(x, self._rope(x, positions), attend, exact, capture)
+        floors = None if sequence_lengths is None else sequence_lengths[:, None].expand_as(positions)
+        x, features = self._layers(x, self._rope(x, positions, floors), attend, exact, capture)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         if greedy and self.screened is not None and not exact:
@@ -353,7 +414,11 @@ class FastTarget:
                                            masks[window], self.exact).reshape(g * w, -1))
             return torch.cat(out)[None]
 
-        x, features = self._layers(x, self._rope(x, positions), attend, self.exact, capture)
+        floors = None  # LongRoPE: a prompt's positions take the frequency set of its whole length (`LongRope`)
+        if self.long_rope is not None and prompts:
+            floors = torch.cat([(group[2].amax(-1, keepdim=True) + 1 if last else torch.zeros_like(group[2]))
+                                .expand_as(group[2]).reshape(-1) for group, last in zip(groups, last_only)])[None]
+        x, features = self._layers(x, self._rope(x, positions, floors), attend, self.exact, capture)
         hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
                   for h, group, last in zip(x[0].split(sizes), groups, last_only)]
         read = torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]) if any(last_only) else x[0]
@@ -434,32 +499,38 @@ class FastTarget:
         whatever the batch (and as transformers' own prefill computes it); the tokens after it go one row at a
         time through `forward`. A resumed row (preempted, recomputed) holds its prompt then the tokens it had
         decoded, from `exact_from[r]` on: in exact mode those go through the exact forward, as they did first."""
+        # LongRoPE: the sequence each row's positions belong to; a resumed row's next token is pending
+        sequences = lengths if exact_from is None else lengths + 1
         if not self.exact:
-            return self._prefill_by_length(input_ids, positions, kv, lengths, capture)
+            return self._prefill_by_length(input_ids, positions, kv, lengths, capture, sequences)
         logits, features = [], []
         for r, n in enumerate(lengths.tolist()):
             p = n if exact_from is None else min(n, exact_from[r])
             row_logits, row_features = self.forward(input_ids[r:r + 1, :p], positions[r:r + 1, :p], kv.rows([r]),
                                                     logit_index=torch.tensor([p - 1], device=input_ids.device),
-                                                    capture=capture, key_len=p, exact=False)
+                                                    capture=capture, key_len=p, exact=False,
+                                                    sequence_lengths=sequences[r:r + 1])
             if p < n:  # the decoded tokens, as verification computed them
                 row_logits, decoded = self.forward(input_ids[r:r + 1, p:n], positions[r:r + 1, p:n], kv.rows([r]),
                                                    logit_index=torch.tensor([n - p - 1], device=input_ids.device),
-                                                   capture=capture, key_len=n, exact=True)
+                                                   capture=capture, key_len=n, exact=True,
+                                                   sequence_lengths=sequences[r:r + 1])
                 row_features = None if row_features is None else torch.cat([row_features, decoded], dim=1)
             logits.append(row_logits)
             if row_features is not None:
                 features.append(row_features[0])
         return torch.cat(logits), (features if capture else None)
 
-    def _prefill_by_length(self, input_ids, positions, kv: PagedKV, lengths: torch.Tensor, capture: bool):
+    def _prefill_by_length(self, input_ids, positions, kv: PagedKV, lengths: torch.Tensor, capture: bool,
+                           sequences: torch.Tensor):
         """Prompts of similar lengths in one forward each (`length_groups`): one long prompt does not make every
-        short one beside it compute, and hold the attention scores of, its length."""
+        short one beside it compute, and hold the attention scores of, its length. `sequences`: the length of the
+        sequence each row's positions belong to (`LongRope`)."""
         n = lengths.tolist()
         groups = length_groups(n)
         if len(groups) == 1:
             logits, features = self.forward(input_ids, positions, kv, logit_index=lengths - 1, capture=capture,
-                                            key_len=input_ids.shape[1])
+                                            key_len=input_ids.shape[1], sequence_lengths=sequences)
             return logits, None if features is None else [f[:length] for f, length in zip(features, n)]
         logits, features = None, [None] * len(n) if capture else None
         for idx in groups:
@@ -467,7 +538,8 @@ class FastTarget:
             width = int(lengths[rows].max())
             group_logits, group_features = self.forward(input_ids[rows, :width], positions[rows, :width],
                                                         kv.rows(idx), logit_index=lengths[rows] - 1,
-                                                        capture=capture, key_len=width)
+                                                        capture=capture, key_len=width,
+                                                        sequence_lengths=sequences[rows])
             if logits is None:
                 logits = group_logits.new_empty((input_ids.shape[0], *group_logits.shape[1:]))
             logits[rows] = group_logits

@@ -26,6 +26,11 @@ SHAPE = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden
 FAMILIES = {
     "llama (fast before)": (LlamaForCausalLM, lambda: LlamaConfig(**SHAPE)),
     "phi3 (window 128)": (Phi3ForCausalLM, lambda: Phi3Config(sliding_window=128, **SHAPE)),
+    "phi4-mini (LongRoPE, 3/4 rotary)": (Phi3ForCausalLM, lambda: Phi3Config(
+        partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 24,
+                         "long_factor": [1.0 + i / 4 for i in range(24)]},
+        **{**SHAPE, "max_position_embeddings": 131072})),
     "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**SHAPE)),
     "gemma2 (window 128, caps)": (Gemma2ForCausalLM, lambda: Gemma2Config(sliding_window=128, query_pre_attn_scalar=64,
                                                                          **SHAPE)),
