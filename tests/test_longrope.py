@@ -101,11 +101,31 @@ def test_resumed_rows_keep_their_prompts_frequency_set():
     assert preemptions >= 4
 
 
-def test_prefix_caching_is_off_for_longrope_with_a_warning():
+@pytest.mark.parametrize("salted", [True, False], ids=["salted", "one-salt"])
+def test_prefix_hits_keep_to_pages_of_their_own_frequency_set(salted, monkeypatch):
+    """Prefix caching with pages of both sets in one cache: a prompt shorter than the original length (short pages),
+    the same prompt grown past it (its prefill is long: it must not read the short pages), a next turn holding a
+    whole first exchange that crossed the length (the row went on in a long chain after its recompute), and the
+    short prompt again (a hit on its own pages). Every output equals the target's generate, with hits. With one salt
+    for both sets (the test can fail) a long prompt reads short pages and leaves generate."""
     target, _ = longrope_target()
-    with pytest.warns(UserWarning, match="LongRoPE"):
-        engine = SpecEngine(target, prefix_cache_tokens=256)
-    assert engine.prefix_cache is None
+    engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=4, prefix_cache_tokens=512)
+    if not salted:
+        monkeypatch.setattr(SpecEngine, "_prefix_salt", lambda self, request, prompt, resumed=False: None)
+    short = PROMPTS[1]  # 25 tokens
+    first = engine.generate([short], SamplingParams(max_new_tokens=NEW_TOKENS))[0]
+    rounds = [[short + [7, 8, 9, 10, 11, 12, 13, 14, 15]],  # 34 tokens: long
+              [short + first.token_ids + [3, 4]],  # the next turn: 67 tokens
+              [short]]
+    same, cached = [], 0
+    for prompts in rounds:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        same += [r.token_ids == greedy_reference(target, p, NEW_TOKENS) for r, p in zip(results, prompts)]
+        cached += sum(r.stats.cached_tokens for r in results)
+    if salted:
+        assert all(same) and cached > 0
+    else:
+        assert not all(same)
 
 
 def test_the_generic_path_warns_that_it_leaves_generate_past_the_original_length():

@@ -551,9 +551,7 @@ class SpecEngine:
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_tokens:
             why_not = ("the generic target path" if self.fast is None else
-                       "exact mode computes each prompt whole" if exact else
-                       "LongRoPE computes a prompt with the frequencies its length picks" if self.fast.long_rope
-                       else None)
+                       "exact mode computes each prompt whole" if exact else None)
             if why_not:
                 warnings.warn(f"prefix_cache_tokens={config.prefix_cache_tokens} ignored: {why_not}", stacklevel=2)
             else:
@@ -768,9 +766,10 @@ class SpecEngine:
             return list(rows), []
         size, seen, first, later = self.prefix_cache.page_size, set(), [], []
         for r in rows:
-            key = (tuple(r.prompt[:size]), r.params.cache_salt)
+            salt = self._prefix_salt(r, r.prompt)
+            key = (tuple(r.prompt[:size]), salt)
             shares = (len(r.prompt) > size and key in seen  # and what it shares is not cached already
-                      and not self.prefix_cache.cached_tokens(r.prompt[:size + 1], r.params.cache_salt))
+                      and not self.prefix_cache.cached_tokens(r.prompt[:size + 1], salt))
             (later if shares else first).append(r)
             seen.add(key)
         return first, later
@@ -834,7 +833,7 @@ class SpecEngine:
     def tokens_to_compute(self, request) -> int:
         """Tokens of a request's prompt (anything with `prompt` and `params`) a prefill would compute now: those
         after what the prefix cache holds of it."""
-        cached = (self.prefix_cache.cached_tokens(request.prompt, request.params.cache_salt)
+        cached = (self.prefix_cache.cached_tokens(request.prompt, self._prefix_salt(request, request.prompt))
                   if self.prefix_cache is not None else 0)
         return len(request.prompt) - cached
 
@@ -958,7 +957,7 @@ class SpecEngine:
                                                          max_pages=self.kv_page_limit,
                                                          exact_from=[len(r.prompt) for r in rows] if resume else None,
                                                          cached=hits and (self.prefix_cache, hits))
-            features = self._cache_prompts(kv.kv, range(len(rows)), rows, prompts, hits, features)
+            features = self._cache_prompts(kv.kv, range(len(rows)), rows, prompts, hits, features, resume)
         else:
             kv, logits, features = DynamicTargetKV.prefill(self.target, prompts, capture)
         if resume:  # each row's next token (its bonus) was sampled before it was preempted
@@ -976,14 +975,26 @@ class SpecEngine:
         prompt tokens it gave (a resumed row's recompute is not its prompt's)."""
         if self.prefix_cache is None:
             return None
-        hits = [self.prefix_cache.match(p, r.params.cache_salt) for r, p in zip(rows, prompts)]
+        hits = [self.prefix_cache.match(p, self._prefix_salt(r, p, not count)) for r, p in zip(rows, prompts)]
         if count:
             for r, hit in zip(rows, hits):
                 r.stats.cached_tokens = hit.tokens
         return hits
 
+    def _prefix_salt(self, request, prompt: Sequence[int], resumed: bool = False):
+        """The prefix-cache salt `prompt` (a request's prompt, or a `resumed` row's committed tokens) is prefilled
+        under: the request's own, and for a LongRoPE target the frequency set of that prefill (`LongRope`: long
+        where the sequence, with a resumed row's pending token, outgrows the original length), so pages of the two
+        sets never meet. A row's chain then holds one set: a row recomputed long at the boundary
+        (`_cross_long_rope`) goes on in a long chain from its recompute."""
+        salt = request.params.cache_salt
+        if self.fast is None or self.fast.long_rope is None:
+            return salt
+        return salt, len(prompt) + resumed > self.fast.long_rope.original
+
     def _cache_prompts(self, kv, kv_rows: Sequence[int], rows: Sequence[_Row], prompts: Sequence[Sequence[int]],
-                       hits: list[PrefixHit] | None, features: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+                       hits: list[PrefixHit] | None, features: list[torch.Tensor] | None,
+                       resumed: bool = False) -> list[torch.Tensor] | None:
         """After a forward computed prompts (the positions after their hits) into rows `kv_rows` of `kv` (a
         PagedKV): each prompt's whole features (its hit's, then the forward's: `features`), and its full pages into
         the prefix cache (under each row's salt), where the row's output pages follow as they fill
@@ -993,7 +1004,8 @@ class SpecEngine:
         if features is not None:
             features = [f if not hit.slots else torch.cat([self.prefix_cache.prefix_features(hit), f])
                         for hit, f in zip(hits, features)]
-        ends = self.prefix_cache.insert(kv, kv_rows, prompts, features, [r.params.cache_salt for r in rows])
+        ends = self.prefix_cache.insert(kv, kv_rows, prompts, features,
+                                        [self._prefix_salt(r, p, resumed) for r, p in zip(rows, prompts)])
         size = self.prefix_cache.page_size
         for i, (r, prompt, end) in enumerate(zip(rows, prompts, ends)):
             r.prefix_end, r.prefix_pages = end, len(prompt) // size

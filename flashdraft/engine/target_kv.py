@@ -125,7 +125,7 @@ class PagedTargetKV:
         returned are then those of the rest only."""
         if cached is not None and any(hit.slots for hit in cached[1]):
             return cls._prefill_after(fast, prompts, capture, lengths, page_size, buckets, compiled_forward,
-                                      max_pages, *cached)
+                                      max_pages, *cached, resumed=exact_from is not None)
         dev = fast.target.device
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=dev)
@@ -142,16 +142,17 @@ class PagedTargetKV:
     @classmethod
     def _prefill_after(cls, fast: FastTarget, prompts: list[list[int]], capture: bool, lengths: list[int],
                        page_size: int, buckets: RowBuckets, compiled_forward, max_pages: int | None,
-                       cache: PrefixCache, hits: list[PrefixHit]):
+                       cache: PrefixCache, hits: list[PrefixHit], resumed: bool = False):
         """`prefill` of prompts whose first pages the prefix cache holds: each row its own group of the positions
-        after its hit, attending to the pages copied in."""
+        after its hit, attending to the pages copied in (`resumed` rows: their committed tokens, the next pending)."""
         dev = fast.target.device
         kv = fast.new_cache(len(prompts), [max(n, len(p)) for n, p in zip(lengths, prompts)], page_size, max_pages)
         cache.load(kv, range(len(prompts)), hits)
         groups = [(torch.tensor([i], device=dev), torch.tensor([p[hit.tokens:]], device=dev),
                    torch.arange(hit.tokens, len(p), device=dev)[None])
                   for i, (p, hit) in enumerate(zip(prompts, hits))]
-        outputs = fast.forward_ragged([], kv, capture, prompts=groups)
+        outputs = fast.forward_ragged([], kv, capture, prompts=groups,
+                                      prompt_sequences=[len(p) + 1 for p in prompts] if resumed else None)
         live = len(prompts)
         kv.join_rows(live, buckets.rows(live) - live)
         logits = torch.cat([row_logits[:, -1] for row_logits, _ in outputs])

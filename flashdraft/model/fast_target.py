@@ -371,7 +371,7 @@ class FastTarget:
     def forward_ragged(self, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], kv: PagedKV,
                        capture: bool = True, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
                        greedy: bool = False, offsets: list[torch.Tensor | None] | None = None,
-                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                       prompt_sequences: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Rows verifying blocks of different widths in one forward. `groups` = [(cache rows [g], input_ids [g, w],
         positions [g, w])], one per width. The projections, MLPs and lm_head run once over every group's tokens
         packed together, so the cost follows the tokens verified, not rows x the widest block; attention runs per
@@ -381,7 +381,9 @@ class FastTarget:
         (rows joining a batch), whose logits are their last position's only. Returns (logits [g, w, V] (prompts:
         [g, 1, V]), features [g, w, F] or None) per group, then per prompt group. With `greedy` and a screened
         read-out, the token ids [g, w] of the groups' (not the prompts') argmax in place of their logits (of the
-        logits plus each group's `offsets` [g, w, V], where any group has them: zeros for those without)."""
+        logits plus each group's `offsets` [g, w, V], where any group has them: zeros for those without).
+        `prompt_sequences`: per prompt group, the length of the sequence its positions belong to (`LongRope`;
+        default: up to its last position; a resumed row's next token is pending)."""
         last_only = [False] * len(groups) + [True] * len(prompts)
         groups = list(groups) + list(prompts)
         sizes = [group[1].numel() for group in groups]
@@ -416,8 +418,10 @@ class FastTarget:
 
         floors = None  # LongRoPE: a prompt's positions take the frequency set of its whole length (`LongRope`)
         if self.long_rope is not None and prompts:
-            floors = torch.cat([(group[2].amax(-1, keepdim=True) + 1 if last else torch.zeros_like(group[2]))
-                                .expand_as(group[2]).reshape(-1) for group, last in zip(groups, last_only)])[None]
+            sequences = [None] * (len(groups) - len(prompts)) + list(prompt_sequences or [None] * len(prompts))
+            floors = torch.cat([(torch.zeros_like(pos) if not last else pos.amax(-1, keepdim=True) + 1 if n is None
+                                 else torch.full_like(pos, n)).expand_as(pos).reshape(-1)
+                                for (_, _, pos, *_), last, n in zip(groups, last_only, sequences)])[None]
         x, features = self._layers(x, self._rope(x, positions, floors), attend, self.exact, capture)
         hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
                   for h, group, last in zip(x[0].split(sizes), groups, last_only)]
