@@ -1205,11 +1205,9 @@ class SpecEngine:
         (Phi-3's `prepare_inputs_for_generation`), by taking them out and prefilling them again (`preempt` /
         `resume`: the sequence, with its pending token, is then longer than the original length)."""
         original = self.fast.long_rope.original
+        for r in batch.rows:  # prefilled past the original length: long from the start
+            r.long_rope = r.long_rope or r.n_cached > original
         crossing = [r for r in batch.rows if not r.long_rope and r.n_cached >= original]
-        for r in batch.rows:
-            if r.n_cached > original:  # prefilled past the original length: long from the start
-                r.long_rope = True
-        crossing = [r for r in crossing if not r.long_rope]
         if crossing:
             parked = [self.preempt(batch, r.index) for r in crossing]
             self.resume(batch, parked)

@@ -19,13 +19,13 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, Gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fast_families"))
+import fast_vs_generic  # noqa: E402
 from flashdraft import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.model.fast_target import FastTarget  # noqa: E402
 from tiny import OracleProposer  # noqa: E402
 
-SHAPE = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=False,
-             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+SHAPE = {**fast_vs_generic.SHAPE, "max_position_embeddings": 8192}  # the shipped target's shape, longer contexts
 FAMILIES = {
     "mistral": ("every layer a 128-token window", MistralForCausalLM, lambda: MistralConfig(sliding_window=128, **SHAPE)),
     "gemma3": ("3 of 4 layers a 128-token window", Gemma3ForCausalLM, lambda: Gemma3TextConfig(
