@@ -291,7 +291,7 @@ class FastTarget:
         """The first key position each window's layers read (None: full attention, 0): the page boundary at or
         below the earliest position any query `positions` sees through that window. The keys before it are masked
         anyway; reading them would only cost their copy out of the pages and their attention scores (at 8k
-        positions a 128-token window's layers read 2 pages instead of 128). 0 in exact mode (each query slices its
+        positions a 128-token window's layers read 3 pages of 128). 0 in exact mode (each query slices its
         own keys), while compiling (static shapes) and for caches without pages."""
         windows = set(self.windows) - {None}
         page = getattr(kv, "page_size", None)
