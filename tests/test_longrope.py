@@ -148,3 +148,17 @@ def test_drafters_for_longrope_targets_take_its_rope_where_the_factors_fit_their
     rope = make_draft_config(full, num_layers=1, mask_token_id=1).rope_parameters
     assert rope["rope_type"] == "longrope" and rope["long_factor"] == [2.0] * 4
     make_drafter(Phi3ForCausalLM(full).double())  # builds
+
+
+def test_compiled_steps_cross_the_original_length_as_generate():
+    """Compiled steps (one width for every row: the shortest room of the rows still below the length) equal the
+    target's generate across the boundary, under an oracle's blocks of 8."""
+    from flashdraft.engine.compiled import compile_unavailable
+
+    if compile_unavailable(torch.device("cpu")):
+        pytest.skip(compile_unavailable(torch.device("cpu")))
+    target, expected = longrope_target()
+    engine = SpecEngine(target, block_size=8, compile=True,
+                        proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], seed=2))
+    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [r.token_ids for r in results] == expected
