@@ -99,3 +99,46 @@ def test_reads_from_a_page_equal_the_whole_read_from_there():
     index = single.page_index(24, first_page=3)
     assert isinstance(index, int)  # consecutive pages: read as a view
     assert torch.equal(single.read(0, 24, index, 12)[0], single.read(0, 24)[0][:, 12:])
+
+
+def test_a_sliding_drafter_reads_its_window_only_and_drafts_the_same():
+    """A drafter with sliding-window layers (transformers' DFlash assistants slide over 2,048 slots) reads each
+    sliding layer's context from the page its window reaches (`DFlashDraftModel._window_starts`): its hidden states
+    equal those of the whole read (float64), paged and gathered (`DenseKV`) caches alike, and in an engine its
+    drafts, hence every cycle's acceptance, are the same as with whole reads."""
+    from flashdraft.model.drafter import DFlashDraftModel
+
+    target = _target("qwen3")
+    drafter = make_drafter(target, block_size=8, layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    torch.manual_seed(0)
+    width = len(drafter.target_layer_ids) * drafter.target_hidden_size
+    cache = drafter.new_cache(2, 64, page_size=4)
+    positions = torch.arange(40)[None].expand(2, -1)
+    drafter.write_context(cache, torch.randn(2, 40, width, dtype=torch.float64), positions,
+                          torch.ones(2, 40, dtype=torch.bool))
+    embeds = torch.randn(2, 8, drafter.config.hidden_size, dtype=torch.float64)
+    block = torch.arange(40, 48)[None].expand(2, -1)
+    starts = drafter._window_starts(block, cache)
+    assert starts == {None: 0, 8: 32}
+    whole = DFlashDraftModel._window_starts
+    for read_from in (cache, cache.gather_rows(torch.tensor([1, 0]), 40)):
+        ours = drafter.draft(read_from, embeds, block, 40)
+        try:
+            DFlashDraftModel._window_starts = lambda self, position_ids, cache: {None: 0, 8: 0}
+            reference = drafter.draft(read_from, embeds, block, 40)
+        finally:
+            DFlashDraftModel._window_starts = whole
+        torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    prompts = [p[:40] for p in PROMPTS[:2]]
+    runs = []
+    for starts_of in (whole, lambda self, position_ids, cache: dict.fromkeys(
+            {l.self_attn.sliding_window for l in self.layers} | {None}, 0)):
+        DFlashDraftModel._window_starts = starts_of
+        try:
+            results = SpecEngine(target, drafter, kv_page_size=4, draft_policy="fixed").generate(
+                prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+        finally:
+            DFlashDraftModel._window_starts = whole
+        runs.append([(r.token_ids, r.stats.acceptance_lengths) for r in results])
+    assert runs[0] == runs[1]
+    assert [r[0] for r in runs[0]] == [greedy_reference(target, p, NEW_TOKENS) for p in prompts]

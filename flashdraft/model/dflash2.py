@@ -362,13 +362,14 @@ class DFlash2DraftModel(DFlashDraftModel):
             for codebook in (selector.predecessor_codebook, selector.successor_codebook):
                 nn.init.normal_(codebook.weight, std=rank ** -0.5)
 
-    def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask):
+    def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask,
+                starts: dict | None = None):
         # one block per row when drafting (no explicit mask); training lays out whole blocks of block_size
         segment = noise_embedding.shape[1] if attention_mask is None else self.block_size
         for layer in self.layers:
             layer.segment = segment
         return super()._blocks(noise_embedding, position_ids, ctx_kv, context_positions, context_valid,
-                               attention_mask)
+                               attention_mask, starts)
 
     def select(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, choose,
                with_scores: bool = True, logits: torch.Tensor | None = None, narrow_to: int | None = None,

@@ -619,16 +619,36 @@ class DFlashDraftModel(nn.Module):
         """Hidden states [b, q, H] for one block per row at `position_ids` [b, q], attending to the cached context
         of each row: the slots before the row's block start (and inside the window of sliding layers).
 
-        Only slots [0, context_len) are read (all of them when None: static shapes for compiled steps)."""
+        Only slots [0, context_len) are read (all of them when None: static shapes for compiled steps); a sliding
+        layer's from the page holding the earliest slot its window shows any query (`_window_starts`)."""
         b = position_ids.shape[0]
         context_len = context_len or cache.capacity
         slot_positions = torch.arange(context_len, device=position_ids.device)[None].expand(b, -1)
-        index = cache.page_index(context_len)
-        ctx_kv = [tuple(t.transpose(1, 2) for t in cache.read(i, context_len, index)) for i in range(len(self.layers))]
+        starts = self._window_starts(position_ids, cache)
+        page = getattr(cache, "page_size", 1)
+        index = {w: cache.page_index(context_len, first_page=s // page) for w, s in starts.items()}
+        ctx_kv = []
+        for i, layer in enumerate(self.layers):
+            window = layer.self_attn.sliding_window
+            read = cache.read(i, context_len, index[window], starts[window])
+            ctx_kv.append(tuple(t.transpose(1, 2) for t in read))
         return self._blocks(noise_embedding, position_ids, ctx_kv, slot_positions,
-                            slot_positions < position_ids[:, :1], None)
+                            slot_positions < position_ids[:, :1], None, starts)
 
-    def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask):
+    def _window_starts(self, position_ids: torch.Tensor, cache) -> dict:
+        """The first context slot each sliding window's layers read ({window: slot}; None: full layers, 0): the
+        page boundary at or below the earliest slot the window shows any query of the block (slots before it are
+        masked anyway), as `FastTarget._window_starts` does for the target. 0 while compiling (static shapes)."""
+        windows = {layer.self_attn.sliding_window for layer in self.layers} - {None}
+        if not windows or torch.compiler.is_compiling():
+            return dict.fromkeys(windows | {None}, 0)
+        page, first = getattr(cache, "page_size", 1), int(position_ids.min())
+        return {None: 0, **{w: max(0, first - w + 1) // page * page for w in windows}}
+
+    def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask,
+                starts: dict | None = None):
+        """The layers over the block's embeddings. Drafting (no `attention_mask`): each layer's context K/V starts at
+        its window's slot in `starts` (`_window_starts`; None: slot 0), and so does its mask."""
         hidden = noise_embedding.to(self.dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
         masks: dict = {}
@@ -641,7 +661,9 @@ class DFlashDraftModel(nn.Module):
             else:
                 key = (attn.sliding_window, attn.is_causal)
                 if key not in masks:
-                    masks[key] = block_attention_mask(position_ids, context_positions, context_valid, *key)
+                    start = starts[attn.sliding_window] if starts else 0
+                    masks[key] = block_attention_mask(position_ids, context_positions[:, start:],
+                                                      context_valid[:, start:], *key)
                 mask = masks[key]
             hidden = layer(hidden, layer_ctx_kv, cos, sin, mask)
         return self.norm(hidden)
