@@ -40,7 +40,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV, window_start
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -643,7 +643,7 @@ class DFlashDraftModel(nn.Module):
         if not windows or torch.compiler.is_compiling():
             return dict.fromkeys(windows | {None}, 0)
         page, first = getattr(cache, "page_size", 1), int(position_ids.min())
-        return {None: 0, **{w: max(0, first - w + 1) // page * page for w in windows}}
+        return {None: 0, **{w: window_start(first, w, page) for w in windows}}
 
     def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask,
                 starts: dict | None = None):

@@ -55,7 +55,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
 from flashdraft.model.greedy_readout import ScreenedArgmax
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, window_start
 from flashdraft.model.target import TargetModel, text_config
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
@@ -298,7 +298,7 @@ class FastTarget:
         if not windows or exact or page is None or torch.compiler.is_compiling():
             return dict.fromkeys(self.windows, 0)
         first = int(positions.min())
-        return {None: 0, **{w: max(0, first - w + 1) // page * page for w in windows}}
+        return {None: 0, **{w: window_start(first, w, page) for w in windows}}
 
     def _masks(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
                starts: dict) -> dict:

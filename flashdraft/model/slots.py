@@ -41,6 +41,12 @@ def pages_for(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
+def window_start(first_query: int, window: int, page_size: int) -> int:
+    """The first position a sliding-window layer needs to read for queries from `first_query` on (the keys at
+    k > q - window), rounded down to its page's first position."""
+    return max(0, first_query - window + 1) // page_size * page_size
+
+
 class DenseKV:
     """Per-layer K/V [rows, length, kv_heads, head_dim] (a copy of some rows of a `PagedKV`, for reading)."""
 
