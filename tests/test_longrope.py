@@ -158,7 +158,8 @@ def test_compiled_steps_cross_the_original_length_as_generate():
     if compile_unavailable(torch.device("cpu")):
         pytest.skip(compile_unavailable(torch.device("cpu")))
     target, expected = longrope_target()
+    prompts, expected = [PROMPTS[1], PROMPTS[3]], [expected[1][:24], expected[3][:24]]  # crossing; long from the start
     engine = SpecEngine(target, block_size=8, compile=True,
-                        proposer=OracleProposer([p + e for p, e in zip(PROMPTS, expected)], seed=2))
-    results = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+                        proposer=OracleProposer([p + e for p, e in zip(prompts, expected)], seed=2))
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=24))
     assert [r.token_ids for r in results] == expected
