@@ -87,16 +87,16 @@ def test_reads_from_a_page_equal_the_whole_read_from_there():
     kv.values[0].copy_(torch.randn_like(kv.values[0]))
     for length, start in ((24, 8), (21, 20), (9, 0)):
         whole = kv.read(0, length)
-        part = kv.read(0, length, kv.page_index(length, first_page=start // 4), start)
+        part = kv.read(0, length, kv.page_index(length, start=start), start)
         assert all(torch.equal(w[:, start:], p) for w, p in zip(whole, part))
-        index = kv.page_index(length, torch.tensor([1]), start // 4)  # row 1 of the batch
+        index = kv.page_index(length, torch.tensor([1]), start)  # row 1 of the batch
         assert all(torch.equal(w[1:, start:], p) for w, p in zip(whole, kv.read(0, length, index, start)))
         alone = kv.rows([1])  # row 1 as a cache of its own
-        parts = alone.read(0, length, alone.page_index(length, first_page=start // 4), start)
+        parts = alone.read(0, length, alone.page_index(length, start=start), start)
         assert all(torch.equal(w[1:, start:], p) for w, p in zip(whole, parts))
     single = PagedKV(1, 1, 2, 4, torch.float32, "cpu", page_size=4, lengths=[24])
     single.keys[0].copy_(torch.randn_like(single.keys[0]))
-    index = single.page_index(24, first_page=3)
+    index = single.page_index(24, start=12)
     assert isinstance(index, int)  # consecutive pages: read as a view
     assert torch.equal(single.read(0, 24, index, 12)[0], single.read(0, 24)[0][:, 12:])
 

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV, window_start
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV, window_starts
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -625,8 +625,7 @@ class DFlashDraftModel(nn.Module):
         context_len = context_len or cache.capacity
         slot_positions = torch.arange(context_len, device=position_ids.device)[None].expand(b, -1)
         starts = self._window_starts(position_ids, cache)
-        page = getattr(cache, "page_size", 1)
-        index = {w: cache.page_index(context_len, first_page=s // page) for w, s in starts.items()}
+        index = {w: cache.page_index(context_len, start=s) for w, s in starts.items()}
         ctx_kv = []
         for i, layer in enumerate(self.layers):
             window = layer.self_attn.sliding_window
@@ -636,14 +635,9 @@ class DFlashDraftModel(nn.Module):
                             slot_positions < position_ids[:, :1], None, starts)
 
     def _window_starts(self, position_ids: torch.Tensor, cache) -> dict:
-        """The first context slot each sliding window's layers read ({window: slot}; None: full layers, 0): the
-        page boundary at or below the earliest slot the window shows any query of the block (slots before it are
-        masked anyway), as `FastTarget._window_starts` does for the target. 0 while compiling (static shapes)."""
-        windows = {layer.self_attn.sliding_window for layer in self.layers} - {None}
-        if not windows or torch.compiler.is_compiling():
-            return dict.fromkeys(windows | {None}, 0)
-        page, first = getattr(cache, "page_size", 1), int(position_ids.min())
-        return {None: 0, **{w: window_start(first, w, page) for w in windows}}
+        """The first context slot each sliding window's layers read, for the block at `position_ids`
+        (`slots.window_starts`, as the target's `FastTarget._window_starts`)."""
+        return window_starts((layer.self_attn.sliding_window for layer in self.layers), position_ids, cache)
 
     def _blocks(self, noise_embedding, position_ids, ctx_kv, context_positions, context_valid, attention_mask,
                 starts: dict | None = None):

@@ -55,7 +55,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
 from flashdraft.model.greedy_readout import ScreenedArgmax
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, window_start
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, window_starts
 from flashdraft.model.target import TargetModel, text_config
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
@@ -292,13 +292,8 @@ class FastTarget:
         below the earliest position any query `positions` sees through that window. The keys before it are masked
         anyway; reading them would only cost their copy out of the pages and their attention scores (at 8k
         positions a 128-token window's layers read 3 pages of 128). 0 in exact mode (each query slices its
-        own keys), while compiling (static shapes) and for caches without pages."""
-        windows = set(self.windows) - {None}
-        page = getattr(kv, "page_size", None)
-        if not windows or exact or page is None or torch.compiler.is_compiling():
-            return dict.fromkeys(self.windows, 0)
-        first = int(positions.min())
-        return {None: 0, **{w: window_start(first, w, page) for w in windows}}
+        own keys) and while compiling (static shapes): `slots.window_starts`."""
+        return dict.fromkeys(self.windows, 0) if exact else window_starts(self.windows, positions, kv)
 
     def _masks(self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
                starts: dict) -> dict:
@@ -352,7 +347,7 @@ class FastTarget:
         masks = self._masks((keys_at[None, None, :] <= positions[:, :, None])[:, None], positions, keys_at[None],
                             starts)
         slots = kv.slots(positions)
-        index = {w: kv.page_index(key_len, first_page=s // kv.page_size if s else 0) for w, s in starts.items()}
+        index = {w: kv.page_index(key_len, start=s) for w, s in starts.items()}
 
         def attend(i: int, qs, ks, vs):  # [b, q, heads, D], token-major
             kv.write(i, slots, ks, vs)
@@ -402,7 +397,7 @@ class FastTarget:
                 mask = (keys_at[:, None, :] <= pos[:, :, None])[:, None]
             key_len = mask.shape[-1]
             starts = self._window_starts(pos, kv, self.exact)
-            index = {w: kv.page_index(key_len, rows, s // kv.page_size) for w, s in starts.items()}
+            index = {w: kv.page_index(key_len, rows, s) for w, s in starts.items()}
             spans.append((kv.slots(written, rows), index, key_len, starts, self._masks(mask, pos, keys_at, starts)))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]
@@ -418,10 +413,12 @@ class FastTarget:
 
         floors = None  # LongRoPE: a prompt's positions take the frequency set of its whole length (`LongRope`)
         if self.long_rope is not None and prompts:
-            sequences = [None] * (len(groups) - len(prompts)) + list(prompt_sequences or [None] * len(prompts))
-            floors = torch.cat([(torch.zeros_like(pos) if not last else pos.amax(-1, keepdim=True) + 1 if n is None
-                                 else torch.full_like(pos, n)).expand_as(pos).reshape(-1)
-                                for (_, _, pos, *_), last, n in zip(groups, last_only, sequences)])[None]
+            blocks = len(groups) - len(prompts)
+            floors = [torch.zeros_like(pos) for _, _, pos, *_ in groups[:blocks]]
+            for (_, _, pos, *_), n in zip(groups[blocks:], prompt_sequences or [None] * len(prompts)):
+                floors.append(torch.full_like(pos, n) if n is not None
+                              else (pos.amax(-1, keepdim=True) + 1).expand_as(pos))
+            floors = torch.cat([f.reshape(-1) for f in floors])[None]
         x, features = self._layers(x, self._rope(x, positions, floors), attend, self.exact, capture)
         hidden = [h.view(*group[2].shape, -1)[:, -1:] if last else h.view(*group[2].shape, -1)
                   for h, group, last in zip(x[0].split(sizes), groups, last_only)]

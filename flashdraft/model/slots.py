@@ -28,6 +28,7 @@ how many positions each row needs).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 import torch
 
@@ -41,10 +42,15 @@ def pages_for(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
-def window_start(first_query: int, window: int, page_size: int) -> int:
-    """The first position a sliding-window layer needs to read for queries from `first_query` on (the keys at
-    k > q - window), rounded down to its page's first position."""
-    return max(0, first_query - window + 1) // page_size * page_size
+def window_starts(windows: Iterable[int | None], positions: torch.Tensor, cache) -> dict:
+    """{window: the first position its layers read} for queries at `positions`: the keys at k > q - window, from
+    the page holding the earliest of them (a window's earlier keys are masked anyway); full attention (None) and,
+    while compiling (static shapes), every window: 0."""
+    windows = set(windows) - {None}
+    if not windows or torch.compiler.is_compiling():
+        return dict.fromkeys(windows | {None}, 0)
+    page, first = getattr(cache, "page_size", 1), int(positions.min())  # a DenseKV reads from any position
+    return {None: 0, **{w: max(0, first - w + 1) // page * page for w in windows}}
 
 
 class DenseKV:
@@ -61,7 +67,7 @@ class DenseKV:
     def batch(self) -> int:
         return self.keys[0].shape[0]
 
-    def page_index(self, length: int | None = None, rows=None, first_page: int = 0):
+    def page_index(self, length: int | None = None, rows=None, start: int = 0):
         return None
 
     def read(self, layer: int, length: int | None = None, index=None,
@@ -135,12 +141,12 @@ class PagedKV:
         self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots] = keys
         self.values[layer].view(-1, *self.values[layer].shape[2:])[slots] = values
 
-    def page_index(self, length: int | None = None, rows=None, first_page: int = 0):
-        """What `read` takes for positions [first_page x page_size, length) (default length: the capacity) of rows
-        `rows` (a tensor; default: all): the first of those pages (an int) for one row whose pages there are
+    def page_index(self, length: int | None = None, rows=None, start: int = 0):
+        """What `read` takes for positions [start, length) (`start` a page boundary; default length: the capacity)
+        of rows `rows` (a tensor; default: all): the first of those pages (an int) for one row whose pages there are
         consecutive, read as a view; otherwise the page ids [b, n] to gather. Computed once, used by every layer."""
         length = length or self.capacity
-        n = pages_for(length, self.page_size)
+        n, first_page = pages_for(length, self.page_size), start // self.page_size
         if rows is None:
             one = 0 if self.batch == 1 else None
         else:
@@ -156,7 +162,7 @@ class PagedKV:
         """Keys and values [b, length - start, kv_heads, head_dim] of positions [start, length) at `index`
         (`page_index` for the page holding `start`, a page boundary; default: every row's)."""
         length = length or self.capacity
-        index = self.page_index(length, first_page=start // self.page_size) if index is None else index
+        index = self.page_index(length, start=start) if index is None else index
         keys, values = self.keys[layer], self.values[layer]
         if isinstance(index, int):  # consecutive pages: a view, no copy
             n = pages_for(length, self.page_size) - start // self.page_size
