@@ -2,12 +2,14 @@
 
 The engine's rule (flashdraft.engine.batch, `Batch.row_lengths`; flashdraft.model.slots, `PagedKV`): each row's
 caches own pages (`kv_page_size` positions, 64 by default) for its committed tokens plus one block; pages come as
-rows advance and go back when rows leave; padding rows of compiled row buckets own none; each cache has one trash
-page. Each position costs:
+rows advance and go back when rows leave, and on the fast path a sliding-window layer's as they leave its window
+(from a row's first cycle on: a prefill holds its whole prompt); padding rows of compiled row buckets own none; each
+cache has one trash page. Each position costs:
 - target K/V: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes;
 - drafter context K/V: the same over the drafter's layers.
 `held_positions` and `positions_for_budget` turn that into the server's admission and preemption figures
-(`--kv-cache-memory`, scheduler.py); `REAL_SHAPES` holds the configs of Qwen3-8B and Llama-3.1-70B (written out
+(`--kv-cache-memory`, scheduler.py), counting a windowed layer's positions at its share of a position's bytes
+(`kv_shares`); `REAL_SHAPES` holds the configs of Qwen3-8B, Llama-3.1-70B and gpt-oss-20b (written out
 here: no hub access) for `scripts/memory/project.py`.
 
 What this module does not know about: activations, the prefill's transient buffers, the pages gathered for
@@ -17,6 +19,8 @@ features pending between cycles, the allocator's fragmentation (keep a margin).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -36,6 +40,15 @@ REAL_SHAPES = {
         "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
         "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "gpt-oss-20b": {  # every other layer slides over 128 positions
+        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "original_max_position_embeddings": 4096},
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
 }
@@ -69,20 +82,44 @@ def engine_bytes_per_position(engine) -> tuple[int, int]:
     return target, kv_bytes_per_position(config, dtype)
 
 
-def row_capacity(tokens: int, block_size: int, page_size: int) -> int:
+FULL_ATTENTION = ((1.0, None),)  # `kv_shares` of a model without sliding windows
+
+
+def row_capacity(tokens: int, block_size: int, page_size: int, window: int | None = None) -> int:
     """Cache positions a row holding `tokens` committed tokens owns for its next cycle: one block more, in whole
-    pages (the engine's rule, imported: the figures cannot drift from it)."""
+    pages, less (layers sliding over `window`) the pages wholly before what its next queries see (the engine's
+    rule, imported: the figures cannot drift from it)."""
     from flashdraft.engine.batch import chunked
 
-    return chunked(tokens + block_size, page_size)
+    left = 0 if window is None else max(0, tokens - window + 1) // page_size * page_size
+    return chunked(tokens + block_size, page_size) - left
 
 
-def held_positions(row_tokens: list[int], block_size: int, page_size: int) -> int:
+def held_positions(row_tokens: list[int], block_size: int, page_size: int, shares=FULL_ATTENTION) -> int:
     """Positions a batch of rows holding these many committed tokens takes for its next cycle: each row's own
-    pages, plus the trash page."""
+    pages, plus the trash page, per cache; `shares` ((share of the K/V bytes per position, window) per cache:
+    `kv_shares`) counts a windowed cache's positions at its share of a whole position."""
     if not row_tokens:
         return 0
-    return sum(row_capacity(t, block_size, page_size) for t in row_tokens) + page_size
+    return math.ceil(sum(share * (sum(row_capacity(t, block_size, page_size, w) for t in row_tokens) + page_size)
+                         for share, w in shares) - 1e-9)
+
+
+def kv_shares(engine) -> tuple[tuple[float, int | None], ...]:
+    """(share of a cache position's K/V bytes, window) per cache of a SpecEngine: the target's layers by their
+    sliding window on the fast path (its windowed layers give pages back: `PagedKV.reserve`), full attention for
+    the generic path's and the drafter's."""
+    fast = getattr(engine, "fast", None)
+    return window_shares(fast.windows if fast is not None else [None], *engine_bytes_per_position(engine))
+
+
+def window_shares(windows: list[int | None], target: int, drafter: int) -> tuple[tuple[float, int | None], ...]:
+    """`kv_shares` of a target whose layers slide over `windows` (None: full attention; `layer_windows`), with
+    `target` / `drafter` K/V bytes per position."""
+    by_window = {None: float(drafter)}
+    for window in windows:
+        by_window[window] = by_window.get(window, 0.0) + target / len(windows)
+    return tuple((held / (target + drafter), window) for window, held in by_window.items() if held)
 
 
 def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: int) -> int:
@@ -91,11 +128,12 @@ def positions_for_budget(budget_bytes: int, target_bytes: int, drafter_bytes: in
 
 
 def rows_that_fit(budget_bytes: int, tokens: int, block_size: int, page_size: int, target_bytes: int,
-                  drafter_bytes: int) -> int:
+                  drafter_bytes: int, shares=FULL_ATTENTION) -> int:
     """Rows holding `tokens` tokens each (e.g. prompt + max_tokens: at their end) that a budget holds under the
-    engine's rule."""
+    engine's rule (`shares`: `kv_shares`)."""
     positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes) - page_size
-    return max(0, positions) // row_capacity(tokens, block_size, page_size)
+    per_row = sum(share * row_capacity(tokens, block_size, page_size, window) for share, window in shares)
+    return int(max(0, positions) // per_row)
 
 
 def batch_kv_bytes(batch, held_only: bool = False) -> int:
@@ -106,8 +144,7 @@ def batch_kv_bytes(batch, held_only: bool = False) -> int:
     for state in (batch.kv, batch.proposer_state):
         kv = getattr(state, "kv", None)
         if kv is not None:
-            pool = sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
-            total += pool * (kv.held_pages + 1) // kv.pool_pages if held_only else pool
+            total += kv.pool_bytes(held_only)
     return total
 
 
@@ -157,16 +194,18 @@ def resolve_memory_budget(spec: tuple[str, float], device: torch.device, flag: s
 
 
 def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, tokens: int, block_size: int,
-             page_size: int) -> str:
+             page_size: int, shares=FULL_ATTENTION) -> str:
     """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) holds at its end, and how many
-    such rows the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context)."""
-    capacity = row_capacity(tokens, block_size, page_size)
+    such rows the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context);
+    `shares`: `kv_shares`."""
+    capacity = round(sum(share * row_capacity(tokens, block_size, page_size, w) for share, w in shares))
     per_row = capacity * (target_bytes + drafter_bytes)
+    windows = "" if shares == FULL_ATTENTION else " (sliding-window layers' positions at their share)"
     text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "
             f"position, in pages of {page_size}; a row of {tokens} tokens (prompt + max_tokens) holds up to "
-            f"{capacity} positions = {per_row / GiB:.3f} GiB")
+            f"{capacity} positions{windows} = {per_row / GiB:.3f} GiB")
     if budget_bytes is not None:
-        fit = rows_that_fit(budget_bytes, tokens, block_size, page_size, target_bytes, drafter_bytes)
+        fit = rows_that_fit(budget_bytes, tokens, block_size, page_size, target_bytes, drafter_bytes, shares)
         positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes)
         text += f"; the budget of {budget_bytes / GiB:.3f} GiB holds {positions} positions = {fit} such rows"
     return text

@@ -147,15 +147,15 @@ def test_queue_bound_still_answers_429_with_a_budget():
         loop.close()
 
 
-def test_admission_figure_is_what_the_engine_allocates():
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_admission_figure_is_what_the_engine_allocates(arch):
     """The scheduler's figures (flashdraft.memory) against the pages the engine really holds, as rows of different
     lengths join, grow and leave: the pages rows own are each row's own tokens and next block (never the longest
-    row's), and the pools never exceed the largest batch's figure so far by more than their growth of an eighth."""
+    row's; Gemma 3's sliding layers, windows of 16, only what their window reaches, the rule's `kv_shares`), and the
+    pools never exceed the largest batch's figure so far by more than their growth of an eighth."""
     from types import SimpleNamespace
 
-    from flashdraft.memory import held_positions
-
-    target = make_target("qwen3")
+    target = make_target(arch)
     engine = SpecEngine(target, make_drafter(target, block_size=4), kv_page_size=16, draft_policy="fixed")
     target_bytes, drafter_bytes = engine_bytes_per_position(engine)
     per_position = target_bytes + drafter_bytes
@@ -166,18 +166,20 @@ def test_admission_figure_is_what_the_engine_allocates():
     sizes, peak = set(), 0
     for step in range(400):
         if step % 4 == 0 and step // 4 < len(requests):
-            req = requests[step // 4]
+            req = requests[step // 4]  # its prefill holds its whole prompt, windowed layers too
+            peak = max(peak, sched.positions([r.n_cached for r in batch.rows], [len(req.prompt)]) * per_position)
             engine.add(batch, [req.prompt], req.params, request_ids=[step // 4])
         if not batch.rows:
             break
+        cycle_start = {r.index: r.n_cached for r in batch.rows}
         engine.step(batch)
         if not batch.rows:
             continue
-        tokens = [r.n_cached for r in batch.rows]
-        held = held_positions(tokens, engine.scratch_slots, 16) * per_position
+        tokens = [cycle_start[r.index] for r in batch.rows]  # what the cycle's pages were taken for (`Batch.grow`)
+        held = sched.positions(tokens) * per_position
         owned = batch_kv_bytes(batch, held_only=True)
         assert held - len(tokens) * 16 * per_position <= owned <= held, (step, owned, held)
-        peak = max(peak, sched.positions(tokens) * per_position)
+        peak = max(peak, held)
         # without a budget a pool out of pages grows by an eighth of itself (rounded down, at least what is missing)
         assert batch_kv_bytes(batch) <= peak * 9 / 8, (step, batch_kv_bytes(batch), peak)
         sizes.add((len(tokens), owned))

@@ -152,7 +152,7 @@ class Batch:
     def grow(self, lengths: list[int] | None = None) -> None:
         """Before a cycle: pages for every row's next block (`lengths`: `row_lengths()` unless given)."""
         lengths = self.row_lengths() if lengths is None else lengths
-        self.kv.reserve(lengths)
+        self.kv.reserve(lengths, keep_from=[r.n_cached for r in self.rows])
         self.proposer_state.grow(lengths)
 
     def select_rows(self, idx: torch.Tensor) -> None:

@@ -54,10 +54,10 @@ NO_HIT = PrefixHit([], 1)
 
 @dataclass
 class _Copies:
-    """An insert's planned copies: row pages of the pool -> store slots (with their features), and the pages it
-    found or made (none of them leaves to make room for another)."""
+    """An insert's planned copies: (row, page column) of the cache -> store slots (with their features), and the
+    pages it found or made (none of them leaves to make room for another)."""
 
-    pages: list[int] = field(default_factory=list)
+    pages: list[tuple[int, int]] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)
     kept: set[int] = field(default_factory=set)
@@ -125,13 +125,15 @@ class PrefixCache:
 
     def load(self, kv: PagedKV, rows: Sequence[int], hits: Sequence[PrefixHit]) -> None:
         """Copy each hit's pages into the first pages of its row of `kv` (which owns pages for them already)."""
-        dst = [kv.pages[r][j] for r, hit in zip(rows, hits) for j in range(len(hit.slots))]
-        if not dst:
+        columns = [(r, j) for r, hit in zip(rows, hits) for j in range(len(hit.slots))]
+        if not columns:
             return
-        src = torch.tensor([s for hit in hits for s in hit.slots], dtype=torch.long, device=kv.table.device)
-        dst = torch.tensor(dst, dtype=torch.long, device=kv.table.device)
-        for pool, store in zip(kv.keys + kv.values, self.keys + self.values):
-            pool.index_copy_(0, dst, store.index_select(0, src))
+        src = torch.tensor([s for hit in hits for s in hit.slots], dtype=torch.long, device=self.keys[0].device)
+        for cache, layers in kv.layer_groups():
+            dst = torch.tensor([cache.page_of(r, j) for r, j in columns], dtype=torch.long, device=src.device)
+            for n, i in enumerate(layers):
+                cache.keys[n].index_copy_(0, dst, self.keys[i].index_select(0, src))
+                cache.values[n].index_copy_(0, dst, self.values[i].index_select(0, src))
 
     def prefix_features(self, hit: PrefixHit) -> torch.Tensor | None:
         """The tapped features [hit.tokens, F] of a hit's positions (None without features or a hit)."""
@@ -184,7 +186,7 @@ class PrefixCache:
                 self.next_id += 1
                 self.index[key] = page
                 self.pages[page] = (key, slot)
-                copies.pages.append(kv.pages[row][j])
+                copies.pages.append((row, j))
                 copies.slots.append(slot)
                 if self.features is not None:
                     copies.features.append(features[(j - first) * size:(j - first + 1) * size])
@@ -203,11 +205,12 @@ class PrefixCache:
     def _copy(self, kv: PagedKV, copies: "_Copies") -> None:
         if not copies.slots:
             return
-        device = kv.table.device
-        src = torch.tensor(copies.pages, dtype=torch.long, device=device)
-        dst = torch.tensor(copies.slots, dtype=torch.long, device=device)
-        for store, pool in zip(self.keys + self.values, kv.keys + kv.values):
-            store.index_copy_(0, dst, pool.index_select(0, src))
+        dst = torch.tensor(copies.slots, dtype=torch.long, device=self.keys[0].device)
+        for cache, layers in kv.layer_groups():
+            src = torch.tensor([cache.page_of(r, j) for r, j in copies.pages], dtype=torch.long, device=dst.device)
+            for n, i in enumerate(layers):
+                self.keys[i].index_copy_(0, dst, cache.keys[n].index_select(0, src))
+                self.values[i].index_copy_(0, dst, cache.values[n].index_select(0, src))
         if self.features is not None:
             self.features.index_copy_(0, dst.to(self.features.device), torch.stack(copies.features))
 

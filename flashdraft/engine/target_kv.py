@@ -79,7 +79,7 @@ class DynamicTargetKV:
     def num_rows(self) -> int:
         return self.slot_mask.shape[0]
 
-    def reserve(self, lengths: list[int]) -> None:
+    def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
         pass  # a dynamic cache grows by what each forward writes (and compacts its holes)
 
     def select_rows(self, idx: torch.Tensor) -> None:
@@ -209,8 +209,9 @@ class PagedTargetKV:
         self.live = len(idx)
         self.kv.select_rows(self.buckets.padded_index(idx))
 
-    def reserve(self, lengths: list[int]) -> None:
-        self.kv.reserve(lengths)
+    def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
+        """`PagedKV.reserve`: a windowed layer's pages before a row's `keep_from` less its window go back."""
+        self.kv.reserve(lengths, keep_from)
 
     def merge(self, other: "PagedTargetKV") -> None:
         """Our live rows, other's live rows, then the padding the new row count needs."""

@@ -8,8 +8,8 @@ pre-norm layers with grouped-query attention (+ q/k RMSNorm for Qwen3 and Gemma 
 Phi-3's fused q/k/v), RoPE from the model's own rotary module (so rope scaling variants match; partial rotary
 dimensions as Phi-4-mini has; Gemma 3's per-layer-type frequencies; gpt-oss's half-size tables), Gemma 2's
 soft-capped attention scores and logits, gpt-oss's learned attention sinks, sliding-window layers (a key at position
-k is seen from position p only where k > p - window, as transformers masks them; the cache keeps every position,
-a window's layers read only the pages it reaches: `_window_starts`), a
+k is seen from position p only where k > p - window, as transformers masks them; a window's layers read only the
+pages it reaches, `_window_starts`, and keep only those: `slots.GroupedKV` gives them a page table of their own), a
 gated MLP with the model's own activation (Phi-3's fused gate/up), Gemma 2 / 3's norms after attention and around the
 MLP, final norm, lm_head. A mixture-of-experts layer runs the model's own sparse block (its router, its experts
 through the experts implementation the model was loaded with, Qwen2-MoE's shared expert, gpt-oss's experts block):
@@ -55,7 +55,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from flashdraft.model.cpu_linear import pack_by_default, require_packable, packed_concat, packed_linear
 from flashdraft.model.greedy_readout import ScreenedArgmax
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, window_starts
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, PagedKV, new_paged_cache, window_starts
 from flashdraft.model.target import TargetModel, text_config
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral",
@@ -312,8 +312,8 @@ class FastTarget:
         """A paged cache of `batch` rows with pages for `lengths` positions per row (one number: every row; a list:
         the first rows, the rest none)."""
         lengths = [lengths] * batch if isinstance(lengths, int) else lengths
-        return PagedKV(len(self.layers), batch, self.num_kv_heads, self.head_dim, self.target.dtype,
-                       self.target.device, page_size, lengths, max_pages)
+        return new_paged_cache(self.windows, batch, self.num_kv_heads, self.head_dim, self.target.dtype,
+                               self.target.device, page_size, lengths, max_pages)
 
     def forward(
         self,
@@ -347,7 +347,7 @@ class FastTarget:
         masks = self._masks((keys_at[None, None, :] <= positions[:, :, None])[:, None], positions, keys_at[None],
                             starts)
         slots = kv.slots(positions)
-        index = {w: kv.page_index(key_len, start=s) for w, s in starts.items()}
+        index = {w: kv.page_index(key_len, start=s, window=w) for w, s in starts.items()}
 
         def attend(i: int, qs, ks, vs):  # [b, q, heads, D], token-major
             kv.write(i, slots, ks, vs)
@@ -397,7 +397,7 @@ class FastTarget:
                 mask = (keys_at[:, None, :] <= pos[:, :, None])[:, None]
             key_len = mask.shape[-1]
             starts = self._window_starts(pos, kv, self.exact)
-            index = {w: kv.page_index(key_len, rows, s) for w, s in starts.items()}
+            index = {w: kv.page_index(key_len, rows, s, w) for w, s in starts.items()}
             spans.append((kv.slots(written, rows), index, key_len, starts, self._masks(mask, pos, keys_at, starts)))
 
         def attend(i: int, qs, ks, vs):  # [1, T, heads, D]

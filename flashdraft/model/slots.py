@@ -16,7 +16,13 @@
   graph per row count; rows leaving or joining without changing the row count and width are handled in place
   (CUDA graphs keep replaying the same addresses). The pool grows by at least an eighth when pages run out
   (amortised copies; never past `max_pages`, a memory budget, unless rows need it) and is compacted when a quarter
-  of it is free.
+  of it is free. A cache whose layers slide over one window gives back the pages that leave it: `reserve(lengths,
+  keep_from)` returns a row's pages wholly before keep_from - window + 1 (the engine passes each row's committed
+  length before a cycle: no later query sees further back); their table columns point to the trash page, which
+  reads that start at 0 (compiled steps) see only where the window masks them.
+- `GroupedKV`: layers of different windows (full and sliding, Gemma 2 / 3, gpt-oss) as one `PagedKV` per window,
+  each with its own table and pools, so the sliding layers' memory follows their window while the full layers'
+  follows the row; `new_paged_cache` picks one or the other.
 - `DenseKV`: a rectangle [rows, length, ...] per layer (gathered rows, for reading only).
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
@@ -67,7 +73,7 @@ class DenseKV:
     def batch(self) -> int:
         return self.keys[0].shape[0]
 
-    def page_index(self, length: int | None = None, rows=None, start: int = 0):
+    def page_index(self, length: int | None = None, rows=None, start: int = 0, window: int | None = None):
         return None
 
     def read(self, layer: int, length: int | None = None, index=None,
@@ -80,9 +86,10 @@ class PagedKV:
     """Paged per-layer K/V of a batch's rows; see the module docstring."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, device, page_size: int,
-                 lengths: list[int] | None = None, max_pages: int | None = None):
+                 lengths: list[int] | None = None, max_pages: int | None = None, window: int | None = None):
         self.page_size = page_size
         self.max_pages = max_pages  # growth stops here (a memory budget), unless rows need more
+        self.window = window  # every layer's sliding window (None: full attention): `reserve(keep_from=)` trims
         self.table_pages = max(1, TABLE_POSITIONS // page_size)  # the table's width grows by this many pages
         lengths = lengths if lengths is not None else [0] * batch
         pages = 1 + sum(pages_for(n, page_size) for n in lengths)  # + the trash page
@@ -91,6 +98,7 @@ class PagedKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.free = list(range(1, pages))  # a heap: the lowest free page first (a growing row stays consecutive)
         self.pages: list[list[int]] = [[] for _ in range(batch)]  # the host's copy of each row's owned pages
+        self.dropped = [0] * batch  # per row: leading table columns whose pages went back (out of the window)
         self.table = torch.zeros((batch, self.table_pages), dtype=torch.long, device=device)
         self._mark_static()
         self.reserve(lengths)
@@ -141,7 +149,7 @@ class PagedKV:
         self.keys[layer].view(-1, *self.keys[layer].shape[2:])[slots] = keys
         self.values[layer].view(-1, *self.values[layer].shape[2:])[slots] = values
 
-    def page_index(self, length: int | None = None, rows=None, start: int = 0):
+    def page_index(self, length: int | None = None, rows=None, start: int = 0, window: int | None = None):
         """What `read` takes for positions [start, length) (`start` a page boundary; default length: the capacity)
         of rows `rows` (a tensor; default: all): the first of those pages (an int) for one row whose pages there are
         consecutive, read as a view; otherwise the page ids [b, n] to gather. Computed once, used by every layer."""
@@ -151,8 +159,8 @@ class PagedKV:
             one = 0 if self.batch == 1 else None
         else:
             one = int(rows) if rows.numel() == 1 else None
-        if one is not None and not torch.compiler.is_compiling():
-            pages = self.pages[one][first_page:n]
+        if one is not None and not torch.compiler.is_compiling() and first_page >= self.dropped[one]:
+            pages = self.pages[one][first_page - self.dropped[one]:n - self.dropped[one]]
             if 0 < len(pages) == n - first_page and pages == list(range(pages[0], pages[0] + len(pages))):
                 return pages[0]
         return (self.table if rows is None else self.table[rows])[:, first_page:n]
@@ -188,6 +196,7 @@ class PagedKV:
         other = PagedKV.__new__(PagedKV)
         other.__dict__.update(self.__dict__)
         other.table, other.pages = self.table[idx], [self.pages[r] for r in idx]
+        other.dropped = [self.dropped[r] for r in idx]
         return other
 
     def gather_rows(self, rows: torch.Tensor, length: int) -> DenseKV:
@@ -198,18 +207,50 @@ class PagedKV:
 
     # ---- pages (host side) -----------------------------------------------------------------------------------
 
-    def reserve(self, lengths: list[int]) -> None:
+    def page_of(self, row: int, column: int) -> int:
+        """The pool page holding positions [column x page_size, (column + 1) x page_size) of `row`."""
+        if column < self.dropped[row]:
+            raise IndexError(f"page {column} of row {row} went back when it left the window")
+        return self.pages[row][column - self.dropped[row]]
+
+    def layer_groups(self) -> list[tuple["PagedKV", list[int]]]:
+        """(cache, the layers it holds) per page table: this one for all (`GroupedKV`: one per window)."""
+        return [(self, list(range(len(self.keys))))]
+
+    def pool_bytes(self, held_only: bool = False) -> int:
+        """Bytes of the K/V pools; `held_only`: the pages rows own and the trash page, not the free ones."""
+        pool = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return pool * (self.held_pages + 1) // self.pool_pages if held_only else pool
+
+    def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
         """Row r owns pages for positions [0, lengths[r]) (pages it already owns stay; rows past the list, e.g.
-        padding rows, get nothing)."""
-        wanted = [pages_for(n, self.page_size) - len(p) for n, p in zip(lengths, self.pages)]
+        padding rows, get nothing). With a window, `keep_from[r]` (the earliest position row r writes or queries
+        from now on) returns the pages wholly before keep_from[r] - window + 1: no query sees them any more; their
+        table entries point to the trash page (read only where masked)."""
+        trimmed = self.window is not None and keep_from is not None and self._trim(keep_from)
+        wanted = [pages_for(n, self.page_size) - d - len(p) for n, d, p in zip(lengths, self.dropped, self.pages)]
         missing = sum(w for w in wanted if w > 0)
         if not missing:
+            if trimmed:
+                self._write_table()
             return
         self._ensure_free(missing)
         for pages, w in zip(self.pages, wanted):
             for _ in range(w):
                 pages.append(heapq.heappop(self.free))
         self._write_table()
+
+    def _trim(self, keep_from: list[int]) -> bool:
+        trimmed = False
+        for r, first in enumerate(keep_from):
+            drop = min(max(0, first - self.window + 1) // self.page_size - self.dropped[r], len(self.pages[r]))
+            if drop > 0:
+                for p in self.pages[r][:drop]:
+                    heapq.heappush(self.free, p)
+                self.pages[r] = self.pages[r][drop:]
+                self.dropped[r] += drop
+                trimmed = True
+        return trimmed
 
     def _ensure_free(self, n: int) -> None:
         short = n - len(self.free)
@@ -231,10 +272,11 @@ class PagedKV:
 
     def _write_table(self) -> None:
         """The device table from the host's pages (in place when its shape stays: CUDA graphs keep its address)."""
-        most = max(map(len, self.pages), default=0)
+        most = max((d + len(p) for d, p in zip(self.dropped, self.pages)), default=0)
         width = max(1, -(-most // self.table_pages)) * self.table_pages
         # one tensor from padded lists: a tensor per row cost ~5 us each, ~0.3 ms a cycle at 64 rows
-        table = torch.tensor([pages + [0] * (width - len(pages)) for pages in self.pages], dtype=torch.long)
+        table = torch.tensor([[TRASH_PAGE] * d + pages + [TRASH_PAGE] * (width - d - len(pages))
+                              for d, pages in zip(self.dropped, self.pages)], dtype=torch.long)
         table = table.reshape(len(self.pages), width).to(self.table.device)
         if table.shape == self.table.shape:
             self.table.copy_(table)
@@ -266,12 +308,13 @@ class PagedKV:
         """Keep rows `idx`, in that order; a row selected twice (a padding row of a compiled bucket) keeps its
         pages once and is empty (trash) the other times."""
         chosen = idx.tolist()
-        kept, pages = set(), []
+        kept, pages, dropped = set(), [], []
         for r in chosen:
             pages.append(self.pages[r] if r not in kept else [])
+            dropped.append(self.dropped[r] if r not in kept else 0)
             kept.add(r)
         self._release(r for r in range(len(self.pages)) if r not in kept)
-        self.pages = pages
+        self.pages, self.dropped = pages, dropped
         self._write_table()
         self.compact()
 
@@ -279,6 +322,7 @@ class PagedKV:
         """Rows [0, keep) stay, then `add` fresh (empty) rows."""
         self._release(range(keep, len(self.pages)))
         self.pages = self.pages[:keep] + [[] for _ in range(add)]
+        self.dropped = self.dropped[:keep] + [0] * add
         self._write_table()
         self.compact()
 
@@ -298,7 +342,101 @@ class PagedKV:
                 a[dst] = b.index_select(0, src)
         renumber = dict(zip(theirs, mine))
         self.pages += [[renumber[p] for p in pages] for pages in other.pages] + [[] for _ in range(pad)]
+        self.dropped = self.dropped[:keep] + other.dropped + [0] * pad
         self._write_table()
+
+
+class GroupedKV:
+    """Layers with different sliding windows (Gemma 2 / 3, gpt-oss, Qwen's `layer_types`): one `PagedKV` per
+    window, each with its own page table and pools, so a windowed group's rows hold only the pages its window
+    reaches (`reserve(keep_from=)`) while full-attention layers hold every position. The `PagedKV` interface:
+    `slots` gives one tensor per group (`write` picks its layer's), `page_index` takes the window whose table
+    to index, layers are numbered as the model's."""
+
+    def __init__(self, windows: list[int | None], batch: int, kv_heads: int, head_dim: int, dtype, device,
+                 page_size: int, lengths: list[int] | None = None, max_pages: int | None = None):
+        order = list(dict.fromkeys(windows))
+        self.group_of = [order.index(w) for w in windows]
+        self.local = [self.group_of[:i].count(g) for i, g in enumerate(self.group_of)]
+        self.by_window = {w: g for g, w in enumerate(order)}
+        self.groups = [PagedKV(self.group_of.count(g), batch, kv_heads, head_dim, dtype, device, page_size, lengths,
+                               max_pages, window=w) for g, w in enumerate(order)]
+
+    def _with_groups(self, groups: list[PagedKV]) -> "GroupedKV":
+        other = GroupedKV.__new__(GroupedKV)
+        other.__dict__.update(self.__dict__)
+        other.groups = groups
+        return other
+
+    page_size = property(lambda self: self.groups[0].page_size)
+    capacity = property(lambda self: self.groups[0].capacity)
+    batch = property(lambda self: self.groups[0].batch)
+    held_pages = property(lambda self: sum(g.held_pages for g in self.groups))
+    pool_pages = property(lambda self: sum(g.pool_pages for g in self.groups))
+    keys = property(lambda self: [self.groups[g].keys[j] for g, j in zip(self.group_of, self.local)])
+    values = property(lambda self: [self.groups[g].values[j] for g, j in zip(self.group_of, self.local)])
+
+    def layer_groups(self) -> list[tuple[PagedKV, list[int]]]:
+        return [(group, [i for i, g in enumerate(self.group_of) if g == n]) for n, group in enumerate(self.groups)]
+
+    def pool_bytes(self, held_only: bool = False) -> int:
+        return sum(g.pool_bytes(held_only) for g in self.groups)
+
+    def slots(self, positions: torch.Tensor, rows=None, valid: torch.Tensor | None = None) -> tuple:
+        return tuple(g.slots(positions, rows, valid) for g in self.groups)
+
+    def write(self, layer: int, slots: tuple, keys: torch.Tensor, values: torch.Tensor) -> None:
+        g = self.group_of[layer]
+        self.groups[g].write(self.local[layer], slots[g], keys, values)
+
+    def page_index(self, length: int | None = None, rows=None, start: int = 0, window: int | None = None):
+        return self.groups[self.by_window[window]].page_index(length, rows, start)
+
+    def read(self, layer: int, length: int | None = None, index=None,
+             start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.groups[self.group_of[layer]].read(self.local[layer], length, index, start)
+
+    def move_slots(self, rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor) -> None:
+        for g in self.groups:
+            g.move_slots(rows, source, dest)
+
+    def rows(self, idx: list[int]) -> "GroupedKV":
+        return self._with_groups([g.rows(idx) for g in self.groups])
+
+    def gather_rows(self, rows: torch.Tensor, length: int) -> DenseKV:
+        dense = [g.gather_rows(rows, length) for g in self.groups]
+        return DenseKV([dense[g].keys[j] for g, j in zip(self.group_of, self.local)],
+                       [dense[g].values[j] for g, j in zip(self.group_of, self.local)])
+
+    def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
+        for g in self.groups:
+            g.reserve(lengths, keep_from)
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        for g in self.groups:
+            g.select_rows(idx)
+
+    def join_rows(self, keep: int, add: int) -> None:
+        for g in self.groups:
+            g.join_rows(keep, add)
+
+    def merge(self, other: "GroupedKV", keep: int | None = None, pad: int = 0) -> None:
+        for mine, theirs in zip(self.groups, other.groups):
+            mine.merge(theirs, keep, pad)
+
+    def compact(self) -> None:
+        for g in self.groups:
+            g.compact()
+
+
+def new_paged_cache(windows: list[int | None], batch: int, kv_heads: int, head_dim: int, dtype, device,
+                    page_size: int, lengths: list[int] | None = None, max_pages: int | None = None):
+    """The cache for layers with these sliding windows (None: full attention): one `PagedKV` where they all
+    share one (trimmed to it where that is a window), else a `GroupedKV`."""
+    if len(set(windows)) == 1:
+        return PagedKV(len(windows), batch, kv_heads, head_dim, dtype, device, page_size, lengths, max_pages,
+                       window=windows[0])
+    return GroupedKV(windows, batch, kv_heads, head_dim, dtype, device, page_size, lengths, max_pages)
 
 
 def compaction_order(valid: torch.Tensor) -> torch.Tensor | None:

@@ -134,7 +134,8 @@ class Server:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {budget}")
         target_bytes, drafter_bytes = engine_bytes_per_position(self.engine)
         log.info("%s%s", memory.describe(target_bytes, drafter_bytes, budget, self.max_model_len,
-                                         self.engine.scratch_slots, self.engine.config.kv_page_size),
+                                         self.engine.scratch_slots, self.engine.config.kv_page_size,
+                                         memory.kv_shares(self.engine)),
                  "" if budget else " (no --kv-cache-memory: only --max-batch-size bounds the batch)")
         return None if budget is None else memory.positions_for_budget(budget, target_bytes, drafter_bytes)
 

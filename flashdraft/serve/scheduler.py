@@ -18,7 +18,8 @@ first come first served (`policy="fcfs"`), or with `policy="priority"` (vLLM's) 
 `priority` (lower first), then arrival; `submit` on a full queue raises `QueueFull` at once (the server answers 429)
 instead of blocking.
 Memory: the engine's caches are paged; a batch takes, per row, its own committed tokens plus a block, in pages
-(`flashdraft.memory.held_positions`); the engine's pools never grow past the budget's pages
+(`flashdraft.memory.held_positions`; a sliding-window layer's only the pages its window reaches, counted at its
+share of a position, `kv_shares`, once the row has run a cycle: a joining row holds its whole prompt); the engine's pools never grow past the budget's pages
 (`SpecEngine.kv_page_limit`, set here). Admission counts what rows hold now with one page of growth each (capped at
 what they may ever hold, prompt + max_tokens): the head of the queue joins only while that stays within
 `kv_cache_positions`, otherwise it waits (later, smaller requests do not overtake it). Rows that outgrow the budget
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine, StreamEvent
-from flashdraft.memory import held_positions, row_capacity
+from flashdraft.memory import held_positions, kv_shares, row_capacity
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -117,6 +118,7 @@ class Scheduler:
         if kv_cache_positions is not None:  # the pools stop growing at the budget (they may hold free pages)
             engine.kv_page_limit = kv_cache_positions // engine.config.kv_page_size
         self.page_size = engine.config.kv_page_size
+        self.kv_shares = kv_shares(engine)  # sliding-window layers hold only their window's pages
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
@@ -186,13 +188,20 @@ class Scheduler:
         """Tokens the request's row may ever hold: its prompt and max_tokens."""
         return len(req.prompt) + req.params.max_new_tokens
 
-    def positions(self, row_tokens: list[int]) -> int:
-        """Cache positions a batch of rows holding these many tokens takes for its next cycle (`held_positions`)."""
-        return held_positions(row_tokens, self.engine.scratch_slots, self.page_size)
+    def positions(self, row_tokens: list[int], prefilling: list[int] = ()) -> int:
+        """Cache positions a batch of rows holding these many tokens takes for its next cycle (`held_positions`),
+        with rows `prefilling` these many tokens: they hold every position of them, sliding-window layers too,
+        until their first cycle gives back what left the window."""
+        held = held_positions(row_tokens, self.engine.scratch_slots, self.page_size, self.kv_shares)
+        if not prefilling:
+            return held
+        both = self.page_size if row_tokens else 0  # the trash pages, counted once
+        return held + held_positions(list(prefilling), self.engine.scratch_slots, self.page_size) - both
 
     def _check_fits_alone(self, req: Request) -> None:
         budget = self.kv_cache_positions
-        if budget is None or self.positions([self.most_tokens(req)]) <= budget:
+        most = self.most_tokens(req)
+        if budget is None or max(self.positions([most]), self.positions([], [len(req.prompt)])) <= budget:
             return
         capacity = row_capacity(self.most_tokens(req), self.engine.scratch_slots, self.page_size)
         raise TooLarge(
@@ -217,11 +226,10 @@ class Scheduler:
         preemption."""
         if self.kv_cache_positions is None:
             return True
-        joining = (*admit, candidate)
-        held = [row.n_cached for row in self._batch.rows] + [self._tokens_to_prefill(r) for r in joining]
-        most = [self.most_tokens(self._running[row.index]) if row.index in self._running else row.n_cached
-                for row in self._batch.rows] + [self.most_tokens(r) for r in joining]
-        return self.positions([min(h + self.page_size, m) for h, m in zip(held, most)]) <= self.kv_cache_positions
+        running = [min(row.n_cached + self.page_size, self.most_tokens(self._running[row.index]))
+                   if row.index in self._running else row.n_cached for row in self._batch.rows]
+        joining = [min(self._tokens_to_prefill(r) + self.page_size, self.most_tokens(r)) for r in (*admit, candidate)]
+        return self.positions(running, joining) <= self.kv_cache_positions
 
     def _preempt_to_fit(self) -> None:
         """While the batch's next cycle would take more than the budget, the running request that arrived last
