@@ -13,23 +13,16 @@ import torch
 from flashdraft import SamplingParams, SpecEngine
 from flashdraft.engine.compiled import compile_unavailable
 from flashdraft.model.slots import TRASH_PAGE, GroupedKV, PagedKV, pages_for
-from tiny import VOCAB, WINDOWED, OracleProposer, greedy_reference, make_drafter, make_target
+from test_window_reads import PROMPTS, _target
+from tiny import WINDOWED, OracleProposer, greedy_reference, make_drafter
 
 PAGE, BLOCK, NEW_TOKENS = 4, 8, 60
-PROMPTS = [[(7 * i + 3) % (VOCAB - 8) + 2 for i in range(n)] for n in (45, 30, 12)]
-_targets: dict = {}
-
-
-def _target(arch):
-    if arch not in _targets:
-        _targets[arch] = make_target(arch)
-    return _targets[arch]
 
 
 @pytest.fixture
 def held(monkeypatch):
-    """After every `PagedKV.reserve` before a cycle (`keep_from` given; a prefill holds its whole prompt until its
-    first cycle): (the cache's window, the most pages a row owns, the most a row gave back)."""
+    """After every `PagedKV.reserve` before a cycle (`keep_from` given: a prefill holds its whole prompt until its
+    batch takes pages for the first): (the cache's window, the most pages a row owns, the most a row gave back)."""
     seen = []
     reserve = PagedKV.reserve
 
@@ -106,9 +99,10 @@ def test_reserve_gives_back_what_left_the_window():
     kv = PagedKV(1, 2, 1, 2, torch.float32, "cpu", page_size=PAGE, lengths=[24, 16], window=6)
     kv.keys[0].copy_(torch.randn_like(kv.keys[0]))
     before = kv.read(0, 24)[0].clone()
-    free = len(kv.free)
+    assert kv.pool_pages == 11
     kv.reserve([28, 20], keep_from=[20, 9])  # row 0 needs 15.., row 1 needs 4..: 3 pages and 1 page go
-    assert kv.dropped == [3, 1] and [len(p) for p in kv.pages] == [4, 4] and len(kv.free) == free + 4 - 2
+    assert kv.dropped == [3, 1] and [len(p) for p in kv.pages] == [4, 4]
+    assert kv.pool_pages == 1 + 8 and not kv.free  # 4 of 11 free: compacted, then grown by the 2 new pages
     assert kv.table[0, :3].tolist() == [TRASH_PAGE] * 3 and kv.table[1, 0] == TRASH_PAGE
     after = kv.read(0, 24)[0]
     assert torch.equal(after[0, 12:], before[0, 12:]) and torch.equal(after[1, 4:16], before[1, 4:16])
@@ -151,3 +145,47 @@ def test_grouped_cache_writes_and_reads_each_layer_through_its_window_table():
     assert [(g.window, layers) for g, layers in grouped.layer_groups()] == [(4, [0, 2]), (None, [1])]
     dense = grouped.gather_rows(torch.tensor([1]), 12)
     assert torch.equal(dense.keys[1], flat.read(1, 12)[0][1:])
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention", "full_attention"], ["sliding_attention"] * 2],
+                         ids=["mixed", "all-sliding"])
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_a_sliding_drafter_gives_back_its_pages_and_drafts_the_same(layer_types, policy, held, monkeypatch):
+    """A drafter with sliding layers (z-lab's newer drafters slide in 4-5 of 5 layers, to bound their cache) keeps
+    only the context pages its window reaches from a row's committed length on (`Batch.grow`), though a row's
+    pending context (written when it drafts) may start further back (a window shorter than a block here): what
+    lands in the trash page no query would have read. With every cycle drafting, every draft's hidden states (float64)
+    and every cycle's acceptance are those of a drafter keeping every position (the cache before, restored by
+    patching); under the adaptive policy (which drafts by measured timings: not the same cycles twice) the output
+    is still the target's."""
+    from flashdraft.model import drafter as drafter_module
+
+    WINDOW = 5  # less than a block: a row's pending context reaches behind its window
+
+    target = _target("qwen3")
+    drafter = make_drafter(target, block_size=BLOCK, layer_types=layer_types, sliding_window=WINDOW)
+    runs, hidden, draft = [], [], drafter.draft
+
+    def recorded(*args, **kwargs):
+        hidden[-1].append(draft(*args, **kwargs))
+        return hidden[-1][-1]
+
+    monkeypatch.setattr(drafter, "draft", recorded)
+    for keep_all in (False, True):
+        if keep_all:
+            monkeypatch.setattr(drafter_module, "new_paged_cache",
+                                lambda windows, *args, **kwargs: PagedKV(len(windows), *args, **kwargs))
+        held.clear()
+        hidden.append([])
+        results = SpecEngine(target, drafter, kv_page_size=PAGE, draft_policy=policy).generate(
+            PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS))
+        runs.append([(r.token_ids, r.stats.acceptance_lengths) for r in results])
+        sliding = [(n, d) for w, n, d in held if w == WINDOW]
+        assert bool(sliding) != keep_all
+        if sliding:
+            assert max(d for _, d in sliding) > 0 and max(n for n, _ in sliding) < pages_for(60, PAGE)
+    if policy == "fixed":
+        assert runs[0] == runs[1] and len(hidden[0]) == len(hidden[1]) > 10
+        for ours, reference in zip(*hidden):
+            torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
+    assert [r[0] for r in runs[0]] == [greedy_reference(target, p, NEW_TOKENS) for p in PROMPTS]

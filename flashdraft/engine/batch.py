@@ -150,10 +150,13 @@ class Batch:
         return [r.n_cached + self.block_size for r in self.rows]
 
     def grow(self, lengths: list[int] | None = None) -> None:
-        """Before a cycle: pages for every row's next block (`lengths`: `row_lengths()` unless given)."""
+        """Before a cycle: pages for every row's next block (`lengths`: `row_lengths()` unless given). Sliding-window
+        layers, the target's and the drafter's, give back the pages no query at a row's committed length or later
+        sees (a drafter's pending context written there later goes to the trash page: nothing would read it)."""
         lengths = self.row_lengths() if lengths is None else lengths
-        self.kv.reserve(lengths, keep_from=[r.n_cached for r in self.rows])
-        self.proposer_state.grow(lengths)
+        committed = [r.n_cached for r in self.rows]
+        self.kv.reserve(lengths, keep_from=committed)
+        self.proposer_state.grow(lengths, committed)
 
     def select_rows(self, idx: torch.Tensor) -> None:
         """Keep live rows `idx`, in that order (the others' pages go back to their caches' free lists)."""

@@ -80,7 +80,7 @@ class NoRowState:
     def merge(self, other: "NoRowState", keep: int, add: int) -> None:
         pass
 
-    def grow(self, lengths: list[int]) -> None:
+    def grow(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
         pass
 
 
@@ -106,16 +106,17 @@ class DraftRows:
         self.buckets = buckets
         self.new_cache = new_cache  # (rows, lengths) -> the drafter's context cache, pages for those lengths
         self.lengths: list[int] = []  # positions each live row may reach (`grow`)
+        self.keep_from: list[int] | None = None  # per live row, the first position its drafts query (`grow`)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.lengths = [self.lengths[i] for i in rows.tolist()]
+        self.lengths, self.keep_from = [self.lengths[i] for i in rows.tolist()], None
         if self.kv is not None:
             self.kv.select_rows(self.buckets.padded_index(rows))
 
     def merge(self, other: "DraftRows", keep: int, add: int) -> None:
         """Our rows [0, keep), then other's `add` live rows with the context already written for them."""
         pad = self.buckets.rows(keep + add) - keep - add
-        self.lengths = self.lengths[:keep] + other.lengths[:add]
+        self.lengths, self.keep_from = self.lengths[:keep] + other.lengths[:add], None
         if other.kv is None:  # nothing written for the newcomers yet: fresh rows
             if self.kv is not None:
                 self.kv.join_rows(keep, add + pad)
@@ -126,11 +127,12 @@ class DraftRows:
             self.kv = self.new_cache(keep, self.lengths[:keep])
         self.kv.merge(other.kv, keep=keep, pad=pad)
 
-    def grow(self, lengths: list[int]) -> None:
-        """Live row r may reach positions < lengths[r] (the target's cache grew). Its pages here are taken when
-        context is next written (`reserved`): a row at one-token steps writes nothing, and taking its pages every
-        cycle cost ~1 % of a 64-row one-token step."""
-        self.lengths = lengths
+    def grow(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
+        """Live row r may reach positions < lengths[r] (the target's cache grew), and its drafts query no position
+        before keep_from[r] (its committed length: a sliding drafter's pages before it less the window go back).
+        Its pages here are taken when context is next written (`reserved`): a row at one-token steps writes
+        nothing, and taking its pages every cycle cost ~1 % of a 64-row one-token step."""
+        self.lengths, self.keep_from = lengths, keep_from
 
     def cache(self):
         """The cache, allocated for the live rows if it was not yet (padding rows own no pages: what they write
@@ -141,7 +143,7 @@ class DraftRows:
 
     def reserved(self):
         """The cache, with pages for every live row's positions < lengths[r] (before writing into it)."""
-        self.cache().reserve(self.lengths)
+        self.cache().reserve(self.lengths, self.keep_from)
         return self.kv
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV, window_starts
+from flashdraft.model.slots import DEFAULT_PAGE_SIZE, DenseKV, PagedKV, new_paged_cache, window_starts
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -599,8 +599,9 @@ class DFlashDraftModel(nn.Module):
         row; a list: the first rows, the rest none)."""
         attn = self.layers[0].self_attn
         lengths = [lengths] * batch if isinstance(lengths, int) else lengths
-        return PagedKV(len(self.layers), batch, attn.num_kv_heads, attn.head_dim, self.dtype, self.device, page_size,
-                       lengths, max_pages)
+        windows = [layer.self_attn.sliding_window for layer in self.layers]
+        return new_paged_cache(windows, batch, attn.num_kv_heads, attn.head_dim, self.dtype, self.device, page_size,
+                               lengths, max_pages)
 
     def write_context(self, cache: PagedKV, target_hidden: torch.Tensor, positions: torch.Tensor,
                       valid: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -625,7 +626,7 @@ class DFlashDraftModel(nn.Module):
         context_len = context_len or cache.capacity
         slot_positions = torch.arange(context_len, device=position_ids.device)[None].expand(b, -1)
         starts = self._window_starts(position_ids, cache)
-        index = {w: cache.page_index(context_len, start=s) for w, s in starts.items()}
+        index = {w: cache.page_index(context_len, start=s, window=w) for w, s in starts.items()}
         ctx_kv = []
         for i, layer in enumerate(self.layers):
             window = layer.self_attn.sliding_window

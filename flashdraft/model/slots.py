@@ -16,10 +16,11 @@
   graph per row count; rows leaving or joining without changing the row count and width are handled in place
   (CUDA graphs keep replaying the same addresses). The pool grows by at least an eighth when pages run out
   (amortised copies; never past `max_pages`, a memory budget, unless rows need it) and is compacted when a quarter
-  of it is free. A cache whose layers slide over one window gives back the pages that leave it: `reserve(lengths,
-  keep_from)` returns a row's pages wholly before keep_from - window + 1 (the engine passes each row's committed
-  length before a cycle: no later query sees further back); their table columns point to the trash page, which
-  reads that start at 0 (compiled steps) see only where the window masks them.
+  of it is free (checked when rows leave or join, and when pages leave a window). A cache whose layers slide over
+  one window gives back the pages that leave it: `reserve(lengths, keep_from)` returns a row's pages wholly before
+  keep_from - window + 1 (the engine passes each row's committed length before a cycle: no later query sees
+  further back); their table columns point to the trash page, which reads that start at 0 (compiled steps) see
+  only where the window masks them.
 - `GroupedKV`: layers of different windows (full and sliding, Gemma 2 / 3, gpt-oss) as one `PagedKV` per window,
   each with its own table and pools, so the sliding layers' memory follows their window while the full layers'
   follows the row; `new_paged_cache` picks one or the other.
@@ -224,10 +225,12 @@ class PagedKV:
 
     def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
         """Row r owns pages for positions [0, lengths[r]) (pages it already owns stay; rows past the list, e.g.
-        padding rows, get nothing). With a window, `keep_from[r]` (the earliest position row r writes or queries
-        from now on) returns the pages wholly before keep_from[r] - window + 1: no query sees them any more; their
-        table entries point to the trash page (read only where masked)."""
+        padding rows, get nothing). With a window, `keep_from[r]` (the first position row r queries from now on)
+        returns the pages wholly before keep_from[r] - window + 1: no query sees them any more; their table entries
+        point to the trash page (read only where masked; what is written there is lost, as nothing would read it)."""
         trimmed = self.window is not None and keep_from is not None and self._trim(keep_from)
+        if trimmed:  # the pool lets pages go once a quarter of it is free (after a long prompt, most of it)
+            self.compact()
         wanted = [pages_for(n, self.page_size) - d - len(p) for n, d, p in zip(lengths, self.dropped, self.pages)]
         missing = sum(w for w in wanted if w > 0)
         if not missing:
@@ -359,8 +362,13 @@ class GroupedKV:
         self.group_of = [order.index(w) for w in windows]
         self.local = [self.group_of[:i].count(g) for i, g in enumerate(self.group_of)]
         self.by_window = {w: g for g, w in enumerate(order)}
-        self.groups = [PagedKV(self.group_of.count(g), batch, kv_heads, head_dim, dtype, device, page_size, lengths,
-                               max_pages, window=w) for g, w in enumerate(order)]
+        self.groups = []
+        for g, window in enumerate(order):
+            layers = self.group_of.count(g)
+            # a budget of `max_pages` pages of every layer holds this many of this group's layers alone
+            most = None if max_pages is None else -(-max_pages * len(windows) // layers)
+            self.groups.append(PagedKV(layers, batch, kv_heads, head_dim, dtype, device, page_size, lengths, most,
+                                       window=window))
 
     def _with_groups(self, groups: list[PagedKV]) -> "GroupedKV":
         other = GroupedKV.__new__(GroupedKV)
