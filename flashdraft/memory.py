@@ -108,7 +108,8 @@ def held_positions(row_tokens: list[int], block_size: int, page_size: int, share
 def kv_shares(engine) -> tuple[tuple[float, int | None], ...]:
     """(share of a cache position's K/V bytes, window) per cache of a SpecEngine: the target's layers by their
     sliding window on the fast path (its windowed layers give pages back: `PagedKV.reserve`), full attention for
-    the generic path's and the drafter's."""
+    the generic path's and the drafter's (a sliding drafter gives its pages back only when it next writes
+    context, so they may lag the rule: counted whole)."""
     fast = getattr(engine, "fast", None)
     return window_shares(fast.windows if fast is not None else [None], *engine_bytes_per_position(engine))
 
