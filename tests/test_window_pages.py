@@ -189,3 +189,15 @@ def test_a_sliding_drafter_gives_back_its_pages_and_drafts_the_same(layer_types,
         for ours, reference in zip(*hidden):
             torch.testing.assert_close(ours, reference, rtol=1e-9, atol=1e-9)
     assert [r[0] for r in runs[0]] == [greedy_reference(target, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def test_a_group_short_of_budget_makes_the_others_let_free_pages_go():
+    """Under a budget (`max_pages` pages of every layer, the server's --kv-cache-memory), a group whose rows need a
+    page when the pools together fill the budget first compacts the other groups (their free pages: here the sliding
+    group's, below the size where compaction happens by itself), then grows by what its rows need."""
+    kv = GroupedKV([4, None], 1, 1, 2, torch.float32, "cpu", page_size=PAGE, lengths=[24], max_pages=7)
+    windowed, full = kv.groups
+    assert windowed.pool_pages == full.pool_pages == 7
+    kv.reserve([28], keep_from=[24])  # the sliding group gives back 5 of its 6 pages and takes one of them again
+    assert windowed.held_pages == 2 and windowed.pool_pages == 3  # compacted: the full group needed room
+    assert full.held_pages == 7 and full.pool_pages == 8

@@ -23,7 +23,8 @@
   only where the window masks them.
 - `GroupedKV`: layers of different windows (full and sliding, Gemma 2 / 3, gpt-oss) as one `PagedKV` per window,
   each with its own table and pools, so the sliding layers' memory follows their window while the full layers'
-  follows the row; `new_paged_cache` picks one or the other.
+  follows the row; a budget (`max_pages` pages of every layer) holds for the groups' pools together, a group short
+  of it first compacting the others; `new_paged_cache` picks one or the other.
 - `DenseKV`: a rectangle [rows, length, ...] per layer (gathered rows, for reading only).
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
@@ -34,6 +35,7 @@ how many positions each row needs).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Iterable
 
@@ -91,6 +93,7 @@ class PagedKV:
         self.page_size = page_size
         self.max_pages = max_pages  # growth stops here (a memory budget), unless rows need more
         self.window = window  # every layer's sliding window (None: full attention): `reserve(keep_from=)` trims
+        self.room = None  # () -> pages the pool may still grow by under the budget (default: up to max_pages)
         self.table_pages = max(1, TABLE_POSITIONS // page_size)  # the table's width grows by this many pages
         lengths = lengths if lengths is not None else [0] * batch
         pages = 1 + sum(pages_for(n, page_size) for n in lengths)  # + the trash page
@@ -261,7 +264,7 @@ class PagedKV:
             return
         grow = int(self.pool_pages * MIN_POOL_GROWTH)
         if self.max_pages is not None:  # a budget: the eighth only as far as it goes
-            grow = min(grow, self.max_pages - self.pool_pages)
+            grow = min(grow, self.max_pages - self.pool_pages if self.room is None else self.room())
         grow = max(grow, short)
         old = self.pool_pages
         self._replace(lambda t: torch.cat([t, t.new_zeros((grow, *t.shape[1:]))]))
@@ -293,9 +296,11 @@ class PagedKV:
         self.values = [fn(t) for t in self.values]
         self._mark_static()
 
-    def compact(self) -> None:
-        """When a quarter of the pool is free: move the pages in use to the front and let the rest go."""
-        if 3 * self.pool_pages <= 4 * (self.held_pages + 1) or self.pool_pages <= 8:
+    def compact(self, force: bool = False) -> None:
+        """When a quarter of the pool is free (`force`: any of it): move the pages in use to the front and let the
+        rest go."""
+        if self.pool_pages == self.held_pages + 1 or not force and (
+                3 * self.pool_pages <= 4 * (self.held_pages + 1) or self.pool_pages <= 8):
             return
         order = [TRASH_PAGE] + [p for pages in self.pages for p in pages]
         index = torch.tensor(order, dtype=torch.long, device=self.table.device)
@@ -362,13 +367,22 @@ class GroupedKV:
         self.group_of = [order.index(w) for w in windows]
         self.local = [self.group_of[:i].count(g) for i, g in enumerate(self.group_of)]
         self.by_window = {w: g for g, w in enumerate(order)}
-        self.groups = []
-        for g, window in enumerate(order):
-            layers = self.group_of.count(g)
-            # a budget of `max_pages` pages of every layer holds this many of this group's layers alone
-            most = None if max_pages is None else -(-max_pages * len(windows) // layers)
-            self.groups.append(PagedKV(layers, batch, kv_heads, head_dim, dtype, device, page_size, lengths, most,
-                                       window=window))
+        self.max_pages = max_pages  # the budget: this many pages of every layer, the groups' pools together
+        self.groups = [PagedKV(self.group_of.count(g), batch, kv_heads, head_dim, dtype, device, page_size, lengths,
+                               max_pages, window=w) for g, w in enumerate(order)]
+        for group in self.groups:
+            group.room = functools.partial(self._room, group)
+
+    def _room(self, group: PagedKV) -> int:
+        """Pages `group`'s pool may grow by beyond what its rows need: what the budget has left, in its pages (the
+        other groups' free pages let go first where it has none left)."""
+        page_bytes = [g.pool_bytes() // g.pool_pages for g in self.groups]
+        budget = self.max_pages * sum(page_bytes)
+        if sum(g.pool_bytes() for g in self.groups) >= budget:
+            for other in self.groups:
+                if other is not group:
+                    other.compact(force=True)
+        return (budget - sum(g.pool_bytes() for g in self.groups)) // page_bytes[self.groups.index(group)]
 
     def _with_groups(self, groups: list[PagedKV]) -> "GroupedKV":
         other = GroupedKV.__new__(GroupedKV)
