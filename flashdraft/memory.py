@@ -14,7 +14,7 @@ here: no hub access) for `scripts/memory/project.py`.
 
 What this module does not know about: activations, the prefill's transient buffers, the pages gathered for
 attention (one layer at a time), a pool's free pages (it grows by an eighth when it runs out, never past the
-budget's pages, and is compacted when a quarter is free), the transient copy when a pool grows or rows join, the
+budget's bytes, all pools together, and is compacted when a quarter is free), the transient copy when a pool grows or rows join, the
 features pending between cycles, the allocator's fragmentation (keep a margin).
 """
 

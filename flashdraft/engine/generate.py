@@ -73,6 +73,7 @@ from flashdraft.model.cpu_linear import pack_by_default, require_packable
 from flashdraft.model.fast_target import (FastTarget, SoftCapped, fast_path_unsupported, packable_weights,
                                          untraceable_experts, uses_long_rope)
 from flashdraft.model.greedy_readout import ScreenedArgmax, screening_pays, screening_unavailable
+from flashdraft.model.slots import KVBudget
 from flashdraft.model.target import TargetModel, validate_pair
 
 # the noise thread (`SpecEngine._noise_soon`) takes a cycle's noise from this many values (positions x vocabulary) on:
@@ -546,7 +547,8 @@ class SpecEngine:
         # a server's `--cycle-trace` (None: nothing is built)
         self.cycle_trace: Callable[[dict], None] | None = None
         self.max_positions = getattr(self.target.config, "max_position_embeddings", None)
-        self.kv_page_limit: int | None = None  # pages a cache's pool may grow to (a server's memory budget)
+        # pages a cache's pool may grow to, or a `KVBudget` every cache shares (a server's memory budget)
+        self.kv_page_limit: int | KVBudget | None = None
         # automatic prefix caching (`prefix_cache.py`): prompts' full pages kept for later prompts that start alike
         self.prefix_cache: PrefixCache | None = None
         if config.prefix_cache_tokens:

@@ -23,8 +23,10 @@
   only where the window masks them.
 - `GroupedKV`: layers of different windows (full and sliding, Gemma 2 / 3, gpt-oss) as one `PagedKV` per window,
   each with its own table and pools, so the sliding layers' memory follows their window while the full layers'
-  follows the row; a budget (`max_pages` pages of every layer) holds for the groups' pools together, a group short
-  of it first compacting the others; `new_paged_cache` picks one or the other.
+  follows the row; `new_paged_cache` picks one or the other.
+- `KVBudget`: bytes several caches' pools may take together (a server's memory budget: the target's window groups
+  and the drafter's cache; a `GroupedKV` given `max_pages` pages makes one for its groups); a pool short of room
+  first makes the others let their free pages go.
 - `DenseKV`: a rectangle [rows, length, ...] per layer (gathered rows, for reading only).
 - `compaction_order` / `gather_slots`: for caches that do hold holes (transformers' DynamicCache on the generic
   target path), squeeze the holes out once they are most of the cache.
@@ -35,8 +37,8 @@ how many positions each row needs).
 
 from __future__ import annotations
 
-import functools
 import heapq
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -60,6 +62,27 @@ def window_starts(windows: Iterable[int | None], positions: torch.Tensor, cache)
         return dict.fromkeys(windows | {None}, 0)
     page, first = getattr(cache, "page_size", 1), int(positions.min())  # a DenseKV reads from any position
     return {None: 0, **{w: max(0, first - w + 1) // page * page for w in windows}}
+
+
+class KVBudget:
+    """Bytes an engine's paged caches may take together (a server's `--kv-cache-memory`), passed as their
+    `max_pages`: a pool grows past what is left only by what its rows need, and a pool short of room first makes the
+    others (the target's window groups, the drafter's cache) let their free pages go."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit = limit_bytes
+        self.pools: weakref.WeakSet = weakref.WeakSet()  # the live pools (merged-in caches drop out by themselves)
+
+    def used(self) -> int:
+        return sum(pool.pool_bytes() for pool in self.pools)
+
+    def room(self, pool: "PagedKV") -> int:
+        """Pages `pool` may grow by beyond what its rows need."""
+        if self.used() >= self.limit:
+            for other in list(self.pools):
+                if other is not pool:
+                    other.compact(force=True)
+        return (self.limit - self.used()) // (pool.pool_bytes() // pool.pool_pages)
 
 
 class DenseKV:
@@ -89,11 +112,13 @@ class PagedKV:
     """Paged per-layer K/V of a batch's rows; see the module docstring."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype, device, page_size: int,
-                 lengths: list[int] | None = None, max_pages: int | None = None, window: int | None = None):
+                 lengths: list[int] | None = None, max_pages: "int | KVBudget | None" = None,
+                 window: int | None = None):
         self.page_size = page_size
-        self.max_pages = max_pages  # growth stops here (a memory budget), unless rows need more
+        # growth stops here (a memory budget), unless rows need more: a page count, or a budget shared with others
+        self.budget = max_pages if isinstance(max_pages, KVBudget) else None
+        self.max_pages = None if self.budget is not None else max_pages
         self.window = window  # every layer's sliding window (None: full attention): `reserve(keep_from=)` trims
-        self.room = None  # () -> pages the pool may still grow by under the budget (default: up to max_pages)
         self.table_pages = max(1, TABLE_POSITIONS // page_size)  # the table's width grows by this many pages
         lengths = lengths if lengths is not None else [0] * batch
         pages = 1 + sum(pages_for(n, page_size) for n in lengths)  # + the trash page
@@ -105,6 +130,8 @@ class PagedKV:
         self.dropped = [0] * batch  # per row: leading table columns whose pages went back (out of the window)
         self.table = torch.zeros((batch, self.table_pages), dtype=torch.long, device=device)
         self._mark_static()
+        if self.budget is not None:
+            self.budget.pools.add(self)
         self.reserve(lengths)
 
     def _mark_static(self) -> None:
@@ -263,8 +290,10 @@ class PagedKV:
         if short <= 0:
             return
         grow = int(self.pool_pages * MIN_POOL_GROWTH)
-        if self.max_pages is not None:  # a budget: the eighth only as far as it goes
-            grow = min(grow, self.max_pages - self.pool_pages if self.room is None else self.room())
+        if self.budget is not None:  # a budget: the eighth only as far as it goes
+            grow = min(grow, self.budget.room(self))
+        elif self.max_pages is not None:
+            grow = min(grow, self.max_pages - self.pool_pages)
         grow = max(grow, short)
         old = self.pool_pages
         self._replace(lambda t: torch.cat([t, t.new_zeros((grow, *t.shape[1:]))]))
@@ -362,27 +391,16 @@ class GroupedKV:
     to index, layers are numbered as the model's."""
 
     def __init__(self, windows: list[int | None], batch: int, kv_heads: int, head_dim: int, dtype, device,
-                 page_size: int, lengths: list[int] | None = None, max_pages: int | None = None):
+                 page_size: int, lengths: list[int] | None = None, max_pages: "int | KVBudget | None" = None):
         order = list(dict.fromkeys(windows))
         self.group_of = [order.index(w) for w in windows]
         self.local = [self.group_of[:i].count(g) for i, g in enumerate(self.group_of)]
         self.by_window = {w: g for g, w in enumerate(order)}
-        self.max_pages = max_pages  # the budget: this many pages of every layer, the groups' pools together
+        if isinstance(max_pages, int):  # this many pages of every layer: the groups' pools together
+            page = 2 * len(windows) * page_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+            max_pages = KVBudget(max_pages * page)
         self.groups = [PagedKV(self.group_of.count(g), batch, kv_heads, head_dim, dtype, device, page_size, lengths,
                                max_pages, window=w) for g, w in enumerate(order)]
-        for group in self.groups:
-            group.room = functools.partial(self._room, group)
-
-    def _room(self, group: PagedKV) -> int:
-        """Pages `group`'s pool may grow by beyond what its rows need: what the budget has left, in its pages (the
-        other groups' free pages let go first where it has none left)."""
-        page_bytes = [g.pool_bytes() // g.pool_pages for g in self.groups]
-        budget = self.max_pages * sum(page_bytes)
-        if sum(g.pool_bytes() for g in self.groups) >= budget:
-            for other in self.groups:
-                if other is not group:
-                    other.compact(force=True)
-        return (budget - sum(g.pool_bytes() for g in self.groups)) // page_bytes[self.groups.index(group)]
 
     def _with_groups(self, groups: list[PagedKV]) -> "GroupedKV":
         other = GroupedKV.__new__(GroupedKV)

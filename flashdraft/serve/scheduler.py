@@ -19,8 +19,9 @@ first come first served (`policy="fcfs"`), or with `policy="priority"` (vLLM's) 
 instead of blocking.
 Memory: the engine's caches are paged; a batch takes, per row, its own committed tokens plus a block, in pages
 (`flashdraft.memory.held_positions`; a sliding-window layer's only the pages its window reaches, counted at its
-share of a position, `kv_shares`, once the row has run a cycle: a joining row holds its whole prompt); the engine's pools never grow past the budget's pages
-(`SpecEngine.kv_page_limit`, set here). Admission counts what rows hold now with one page of growth each (capped at
+share of a position, `kv_shares`, once the row has run a cycle: a joining row holds its whole prompt); the engine's
+pools, together, never grow past the budget's bytes unless rows need it (`SpecEngine.kv_page_limit`, a `KVBudget`,
+set here). Admission counts what rows hold now with one page of growth each (capped at
 what they may ever hold, prompt + max_tokens): the head of the queue joins only while that stays within
 `kv_cache_positions`, otherwise it waits (later, smaller requests do not overtake it). Rows that outgrow the budget
 anyway are preempted and recomputed, vLLM's policy: the latest arrival (under priorities: of the least urgent
@@ -47,7 +48,8 @@ from dataclasses import dataclass, field
 import torch
 
 from flashdraft.engine import SamplingParams, SpecEngine, StreamEvent
-from flashdraft.memory import held_positions, kv_shares, row_capacity
+from flashdraft.memory import engine_bytes_per_position, held_positions, kv_shares, row_capacity
+from flashdraft.model.slots import KVBudget
 
 log = logging.getLogger("flashdraft.serve")
 
@@ -115,8 +117,8 @@ class Scheduler:
             raise ValueError(f"kv_cache_positions must be >= 1 or None, got {kv_cache_positions}")
         self.engine = engine
         self.kv_cache_positions = kv_cache_positions
-        if kv_cache_positions is not None:  # the pools stop growing at the budget (they may hold free pages)
-            engine.kv_page_limit = kv_cache_positions // engine.config.kv_page_size
+        if kv_cache_positions is not None:  # the pools, together, stop growing at the budget
+            engine.kv_page_limit = KVBudget(kv_cache_positions * sum(engine_bytes_per_position(engine)))
         self.page_size = engine.config.kv_page_size
         self.kv_shares = kv_shares(engine)  # sliding-window layers hold only their window's pages
         self.max_batch_size = max_batch_size
