@@ -95,14 +95,18 @@ def row_capacity(tokens: int, block_size: int, page_size: int, window: int | Non
     return chunked(tokens + block_size, page_size) - left
 
 
+def row_positions(tokens: int, block_size: int, page_size: int, shares=FULL_ATTENTION) -> float:
+    """`row_capacity` over an engine's caches: `shares` ((share of the K/V bytes per position, window) per cache:
+    `kv_shares`) counts a windowed cache's positions at its share of a whole position."""
+    return sum(share * row_capacity(tokens, block_size, page_size, window) for share, window in shares)
+
+
 def held_positions(row_tokens: list[int], block_size: int, page_size: int, shares=FULL_ATTENTION) -> int:
     """Positions a batch of rows holding these many committed tokens takes for its next cycle: each row's own
-    pages, plus the trash page, per cache; `shares` ((share of the K/V bytes per position, window) per cache:
-    `kv_shares`) counts a windowed cache's positions at its share of a whole position."""
+    pages (`row_positions`), plus the trash page of each cache."""
     if not row_tokens:
         return 0
-    return math.ceil(sum(share * (sum(row_capacity(t, block_size, page_size, w) for t in row_tokens) + page_size)
-                         for share, w in shares) - 1e-9)
+    return math.ceil(sum(row_positions(t, block_size, page_size, shares) for t in row_tokens) + page_size - 1e-9)
 
 
 def kv_shares(engine) -> tuple[tuple[float, int | None], ...]:
@@ -133,8 +137,7 @@ def rows_that_fit(budget_bytes: int, tokens: int, block_size: int, page_size: in
     """Rows holding `tokens` tokens each (e.g. prompt + max_tokens: at their end) that a budget holds under the
     engine's rule (`shares`: `kv_shares`)."""
     positions = positions_for_budget(budget_bytes, target_bytes, drafter_bytes) - page_size
-    per_row = sum(share * row_capacity(tokens, block_size, page_size, window) for share, window in shares)
-    return int(max(0, positions) // per_row)
+    return int(max(0, positions) // row_positions(tokens, block_size, page_size, shares))
 
 
 def batch_kv_bytes(batch, held_only: bool = False) -> int:
@@ -199,7 +202,7 @@ def describe(target_bytes: int, drafter_bytes: int, budget_bytes: int | None, to
     """One line: bytes per position, what a row of `tokens` (prompt + max_tokens) holds at its end, and how many
     such rows the budget holds (what `flashdraft serve` logs at start-up, for a row using the whole context);
     `shares`: `kv_shares`."""
-    capacity = round(sum(share * row_capacity(tokens, block_size, page_size, w) for share, w in shares))
+    capacity = round(row_positions(tokens, block_size, page_size, shares))
     per_row = capacity * (target_bytes + drafter_bytes)
     windows = "" if shares == FULL_ATTENTION else " (sliding-window layers' positions at their share)"
     text = (f"KV cache: {target_bytes / 1024:.1f} KiB (target) + {drafter_bytes / 1024:.1f} KiB (drafter) per "

@@ -413,8 +413,12 @@ class GroupedKV:
     batch = property(lambda self: self.groups[0].batch)
     held_pages = property(lambda self: sum(g.held_pages for g in self.groups))
     pool_pages = property(lambda self: sum(g.pool_pages for g in self.groups))
-    keys = property(lambda self: [self.groups[g].keys[j] for g, j in zip(self.group_of, self.local)])
-    values = property(lambda self: [self.groups[g].values[j] for g, j in zip(self.group_of, self.local)])
+    keys = property(lambda self: self._by_layer([g.keys for g in self.groups]))
+    values = property(lambda self: self._by_layer([g.values for g in self.groups]))
+
+    def _by_layer(self, per_group: list[list]) -> list:
+        """Per-group lists of per-layer items (each group's layers in its order) as one list in the model's order."""
+        return [per_group[g][j] for g, j in zip(self.group_of, self.local)]
 
     def layer_groups(self) -> list[tuple[PagedKV, list[int]]]:
         return [(group, [i for i, g in enumerate(self.group_of) if g == n]) for n, group in enumerate(self.groups)]
@@ -445,8 +449,7 @@ class GroupedKV:
 
     def gather_rows(self, rows: torch.Tensor, length: int) -> DenseKV:
         dense = [g.gather_rows(rows, length) for g in self.groups]
-        return DenseKV([dense[g].keys[j] for g, j in zip(self.group_of, self.local)],
-                       [dense[g].values[j] for g, j in zip(self.group_of, self.local)])
+        return DenseKV(self._by_layer([d.keys for d in dense]), self._by_layer([d.values for d in dense]))
 
     def reserve(self, lengths: list[int], keep_from: list[int] | None = None) -> None:
         for g in self.groups:

@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from flashdraft.engine.batch import next_power_of_two
-from flashdraft.memory import (FULL_ATTENTION, GiB, REAL_SHAPES, kv_bytes_per_position, real_config, row_capacity,
+from flashdraft.memory import (FULL_ATTENTION, GiB, REAL_SHAPES, kv_bytes_per_position, real_config, row_positions,
                                rows_that_fit, window_shares)
 from flashdraft.model.drafter import make_draft_config
 from flashdraft.model.fast_target import layer_windows
@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         for prompt, new in lengths:
             max_new = args.context - prompt if new == "rest" else int(new)
             tokens = prompt + max_new
-            capacity = round(sum(s * row_capacity(tokens, args.block_size, args.kv_page_size, w) for s, w in shares))
+            capacity = round(row_positions(tokens, args.block_size, args.kv_page_size, shares))
             per_row = capacity * (t_bytes + d_bytes) / GiB
             reserved_before = max(256, next_power_of_two(tokens + args.block_size)) + 1
             fits = []

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from window_reads import FAMILIES  # noqa: E402
+from window_reads import FAMILIES, random_model, random_prompts  # noqa: E402
 from window_pages import NEW_PAGED_CACHE, every_position  # noqa: E402
 from flashdraft import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.memory import FULL_ATTENTION, held_positions  # noqa: E402
@@ -74,17 +74,14 @@ def main():
     ap.add_argument("--families", default=",".join(FAMILIES))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    prompts = [torch.randint(0, 8000, (args.prompt,), generator=torch.Generator().manual_seed(r)).tolist()
-               for r in range(args.requests)]
+    prompts = random_prompts(args.requests, args.prompt)
     print(f"{args.requests} requests of {args.prompt} prompt tokens x {args.new}, greedy, plain decoding; a budget of "
           f"{args.rows} whole rows under the old rule\n")
     print("| family | budget (positions) | most rows at once: window pages | before | seconds: window pages | before "
           "| speed ratio | same texts |")
     print("|---|---|---|---|---|---|---|---|")
     for family in args.families.split(","):
-        what, cls, config = FAMILIES[family]
-        torch.manual_seed(0)
-        model = cls(config()).float().eval()
+        what, model = random_model(family)
         block = SpecEngine(model).scratch_slots
         budget = held_positions([args.prompt + args.new] * args.rows, block, 64)
         ours, before = (serve(model, prompts, args.new, budget, b) for b in (False, True))

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from window_reads import FAMILIES  # noqa: E402
+from window_reads import FAMILIES, random_model, random_prompts  # noqa: E402
 from flashdraft import SamplingParams, SpecEngine  # noqa: E402
 from flashdraft.model import fast_target  # noqa: E402
 from flashdraft.model.slots import PagedKV  # noqa: E402
@@ -43,15 +43,12 @@ def main():
           "pages | every position | speed ratio | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for family in args.families.split(","):
-        what, cls, config = FAMILIES[family]
-        torch.manual_seed(0)
-        model = cls(config()).float().eval()
+        what, model = random_model(family)
         engine = SpecEngine(model)
         assert engine.fast is not None
         for context in map(int, args.contexts.split(",")):
             for batch_size in map(int, args.batch.split(",")):
-                prompts = [torch.randint(0, 8000, (context,), generator=torch.Generator().manual_seed(r)).tolist()
-                           for r in range(batch_size)]
+                prompts = random_prompts(batch_size, context)
                 batches, outputs, times = {}, {}, {False: [], True: []}
 
                 def steps(keep_all: bool, n: int) -> None:

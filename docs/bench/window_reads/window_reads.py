@@ -40,6 +40,19 @@ FAMILIES = {
 WINDOW_STARTS = FastTarget._window_starts
 
 
+def random_model(family: str):
+    """(what its windows are, the family's model with seeded random weights, fp32)."""
+    what, cls, config = FAMILIES[family]
+    torch.manual_seed(0)
+    return what, cls(config()).float().eval()
+
+
+def random_prompts(rows: int, length: int) -> list[list[int]]:
+    """`rows` prompts of `length` random token ids, prompt r seeded by r."""
+    return [torch.randint(0, 8000, (length,), generator=torch.Generator().manual_seed(r)).tolist()
+            for r in range(rows)]
+
+
 def every_position(self, positions, kv, exact):
     return dict.fromkeys(self.windows, 0)
 
@@ -76,13 +89,10 @@ def main():
     print("| family | context | batch | window reads | every position | ratio | same tokens |")
     print("|---|---|---|---|---|---|---|")
     for family in args.families.split(","):
-        what, cls, config = FAMILIES[family]
-        torch.manual_seed(0)
-        model = cls(config()).float().eval()
+        what, model = random_model(family)
         for context in map(int, args.contexts.split(",")):
             for batch in map(int, args.batch.split(",")):
-                prompts = [torch.randint(0, 8000, (context,), generator=torch.Generator().manual_seed(r)).tolist()
-                           for r in range(batch)]
+                prompts = random_prompts(batch, context)
                 if args.speculative:
                     refs = [p + r.token_ids for p, r in
                             zip(prompts, SpecEngine(model).generate(prompts, SamplingParams(max_new_tokens=1 + args.new)))]
